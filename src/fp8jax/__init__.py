@@ -1,0 +1,36 @@
+"""fp8jax: FP8 training for JAX on NVIDIA Hopper GPUs."""
+
+from . import nn
+from .config import Fp8Config
+from .convert import ConversionReport, fp8_linear_layers, fp8_state
+from .dot_general import Fp8DotGeneral, OverwriteWithGradient
+from .grad_overwrite import (
+    accumulate_grads,
+    apply_updates,
+    optax_step,
+    partition_for_grad_overwrite,
+    scale_grads,
+    trainable,
+)
+from .inspect import GemmReport, assert_fp8, fp8_gemm_report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConversionReport",
+    "Fp8Config",
+    "Fp8DotGeneral",
+    "GemmReport",
+    "OverwriteWithGradient",
+    "accumulate_grads",
+    "apply_updates",
+    "assert_fp8",
+    "fp8_gemm_report",
+    "fp8_linear_layers",
+    "fp8_state",
+    "nn",
+    "optax_step",
+    "partition_for_grad_overwrite",
+    "scale_grads",
+    "trainable",
+]

@@ -1,0 +1,334 @@
+"""The FP8 GEMM with its custom VJP, on canonical 3-D operands.
+
+Any ``dot_general`` is brought to ``x3: [B, M, K]`` and ``w3: [B, N, K]`` (or
+``[B, K, N]`` when the kernel is stored that way, as flax's is), and every GEMM gets
+both operands contracting on their minor dim (the "TN" layout Hopper's FP8 GEMMs want):
+
+* forward  ``y  = x3 . w3``         (xq [B,M,K] e4m3, wq  [B,N,K] e4m3)
+* dgrad    ``dx = g  . w3^T``       (gq [B,M,N] e5m2, wq  [B,K,N] e4m3)
+* wgrad    ``dw = g^T . x3``        (gTq [B,N,M] e5m2, xTq [B,K,M] e4m3)
+
+Residuals are FP8 (1 byte/element): ``xTq`` and the kernel in ``[B, K, N]`` layout.
+The scaling state's new value is returned as the state's "gradient" (gradient
+hijacking); several uses of one layer in a step are chained by a small "link"
+value so that the state is emitted once, with the max over all uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from . import _quant as q
+from .config import Fp8Config
+
+F32 = jnp.float32
+# Lowering choices measured on H100 (benchmarks/RESULTS.md); module-level so the
+# tuning harness can compare them in one run.
+TUNING = {
+    # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
+    # cuBLASLt call: on H100 it was 5-12% slower than writing bf16 directly.
+    "f32_gemm_out": False,
+    # Produce the transposed (column-wise) FP8 copies by casting the transposed
+    # high-precision tensor (one fused read) rather than transposing the FP8 copy.
+    "cast_transposed": False,
+}
+STATE_FIELDS = (
+    "input_scale",
+    "kernel_scale",
+    "output_grad_scale",
+    "input_amax_history",
+    "kernel_amax_history",
+    "output_grad_amax_history",
+    "history_index",
+    "nonfinite_count",
+)
+LINK_SIZE = 4  # [amax_x, amax_w, amax_g, nonfinite flag]
+
+
+class Spec(NamedTuple):
+    """Static description of one FP8 GEMM call (hashable: a custom_vjp nondiff arg)."""
+
+    config: Fp8Config
+    out_dtype: np.dtype
+    rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
+    emit_state: bool  # this use writes the new state (first use of the layer in the trace)
+
+
+# ----------------------------------------------------------------------------- GEMMs
+def _gemm(a, b, out_dtype):
+    """[B,P,C] x [B,Q,C] -> [B,P,Q], both operands contracting on their minor dim."""
+    if a.shape[0] == 1:
+        out = jax.lax.dot_general(a[0], b[0], (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+        return out[None]
+    return jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=out_dtype)
+
+
+def _fp8_gemm(a, b, scale, out_dtype):
+    """FP8 GEMM followed by the dequantization ``* scale`` (a scalar)."""
+    acc_dtype = F32 if TUNING["f32_gemm_out"] else out_dtype
+    y = _gemm(a, b, acc_dtype)
+    return (y.astype(F32) * scale.reshape(()).astype(F32)).astype(out_dtype)
+
+
+def _quantize_both(t, scale, dtype):
+    """FP8 copies of ``t: [B, P, C]`` in both layouts: ``[B, P, C]`` and ``[B, C, P]``."""
+    tq = q.quantize(t, scale, dtype)
+    if TUNING["cast_transposed"]:
+        return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype)
+    return tq, jnp.swapaxes(tq, 1, 2)
+
+
+_WARNED: set[str] = set()
+_QUIET = [0]  # >0 while custom_vmap traces the per-example function only to get its shapes
+
+
+def unsupported(config: Fp8Config, message: str) -> None:
+    """Apply ``config.on_unsupported`` to a call FP8 cannot run (raise, warn once, or not)."""
+    if _QUIET[0]:
+        return
+    if config.on_unsupported == "raise":
+        raise ValueError(message)
+    message += " Running it in the input precision instead."
+    if config.on_unsupported == "warn" and message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=5)
+
+
+def uses_fp8(spec: Spec, m: int) -> bool:
+    """Runtime (shape) part of the policy: rows aligned, and enough of them (``selective``)."""
+    cfg = spec.config
+    if m % cfg.alignment:
+        unsupported(cfg, f"Fp8DotGeneral: the GEMM has M={m} rows, not a multiple of {cfg.alignment}.")
+        return False
+    return not (cfg.selective and m < cfg.min_tokens)
+
+
+# ----------------------------------------------------------------------------- forward
+def _fwd_impl(spec: Spec, x3, w3, state):
+    cfg = spec.config
+    in_s, k_s, _, in_h, k_h, _, idx, _ = state
+    out_dtype = spec.out_dtype
+    if not uses_fp8(spec, x3.shape[1]):
+        y = _gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
+        zero = jnp.zeros((), F32)
+        return y, (x3, w3, in_s, k_s, zero, zero)
+    ax, aw = q.amax(x3), q.amax(w3)
+    if cfg.scaling == "delayed":
+        sx = q.scale_from_amax(q.amax_from_history(in_h, idx, cfg.amax_compute_algo), in_s, cfg.input_dtype, cfg.margin)
+        sw = q.scale_from_amax(q.amax_from_history(k_h, idx, cfg.amax_compute_algo), k_s, cfg.kernel_dtype, cfg.margin)
+    else:
+        sx = q.scale_from_amax(ax.reshape(1), in_s, cfg.input_dtype, cfg.margin)
+        sw = q.scale_from_amax(aw.reshape(1), k_s, cfg.kernel_dtype, cfg.margin)
+    xq, xTq = _quantize_both(x3, sx, cfg.input_dtype)
+    wq, wTq = _quantize_both(w3, sw, cfg.kernel_dtype)
+    w_nk, w_kn = (wTq, wq) if spec.rhs_k_first else (wq, wTq)
+    y = _fp8_gemm(xq, w_nk, sx * sw, out_dtype)
+    return y, (xTq, w_kn, sx, sw, ax, aw)
+
+
+def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
+    cfg = spec.config
+    xr, wr, sx, sw, _, _ = res
+    out_dtype = spec.out_dtype
+    if xr.dtype != cfg.input_dtype:  # plain (non-FP8) path chosen in the forward
+        w_kn = wr if spec.rhs_k_first else jnp.swapaxes(wr, 1, 2)
+        dx = _gemm(g3, w_kn, xr.dtype)
+        gT, xT = jnp.swapaxes(g3, 1, 2), jnp.swapaxes(xr, 1, 2)
+        dw = _gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm(gT, xT, wr.dtype)
+        return dx, dw, jnp.zeros((), F32), g_scale
+    xTq, w_kn = xr, wr
+    ag = q.amax(g3)
+    if cfg.scaling == "delayed":
+        sg = q.scale_from_amax(q.amax_from_history(g_history, index, cfg.amax_compute_algo), g_scale, cfg.grad_dtype, cfg.margin)
+    else:
+        sg = q.scale_from_amax(ag.reshape(1), g_scale, cfg.grad_dtype, cfg.margin)
+    gq, gTq = _quantize_both(g3, sg, cfg.grad_dtype)
+    dx = _fp8_gemm(gq, w_kn, sg * sw, out_dtype)
+    if spec.rhs_k_first:
+        dw = _fp8_gemm(xTq, gTq, sg * sx, out_dtype)
+    else:
+        dw = _fp8_gemm(gTq, xTq, sg * sx, out_dtype)
+    return dx, dw, ag, sg
+
+
+# ----------------------------------------------------------------------------- vmap rules
+def _merge(a, axis_size):
+    """[V, B, M, C] -> [B, V*M, C]: fold a vmapped axis into the GEMM rows."""
+    _, b, m, c = a.shape
+    return jnp.swapaxes(a, 0, 1).reshape(b, axis_size * m, c)
+
+
+def _split_rows(a, axis_size):
+    """[B, V*M, C] -> [V, B, M, C]."""
+    b, vm, c = a.shape
+    return jnp.swapaxes(a.reshape(b, axis_size, vm // axis_size, c), 0, 1)
+
+
+def _split_cols(a, axis_size):
+    """[B, C, V*M] -> [V, B, C, M]."""
+    b, c, vm = a.shape
+    return jnp.moveaxis(a.reshape(b, c, axis_size, vm // axis_size), 2, 0)
+
+
+def _fallback_vmap(impl, in_batched, args):
+    axes = jax.tree_util.tree_map(lambda b: 0 if b else None, in_batched)
+    out = jax.vmap(impl, in_axes=tuple(axes))(*args)
+    return out, jax.tree_util.tree_map(lambda _: True, out)
+
+
+def _under_vmap(x) -> bool:
+    trace = getattr(x, "_trace", None)
+    return trace is not None and "Batch" in type(trace).__name__
+
+
+def _quiet_when_vmapped(fn, probe_arg):
+    """Call ``fn``; when its input is vmapped, the per-example trace custom_vmap makes
+    for shapes must not warn or raise (the vmap rule decides on the merged rows)."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        quiet = _under_vmap(jax.tree_util.tree_leaves(args[probe_arg])[0])
+        _QUIET[0] += quiet
+        try:
+            return fn(*args)
+        finally:
+            _QUIET[0] -= quiet
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_fn(spec: Spec):
+    """Forward compute as a ``custom_vmap``: under ``jax.vmap`` over the activations
+    the vmapped axis becomes GEMM rows (one GEMM, one amax over the whole batch)."""
+
+    def impl(x3, w3, state):
+        return _fwd_impl(spec, x3, w3, state)
+
+    fn = custom_vmap(impl)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, x3, w3, state):
+        xb, wb, sb = in_batched
+        if not xb or wb or any(jax.tree_util.tree_leaves(sb)):
+            return _fallback_vmap(impl, in_batched, (x3, w3, state))
+        y, (xr, wr, sx, sw, ax, aw) = fn(_merge(x3, axis_size), w3, state)
+        fp8 = xr.dtype == spec.config.input_dtype
+        xr = _split_cols(xr, axis_size) if fp8 else _split_rows(xr, axis_size)
+        out = (_split_rows(y, axis_size), (xr, wr, sx, sw, ax, aw))
+        return out, (True, (True, False, False, False, False, False))
+
+    return _quiet_when_vmapped(fn, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_fn(spec: Spec):
+    """Backward compute as a ``custom_vmap`` (mirror of `fwd_fn`)."""
+
+    def impl(res, g_scale, g_history, index, g3):
+        return _bwd_impl(spec, res, g_scale, g_history, index, g3)
+
+    fn = custom_vmap(impl)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, res, g_scale, g_history, index, g3):
+        rb, sb, hb, ib, gb = in_batched
+        x_b, w_b, *others_b = rb
+        if not (x_b and gb) or w_b or any(others_b) or sb or hb or ib:
+            return _fallback_vmap(impl, in_batched, (res, g_scale, g_history, index, g3))
+        xr = res[0]
+        fp8 = xr.dtype == spec.config.input_dtype
+        xm = jnp.moveaxis(xr, 0, -2).reshape(*xr.shape[1:-1], -1) if fp8 else _merge(xr, axis_size)
+        dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, index, _merge(g3, axis_size))
+        return (_split_rows(dx, axis_size), dw, ag, sg), (True, False, False, False)
+
+    return _quiet_when_vmapped(fn, 4)
+
+
+# ----------------------------------------------------------------------------- custom VJP
+def _new_state(cfg: Fp8Config, state, sx, sw, sg, combined):
+    in_s, k_s, g_s, in_h, k_h, g_h, idx, nonfinite = state
+    ax, aw, ag, flag = combined[0], combined[1], combined[2], combined[3]
+    length = in_h.shape[-1]
+    return (
+        sx.astype(in_s.dtype),
+        sw.astype(k_s.dtype),
+        sg.astype(g_s.dtype),
+        q.record_amax(in_h, idx, ax),
+        q.record_amax(k_h, idx, aw),
+        q.record_amax(g_h, idx, ag),
+        (idx + 1.0) % length,
+        nonfinite + flag,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_dot3(spec: Spec, x3, w3, state, link):
+    """FP8 ``[B,M,K] x [B,N,K] -> [B,M,N]``; returns ``(y, link_out)``."""
+    del link
+    y, _ = fwd_fn(spec)(x3, w3, state)
+    return y, jnp.zeros((LINK_SIZE,), F32)
+
+
+def _fp8_dot3_fwd(spec, x3, w3, state, link):
+    del link
+    y, res = fwd_fn(spec)(x3, w3, state)
+    return (y, jnp.zeros((LINK_SIZE,), F32)), (res, state)
+
+
+def _fp8_dot3_bwd(spec, residuals, cotangents):
+    g3, link_ct = cotangents
+    res, state = residuals
+    _, _, g_s, _, _, g_h, idx, _ = state
+    dx, dw, ag, sg = bwd_fn(spec)(res, g_s, g_h, idx, g3)
+    _, _, sx, sw, ax, aw = res
+    observed, bad = q.sanitize_amax(jnp.stack([ax, aw, ag]))
+    mine = jnp.concatenate([observed, jnp.max(bad).reshape(1)])
+    combined = jnp.maximum(mine, link_ct.astype(F32))
+    if spec.emit_state:
+        state_ct = _new_state(spec.config, state, sx, sw, sg, combined)
+        link_out = jnp.zeros((LINK_SIZE,), F32)
+    else:
+        state_ct = jax.tree_util.tree_map(jnp.zeros_like, state)
+        link_out = combined
+    return dx, dw, state_ct, link_out
+
+
+fp8_dot3.defvjp(_fp8_dot3_fwd, _fp8_dot3_bwd)
+
+
+# ----------------------------------------------------------------------------- use chaining
+# A layer called k times inside one traced step must emit its new state once (the
+# max over the k uses), not k times (gradients of a reused leaf are summed).  Calls
+# are chained through a link value keyed by the identity of the layer's state tracer.
+_LINKS: dict[int, tuple[weakref.ref, jax.Array]] = {}
+
+
+def take_link(key_leaf):
+    """The link left by an earlier use of the same state in this trace, or None."""
+    if not isinstance(key_leaf, jax.core.Tracer):
+        return None
+    entry = _LINKS.get(id(key_leaf))
+    if entry is None or entry[0]() is not key_leaf:
+        return None
+    link = entry[1]
+    trace = getattr(link, "_trace", None)
+    if trace is not None and hasattr(trace, "is_valid") and not trace.is_valid():
+        return None
+    return link
+
+
+def put_link(key_leaf, link) -> None:
+    """Remember ``link`` as the newest use of ``key_leaf`` (only while it is a tracer)."""
+    if not isinstance(key_leaf, jax.core.Tracer):
+        return
+    key = id(key_leaf)
+    _LINKS[key] = (weakref.ref(key_leaf, lambda _ref, key=key, links=_LINKS: links.pop(key, None)), link)

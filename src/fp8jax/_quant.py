@@ -1,0 +1,72 @@
+"""Pure functions for FP8 scaling math (flax / Transformer Engine conventions).
+
+Scales are *dequantization* factors: ``real ~= fp8_value * scale``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+F32 = jnp.float32
+
+
+def fp8_max(dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def quantize(x: Array, scale: Float[Array, "1"], dtype) -> Array:
+    """Cast ``x / scale`` to ``dtype`` with saturation (no inf from overflow)."""
+    limit = fp8_max(dtype)
+    inv = (1.0 / scale.astype(F32)).reshape(())
+    scaled = x.astype(F32) * inv
+    return jnp.clip(scaled, -limit, limit).astype(dtype)
+
+
+def amax(x: Array) -> Float[Array, ""]:
+    """max |x| as float32 (NaN if x holds a NaN)."""
+    return jnp.max(jnp.abs(x)).astype(F32)
+
+
+def sanitize_amax(value: Float[Array, "..."]) -> tuple[Array, Array]:
+    """Split an observed amax into (finite amax or 0, 1.0 where it was NaN/Inf)."""
+    finite = jnp.isfinite(value)
+    return jnp.where(finite, value, 0.0), jnp.where(finite, 0.0, 1.0).astype(F32)
+
+
+def scale_from_amax(amax_value: Array, old_scale: Array, dtype, margin: float) -> Array:
+    """flax's ``compute_scale``: amax * 2**margin / fp8_max, keeping ``old_scale`` when
+    amax is zero or not finite, and never returning a zero, NaN or Inf scale."""
+    amax_value = amax_value.astype(F32)
+    old_scale = old_scale.astype(F32)
+    sf = (fp8_max(dtype) / amax_value) / (2.0**margin)
+    sf = jnp.where(amax_value > 0.0, sf, 1.0 / old_scale)
+    sf = jnp.where(jnp.isfinite(amax_value), sf, 1.0 / old_scale)
+    new = 1.0 / sf
+    return jnp.where(jnp.isfinite(new) & (new > 0.0), new, old_scale)
+
+
+def amax_from_history(history: Float[Array, " L"], index: Float[Array, "1"], algo: str) -> Array:
+    """The amax a delayed scale is computed from: max of the ring buffer, or the most
+    recent entry (the slot before ``index``)."""
+    if algo == "max":
+        return jnp.max(history, axis=-1, keepdims=True)
+    length = history.shape[-1]
+    last = (index.astype(jnp.int32) - 1) % length
+    return jnp.take_along_axis(history, last, axis=-1)
+
+
+def record_amax(history: Float[Array, " L"], index: Float[Array, "1"], value: Array) -> Array:
+    """Write ``value`` into the ring buffer at ``index`` (one element, no roll)."""
+    slot = index.astype(jnp.int32).reshape(())
+    return jax.lax.dynamic_update_index_in_dim(history, value.reshape(1).astype(history.dtype), slot, axis=0)
+
+
+def ordered_history(history: Float[Array, " L"], index: Float[Array, "1"]) -> Array:
+    """The ring buffer newest-first (for inspection and tests)."""
+    length = history.shape[-1]
+    newest = (index.astype(jnp.int32).reshape(()) - 1) % length
+    order = (newest - jnp.arange(length)) % length
+    return history[order]

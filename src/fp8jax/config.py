@@ -1,0 +1,128 @@
+"""`Fp8Config`: the FP8 recipe (scaling, formats) and the layer-selection policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Union
+
+import jax.numpy as jnp
+
+Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """How FP8 is applied.
+
+    Recipe:
+      scaling: ``"delayed"`` (scale from an amax history, flax/TE convention) or
+        ``"current"`` (just-in-time per-tensor amax of the tensor being cast).
+      fp8_format: ``"hybrid"`` (e4m3 for inputs and weights, e5m2 for output
+        gradients) or ``"e4m3"`` (e4m3 everywhere).
+      amax_history_length: ring-buffer length for delayed scaling.
+      amax_compute_algo: ``"max"`` over the history, or ``"most_recent"`` entry.
+      margin: scale = amax * 2**margin / fp8_max (headroom in powers of two).
+
+    Selection (used by `fp8_linear_layers`):
+      targets: ``None`` (every linear), a regex over the dotted path
+        (``"layers\\.\\d+\\.mlp.*"``), a list of exact names or regexes, or a
+        predicate ``(path, module) -> bool``.
+      selective: skip layers where FP8 cannot pay off (size thresholds below).
+        ``False`` converts every layer whose dims allow FP8 at all.
+      alignment: every FP8 GEMM dim must be a multiple of this (Hopper: 16).
+      min_features: a layer with ``min(in, out)`` below this stays bf16.
+      min_weight_elements: a layer with ``in * out`` below this stays bf16.
+      min_tokens: at call time, a GEMM whose rows (M) fall below this runs in the
+        input precision (``selective`` only).
+
+    Fallback:
+      on_unsupported: what a `Fp8DotGeneral` does with a call it cannot run in
+        FP8 (rows not aligned, non-float dtypes are always errors):
+        ``"warn"`` (plain dot, one warning), ``"silent"`` or ``"raise"``.
+    """
+
+    scaling: Literal["delayed", "current"] = "delayed"
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    amax_history_length: int = 1024
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    margin: float = 0.0
+    targets: Targets = None
+    selective: bool = True
+    alignment: int = 16
+    min_features: int = 1024
+    min_weight_elements: int = 2048 * 4096
+    min_tokens: int = 2048
+    on_unsupported: Literal["warn", "silent", "raise"] = "warn"
+
+    def __post_init__(self):
+        def bad(field, value, allowed):
+            raise ValueError(f"Fp8Config.{field}={value!r} is not allowed; expected {allowed}.")
+
+        if self.scaling not in ("delayed", "current"):
+            bad("scaling", self.scaling, "'delayed' or 'current'")
+        if self.fp8_format not in ("hybrid", "e4m3"):
+            bad("fp8_format", self.fp8_format, "'hybrid' or 'e4m3'")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            bad("amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
+        if self.on_unsupported not in ("warn", "silent", "raise"):
+            bad("on_unsupported", self.on_unsupported, "'warn', 'silent' or 'raise'")
+        for name in ("amax_history_length", "alignment"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(name, value, "an int >= 1")
+        for name in ("min_features", "min_weight_elements", "min_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                bad(name, value, "an int >= 0")
+        if not isinstance(self.margin, (int, float)) or not (0 <= self.margin <= 8):
+            bad("margin", self.margin, "a number in [0, 8]")
+        if self.targets is not None and not (
+            isinstance(self.targets, str) or callable(self.targets) or isinstance(self.targets, (list, tuple))
+        ):
+            bad("targets", self.targets, "None, a regex string, a list of names/regexes or a predicate")
+        if isinstance(self.targets, (list, tuple)):
+            object.__setattr__(self, "targets", tuple(self.targets))
+            for t in self.targets:
+                if not isinstance(t, str):
+                    bad("targets", self.targets, "a list of strings")
+        for pattern in _patterns(self.targets):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                bad("targets", pattern, f"a valid regex ({e})")
+
+    # --- derived, used by the kernels -------------------------------------------------
+    @property
+    def history_length(self) -> int:
+        """Ring-buffer length actually stored (1 for current scaling: the last amax)."""
+        return self.amax_history_length if self.scaling == "delayed" else 1
+
+    @property
+    def input_dtype(self):
+        return jnp.float8_e4m3fn
+
+    @property
+    def kernel_dtype(self):
+        return jnp.float8_e4m3fn
+
+    @property
+    def grad_dtype(self):
+        return jnp.float8_e5m2 if self.fp8_format == "hybrid" else jnp.float8_e4m3fn
+
+    def matches(self, path: str, module: Any) -> bool:
+        """Whether ``targets`` selects the layer at dotted ``path``."""
+        if self.targets is None:
+            return True
+        if callable(self.targets) and not isinstance(self.targets, str):
+            return bool(self.targets(path, module))
+        return any(path == p or re.fullmatch(p, path) for p in _patterns(self.targets))
+
+
+def _patterns(targets) -> tuple[str, ...]:
+    if isinstance(targets, str):
+        return (targets,)
+    if isinstance(targets, tuple):
+        return targets
+    return ()

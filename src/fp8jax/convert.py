@@ -1,0 +1,175 @@
+"""`fp8_linear_layers`: turn the linear layers of an existing model into FP8 ones."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from .config import Fp8Config
+from .dot_general import Fp8DotGeneral
+from .nn.linear import Linear
+
+
+@dataclasses.dataclass
+class LayerDecision:
+    path: str
+    kind: str
+    in_features: int
+    out_features: int
+    stack: tuple[int, ...]
+    converted: bool
+    reason: str
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """Which layers became FP8 and which were skipped, with the reason for each."""
+
+    layers: list[LayerDecision]
+
+    @property
+    def converted(self) -> list[str]:
+        return [l.path for l in self.layers if l.converted]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        return {l.path: l.reason for l in self.layers if not l.converted}
+
+    def __str__(self) -> str:
+        width = max([len(l.path) for l in self.layers] + [5])
+        lines = [f"fp8jax: {len(self.converted)} of {len(self.layers)} linear layers in FP8",
+                 f"  {'layer':<{width}}  {'in':>6} {'out':>6}  decision"]
+        for l in self.layers:
+            stack = f" x{'x'.join(map(str, l.stack))} stacked" if l.stack else ""
+            verdict = "FP8" if l.converted else "skipped"
+            lines.append(f"  {l.path:<{width}}  {l.in_features:>6} {l.out_features:>6}  {verdict}: {l.reason}{stack}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _path_str(path) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def _decide(path: str, in_f, out_f, module, config: Fp8Config) -> tuple[bool, str]:
+    """Selection policy for one layer: (convert?, reason)."""
+    if in_f == "scalar" or out_f == "scalar":
+        return False, "scalar features"
+    if not config.matches(path, module):
+        return False, "not in targets"
+    a = config.alignment
+    if in_f % a or out_f % a:
+        return False, f"in={in_f}, out={out_f} not multiples of {a}"
+    if config.selective:
+        if min(in_f, out_f) < config.min_features:
+            return False, f"too small to gain: min(in, out) < min_features={config.min_features}"
+        if in_f * out_f < config.min_weight_elements:
+            return False, f"too small to gain: in*out < min_weight_elements={config.min_weight_elements}"
+    return True, "converted"
+
+
+def _haliax_linear_type():
+    try:
+        import haliax.nn as hnn  # noqa: F401
+    except Exception:  # haliax is an optional extra
+        return None
+    return hnn.Linear
+
+
+def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_report: bool = False):
+    """Return ``model`` with its linear layers running FP8 GEMMs.
+
+    Converts every `eqx.nn.Linear` (and so `eqx.nn.MLP`, `eqx.nn.MultiheadAttention`
+    projections, stacks built with `eqx.filter_vmap`) into `fp8jax.nn.Linear` sharing
+    the same weight and bias arrays, and, when haliax is installed, sets the
+    ``dot_general`` of every ``haliax.nn.Linear`` to an `Fp8DotGeneral`. Layers the
+    config's targets or selection policy leave out are listed in the report with the
+    reason. Converting an already converted model is a no-op.
+
+    Raises ``ValueError`` if the model has no linear layer, or if ``config.targets``
+    matches none.
+    """
+    config = Fp8Config() if config is None else config
+    if not isinstance(config, Fp8Config):
+        raise TypeError(f"config must be an fp8jax.Fp8Config, got {type(config).__name__}")
+    hlinear = _haliax_linear_type()
+    kinds = (eqx.nn.Linear, Linear) + ((hlinear,) if hlinear is not None else ())
+
+    def is_layer(x):
+        return isinstance(x, kinds)
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)
+    found = [(path, leaf) for path, leaf in flat if is_layer(leaf)]
+    if not found:
+        raise ValueError(
+            f"fp8_linear_layers: no linear layer (eqx.nn.Linear{' or haliax.nn.Linear' if hlinear else ''}) "
+            f"found in {type(model).__name__}."
+        )
+    decisions, replace_where, replace_with = [], [], []
+    matched_targets = False
+    for path, layer in found:
+        name = _path_str(path)
+        if isinstance(layer, Linear):
+            stack = tuple(layer.weight.shape[:-2])
+            matched_targets |= config.matches(name, layer)
+            decisions.append(LayerDecision(name, "fp8jax.nn.Linear", layer.in_features, layer.out_features,
+                                           stack, True, "already FP8"))
+            continue
+        if hlinear is not None and isinstance(layer, hlinear):
+            from .haliax import convert_haliax_linear, haliax_linear_dims
+
+            in_f, out_f, stack = haliax_linear_dims(layer)
+            if isinstance(layer.dot_general, Fp8DotGeneral):
+                matched_targets |= config.matches(name, layer)
+                decisions.append(LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, True, "already FP8"))
+                continue
+            ok, reason = _decide(name, in_f, out_f, layer, config)
+            matched_targets |= reason != "not in targets"
+            if ok:
+                new, reason = convert_haliax_linear(layer, config, stack)
+                replace_where.append(layer)
+                replace_with.append(new)
+            decisions.append(LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, ok, reason))
+            continue
+        in_f, out_f = layer.in_features, layer.out_features
+        stack = tuple(layer.weight.shape[:-2])
+        ok, reason = _decide(name, in_f, out_f, layer, config)
+        matched_targets |= reason != "not in targets"
+        decisions.append(LayerDecision(name, "eqx.nn.Linear", in_f, out_f, stack, ok, reason))
+        if ok:
+            replace_where.append(layer)
+            replace_with.append(Linear.from_linear(layer, config))
+    if config.targets is not None and not matched_targets:
+        raise ValueError(
+            f"fp8_linear_layers: targets={config.targets!r} match no linear layer; layers are: "
+            + ", ".join(d.path for d in decisions)
+        )
+    if replace_where:
+        ids = {id(l): i for i, l in enumerate(replace_where)}
+        model = jax.tree_util.tree_map(
+            lambda x: replace_with[ids[id(x)]] if id(x) in ids else x, model, is_leaf=is_layer
+        )
+    report = ConversionReport(decisions)
+    return (model, report) if return_report else model
+
+
+def fp8_state(model: Any) -> list[tuple[str, Fp8DotGeneral]]:
+    """Every `Fp8DotGeneral` in ``model`` with its dotted path (for inspection)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
+    return [(_path_str(p), x) for p, x in flat if isinstance(x, Fp8DotGeneral)]

@@ -1,0 +1,153 @@
+"""`Fp8DotGeneral`: an FP8 stand-in for `jax.lax.dot_general` that carries its scaling state."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from . import _dot
+from . import _quant as q
+from .config import Fp8Config
+
+
+class OverwriteWithGradient(eqx.Module):
+    """Marker base class: every array leaf of such a module is *state* whose gradient is
+    its new value (haliax's convention). `partition_for_grad_overwrite` pulls these
+    out of the gradients; `apply_updates` writes them back."""
+
+
+def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = ()) -> dict[str, Array]:
+    ones = jnp.ones(stack_shape + (1,), jnp.float32)
+    zeros_hist = jnp.zeros(stack_shape + (config.history_length,), jnp.float32)
+    zero = jnp.zeros(stack_shape + (1,), jnp.float32)
+    return dict(
+        input_scale=ones,
+        kernel_scale=ones,
+        output_grad_scale=ones,
+        input_amax_history=zeros_hist,
+        kernel_amax_history=zeros_hist,
+        output_grad_amax_history=zeros_hist,
+        history_index=zero,
+        nonfinite_count=zero,
+    )
+
+
+class Fp8DotGeneral(OverwriteWithGradient):
+    """Drop-in for ``jax.lax.dot_general`` running forward, dgrad and wgrad as FP8 GEMMs.
+
+    ``lhs`` is the input (activations), ``rhs`` the kernel (weights), as in flax and
+    haliax. State follows flax: ``*_scale`` are dequantization factors of shape
+    ``(1,)``, ``*_amax_history`` are ring buffers of shape ``(amax_history_length,)``
+    written at ``history_index``; ``nonfinite_count`` counts steps that saw NaN/Inf.
+    The new state is returned as the state's gradient (see `apply_updates`).
+    """
+
+    input_scale: Float[Array, "*stack 1"]
+    kernel_scale: Float[Array, "*stack 1"]
+    output_grad_scale: Float[Array, "*stack 1"]
+    input_amax_history: Float[Array, "*stack history"]
+    kernel_amax_history: Float[Array, "*stack history"]
+    output_grad_amax_history: Float[Array, "*stack history"]
+    history_index: Float[Array, "*stack 1"]
+    nonfinite_count: Float[Array, "*stack 1"]
+    config: Fp8Config = eqx.field(static=True)
+
+    def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
+        config = Fp8Config() if config is None else config
+        if not isinstance(config, Fp8Config):
+            raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
+        for name, value in _init_state(config, tuple(stack_shape)).items():
+            setattr(self, name, value)
+        self.config = config
+
+    # ------------------------------------------------------------------ inspection
+    def state(self) -> tuple[Array, ...]:
+        return tuple(getattr(self, name) for name in _dot.STATE_FIELDS)
+
+    def ordered_amax_history(self, which: str = "input") -> Array:
+        """``<which>_amax_history`` newest-first (``which``: input, kernel, output_grad)."""
+        history = getattr(self, f"{which}_amax_history")
+        return q.ordered_history(history, self.history_index)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        out_dtype = _check_operands(lhs, rhs, dimension_numbers, preferred_element_type)
+        if self.input_scale.ndim != 1:
+            raise ValueError(
+                f"Fp8DotGeneral state has stack shape {self.input_scale.shape[:-1]}: a stacked layer "
+                "must be run one slice at a time (jax.lax.scan over the stack or eqx.filter_vmap)."
+            )
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = map(lambda d: tuple(int(i) for i in d), (lc, rc, lb, rb))
+        lf = tuple(i for i in range(lhs.ndim) if i not in lc and i not in lb)
+        rf = tuple(i for i in range(rhs.ndim) if i not in rc and i not in rb)
+        batch_shape = tuple(lhs.shape[i] for i in lb)
+        m_shape = tuple(lhs.shape[i] for i in lf)
+        n_shape = tuple(rhs.shape[i] for i in rf)
+        b, m, k, n = (math.prod(batch_shape), math.prod(m_shape), math.prod(lhs.shape[i] for i in lc),
+                      math.prod(n_shape))
+        cfg = self.config
+
+        def plain():
+            return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                       preferred_element_type=preferred_element_type)
+
+        if k % cfg.alignment or n % cfg.alignment:
+            _dot.unsupported(cfg, f"Fp8DotGeneral: contracting size K={k} and output size N={n} must be multiples "
+                             f"of {cfg.alignment} for FP8 (lhs {lhs.shape}, rhs {rhs.shape}).")
+            return plain()
+
+        x3 = jnp.transpose(lhs, lb + lf + lc).reshape(b, m, k)
+        # A kernel stored contracting-dims-first (flax's [in, out]) stays [B, K, N]: its
+        # gradient then needs no transpose either.
+        rhs_k_first = bool(rf) and max(rc) < min(rf)
+        if rhs_k_first:
+            w3 = jnp.transpose(rhs, rb + rc + rf).reshape(b, k, n)
+        else:
+            w3 = jnp.transpose(rhs, rb + rf + rc).reshape(b, n, k)
+        key_leaf = self.input_amax_history
+        link = _dot.take_link(key_leaf)
+        spec = _dot.Spec(cfg, np.dtype(out_dtype), rhs_k_first, emit_state=link is None)
+        if link is None:
+            link = jnp.zeros((_dot.LINK_SIZE,), jnp.float32)
+        y3, link_out = _dot.fp8_dot3(spec, x3, w3, self.state(), link)
+        _dot.put_link(key_leaf, link_out)
+        return y3.reshape(batch_shape + m_shape + n_shape)
+
+
+def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):
+    """Validate dtypes and shapes early, naming the offending operand; return the output dtype."""
+    for name, arr in (("lhs", lhs), ("rhs", rhs)):
+        dtype = jnp.dtype(arr.dtype)
+        if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+            raise TypeError(
+                f"Fp8DotGeneral: {name} must be a float16/bfloat16/float32 array, got {name} dtype {dtype} "
+                f"with shape {arr.shape}."
+            )
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"Fp8DotGeneral: dimension_numbers must be ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)), "
+            f"got {dimension_numbers!r}"
+        ) from None
+    try:
+        out = jax.eval_shape(
+            lambda a, b: jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=preferred_element_type),
+            jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+        )
+    except TypeError as e:
+        raise ValueError(
+            f"Fp8DotGeneral: shapes lhs {lhs.shape} and rhs {rhs.shape} do not fit dimension_numbers "
+            f"{dimension_numbers}: {e}"
+        ) from None
+    if not (lc and rc):
+        raise ValueError(f"Fp8DotGeneral: no contracting dimension in {dimension_numbers}; an outer product is not a GEMM.")
+    return out.dtype

@@ -1,0 +1,135 @@
+"""See whether the GEMMs of a function really run in FP8, from its compiled HLO."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import equinox as eqx
+
+_F8 = re.compile(r"\bf8e\w+")
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_GEMM_TARGET = re.compile(r"cublas|gemm|matmul|triton_gemm|__cudnn\$", re.I)
+_OUR_KERNEL = re.compile(r"fp8jax", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmInfo:
+    """One matrix multiplication in a compiled program."""
+
+    op: str  # "custom-call" or "dot" / "convolution"
+    target: str  # custom-call target ("" for a plain dot)
+    operand_types: tuple[str, ...]
+    result_type: str
+    is_fp8: bool
+    line: str
+
+
+@dataclasses.dataclass
+class GemmReport:
+    gemms: list[GemmInfo]
+    platform: str
+
+    @property
+    def num_fp8(self) -> int:
+        return sum(g.is_fp8 for g in self.gemms)
+
+    @property
+    def all_fp8(self) -> bool:
+        return bool(self.gemms) and all(g.is_fp8 for g in self.gemms)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.gemms)} GEMMs on {self.platform}, {self.num_fp8} in FP8"]
+        for g in self.gemms:
+            kind = g.target or g.op
+            lines.append(f"  {'FP8 ' if g.is_fp8 else 'HIGH'}  {kind:<28} {', '.join(g.operand_types)} -> {g.result_type}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(\([^)]*\)|\S+)\s+([\w\-]+)\((.*)$")
+_SHAPE = re.compile(r"^\(?((?:f8e\w+|bf16|f16|f32|f64|s8|s32|u8|pred)\[[^\]]*\])")
+
+
+def _element(shape: str) -> str:
+    return shape.split("[", 1)[0]
+
+
+def parse_gemms(hlo_text: str) -> list[GemmInfo]:
+    """GEMMs in compiled HLO text: cuBLAS/cuBLASLt custom calls, XLA-generated GEMM
+    fusions (Triton / cuDNN) and plain dots, with operand types resolved by name."""
+    shapes: dict[str, str] = {}
+    instrs = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        first = _SHAPE.match(shape)
+        shapes[name] = first.group(1) if first else shape
+        instrs.append((name, op, rest, line.strip()))
+    gemms = []
+    for name, op, rest, line in instrs:
+        args = rest.split(")")[0]
+        operands = tuple(_element(shapes.get(a.strip(), "?")) for a in args.split(",") if a.strip().startswith("%"))
+        f8_operands = sum(t.startswith("f8") for t in operands)
+        if op == "custom-call":
+            target_match = _CUSTOM_CALL.search(line)
+            target = target_match.group(1) if target_match else ""
+            if not (_GEMM_TARGET.search(target) or _OUR_KERNEL.search(target)):
+                continue
+            is_fp8 = "f8" in target or bool(_OUR_KERNEL.search(target)) or f8_operands >= 2
+            gemms.append(GemmInfo(op, target, operands[:2], _element(shapes[name]), is_fp8, line[:300]))
+        elif op in ("dot", "convolution"):
+            gemms.append(GemmInfo(op, "", operands[:2], _element(shapes[name]), f8_operands >= 2, line[:300]))
+    return gemms
+
+
+def parse_stablehlo_gemms(text: str) -> list[GemmInfo]:
+    """Dots in StableHLO text (the lowered, pre-optimization program)."""
+    gemms = []
+    for line in text.splitlines():
+        if "stablehlo.dot_general" not in line and "stablehlo.dot " not in line:
+            continue
+        sig = line.rsplit(" : ", 1)[-1]
+        types = re.findall(r"tensor<([^>]*)>", sig)
+        elems = [t.rsplit("x", 1)[-1] if "x" in t else t for t in types]
+        operands, result = tuple(elems[:-1]), (elems[-1] if elems else "?")
+        is_fp8 = sum(e.lower().startswith("f8") for e in operands) >= 2
+        gemms.append(GemmInfo("dot", "", operands, result, is_fp8, line.strip()[:300]))
+    return gemms
+
+
+def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs: Any) -> GemmReport:
+    """Compile ``fn(*args, **kwargs)`` and list each GEMM it runs, marking the FP8 ones.
+
+    On a GPU, FP8 means a cuBLASLt FP8 call (``__cublas$lt$matmul$f8``) or one of
+    fp8jax's kernels. ``stage="lowered"`` inspects the program before XLA's
+    optimizations instead (dots on float8 operands), which is what a CPU can show.
+    """
+    import jax
+
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+
+    def flat_fn(dynamic):
+        call_args, call_kwargs = eqx.combine(dynamic, static)
+        return fn(*call_args, **call_kwargs)
+
+    lowered = jax.jit(flat_fn).lower(dynamic)
+    platform = jax.devices()[0].platform
+    if stage == "lowered":
+        return GemmReport(parse_stablehlo_gemms(lowered.as_text()), platform + " (lowered)")
+    if stage == "compiled":
+        return GemmReport(parse_gemms(lowered.compile().as_text()), platform)
+    raise ValueError(f"stage must be 'compiled' or 'lowered', got {stage!r}")
+
+
+def assert_fp8(fn: Callable, *args: Any, expected: int | None = None, **kwargs: Any) -> GemmReport:
+    """Raise ``AssertionError`` unless every GEMM of ``fn`` runs in FP8 (and, if given,
+    there are exactly ``expected`` of them)."""
+    report = fp8_gemm_report(fn, *args, **kwargs)
+    if not report.all_fp8 or (expected is not None and len(report.gemms) != expected):
+        raise AssertionError(f"expected {expected if expected is not None else 'all'} FP8 GEMMs:\n{report}")
+    return report

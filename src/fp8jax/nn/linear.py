@@ -1,0 +1,82 @@
+"""`Linear`: `eqx.nn.Linear` with its matmul routed through `Fp8DotGeneral`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from ..config import Fp8Config
+from ..dot_general import Fp8DotGeneral
+
+
+class Linear(eqx.Module):
+    """``y = x @ weight.T + bias`` with FP8 GEMMs; same arrays and layout as
+    `eqx.nn.Linear` (``weight: [out, in]``, already K-major for Hopper).
+
+    Unlike `eqx.nn.Linear` it also takes inputs with leading dims ``(..., in)``;
+    under ``jax.vmap`` all examples still run as one GEMM.
+    """
+
+    weight: Array
+    bias: Array | None
+    dot_general: Fp8DotGeneral
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        use_bias: bool = True,
+        dtype=None,
+        config: Fp8Config | None = None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        base = eqx.nn.Linear(in_features, out_features, use_bias, dtype=dtype, key=key)
+        self.weight, self.bias = base.weight, base.bias
+        self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
+        self.dot_general = Fp8DotGeneral(config)
+
+    @classmethod
+    def from_linear(cls, linear: eqx.nn.Linear, config: Fp8Config | None = None) -> "Linear":
+        """Wrap an existing `eqx.nn.Linear`, sharing its weight and bias arrays.
+
+        A stacked linear (built with `eqx.filter_vmap`, weight ``[*stack, out, in]``)
+        gets state with the same leading ``stack`` dims.
+        """
+        if linear.in_features == "scalar" or linear.out_features == "scalar":
+            raise ValueError("fp8jax.nn.Linear does not support 'scalar' features.")
+        self = object.__new__(cls)
+        stack_shape = tuple(linear.weight.shape[:-2])
+        object.__setattr__(self, "weight", linear.weight)
+        object.__setattr__(self, "bias", linear.bias)
+        object.__setattr__(self, "dot_general", Fp8DotGeneral(config, stack_shape=stack_shape))
+        object.__setattr__(self, "in_features", linear.in_features)
+        object.__setattr__(self, "out_features", linear.out_features)
+        object.__setattr__(self, "use_bias", linear.use_bias)
+        return self
+
+    def to_linear(self) -> eqx.nn.Linear:
+        """The plain `eqx.nn.Linear` with the same arrays (drops the FP8 state)."""
+        base = eqx.nn.Linear(self.in_features, self.out_features, self.use_bias, key=jax.random.PRNGKey(0))
+        return eqx.tree_at(lambda l: (l.weight, l.bias), base, (self.weight, self.bias),
+                           is_leaf=lambda x: x is None)
+
+    @jax.named_scope("fp8jax.nn.Linear")
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        del key
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"fp8jax.nn.Linear expects inputs of shape (..., {self.in_features}), got {x.shape}."
+            )
+        y = self.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.bias is not None:
+            y = y + self.bias.astype(y.dtype)
+        return y

@@ -1,0 +1,26 @@
+import os
+
+# 8 host devices for the data-parallel tests; must be set before jax is imported.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+def sqnr_db(actual, reference) -> float:
+    """Signal-to-quantization-noise ratio in dB of ``actual`` against ``reference``."""
+    ref = np.asarray(reference, np.float64)
+    err = np.asarray(actual, np.float64) - ref
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum(err**2), 1e-300)))
+
+
+@pytest.fixture
+def key(request):
+    # A fresh key per test (derived from its name): random inputs, never zeros.
+    return jax.random.PRNGKey(abs(hash(request.node.name)) % (2**31))
+
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

@@ -1,0 +1,30 @@
+"""Smoke test of the benchmark harness (CPU-sized ``--quick`` run)."""
+
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, not in src/
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import linear  # noqa: E402
+
+
+def test_linear_quick_runs_all_variants(capsys, tmp_path):
+    out = tmp_path / "linear.jsonl"
+    rows = linear.main(["--quick", "--out", str(out)])
+    printed = capsys.readouterr().out
+
+    assert {r["variant"] for r in rows} == set(linear.VARIANTS)
+    assert len(rows) == len(linear.QUICK_SHAPES) * len(linear.VARIANTS)
+    for r in rows:
+        assert r["error"] is None, f"{r['variant']} {r['params']}: {r['error']}"
+        assert r["ms"] is not None and math.isfinite(r["ms"]) and r["ms"] > 0
+        assert r["gemm_count"] == 3  # forward, dgrad and wgrad all in the compiled step
+        assert r["speedup_vs_bf16"] is not None and r["speedup_vs_flax"] is not None
+        assert isinstance(r["fp8_gemms"], bool)
+        assert set(linear.RECORD_FIELDS) <= set(r)
+    for variant in linear.VARIANTS:
+        assert variant in printed
+    assert not out.exists()  # --quick writes no records

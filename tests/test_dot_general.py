@@ -1,0 +1,109 @@
+"""Fp8DotGeneral as a drop-in for lax.dot_general: dimension numbers, errors, fallbacks."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from helpers import normal, sqnr_db
+
+CURRENT = fp8jax.Fp8Config(scaling="current", selective=False)
+
+CASES = {
+    # name: (lhs shape, rhs shape, dimension_numbers)
+    "eqx [M,K]x[N,K]": ((64, 32), (48, 32), (((1,), (1,)), ((), ()))),
+    "flax Dense [B,T,K]x[K,N]": ((2, 32, 64), (64, 48), (((2,), (0,)), ((), ()))),
+    "two contracting dims (heads)": ((32, 4, 16), (4, 16, 32), (((1, 2), (0, 1)), ((), ()))),
+    "batch dims": ((3, 32, 48), (3, 48, 16), (((2,), (1,)), ((0,), (0,)))),
+    "contracting dim first": ((32, 64), (32, 16), (((0,), (0,)), ((), ()))),
+    "batch not leading": ((32, 2, 16), (16, 2, 32), (((2,), (0,)), ((1,), (1,)))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dimension_numbers_match_reference(key, name):
+    lhs_shape, rhs_shape, dn = CASES[name]
+    k1, k2, k3 = jax.random.split(key, 3)
+    lhs, rhs = normal(k1, lhs_shape), normal(k2, rhs_shape)
+    op = fp8jax.Fp8DotGeneral(CURRENT)
+    y = op(lhs, rhs, dn)
+    ref = jax.lax.dot_general(lhs.astype(jnp.float64) if jax.config.x64_enabled else lhs, rhs, dn,
+                              precision=jax.lax.Precision.HIGHEST)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert sqnr_db(y, ref) >= 25.0
+    c = normal(k3, ref.shape)
+    grad_fp8 = jax.grad(lambda a, b: jnp.sum(op(a, b, dn) * c), argnums=(0, 1))(lhs, rhs)
+    grad_ref = jax.grad(lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn, precision="highest") * c),
+                        argnums=(0, 1))(lhs, rhs)
+    for g, r in zip(grad_fp8, grad_ref):
+        assert g.shape == r.shape
+        assert sqnr_db(g, r) >= 20.0
+
+
+def test_preferred_element_type(key):
+    lhs, rhs = normal(key, (32, 32), jnp.bfloat16), normal(key, (32, 32), jnp.bfloat16)
+    y = fp8jax.Fp8DotGeneral(CURRENT)(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn, jnp.bool_])
+def test_non_float_inputs_raise(dtype):
+    lhs = jnp.ones((32, 32), dtype)
+    with pytest.raises(TypeError, match=r"lhs must be a float16/bfloat16/float32 array, got lhs dtype"):
+        fp8jax.Fp8DotGeneral(CURRENT)(lhs, jnp.ones((32, 32)), (((1,), (1,)), ((), ())))
+
+
+def test_mismatched_shapes_raise():
+    with pytest.raises(ValueError, match=r"lhs \(32, 48\) and rhs \(32, 32\)"):
+        fp8jax.Fp8DotGeneral(CURRENT)(jnp.ones((32, 48)), jnp.ones((32, 32)), (((1,), (1,)), ((), ())))
+
+
+def test_bad_dimension_numbers_raise():
+    with pytest.raises(ValueError, match="dimension_numbers"):
+        fp8jax.Fp8DotGeneral(CURRENT)(jnp.ones((32, 32)), jnp.ones((32, 32)), "ij,jk")
+
+
+def test_misaligned_dims_fall_back_with_one_warning(key):
+    op = fp8jax.Fp8DotGeneral(CURRENT)
+    lhs, rhs = normal(key, (32, 40)), normal(key, (32, 40))  # K = 40
+    fp8jax._dot._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y1 = op(lhs, rhs, (((1,), (1,)), ((), ())))
+        op(lhs, rhs, (((1,), (1,)), ((), ())))
+    messages = [str(w.message) for w in caught if "K=40" in str(w.message)]
+    assert len(messages) == 1 and "multiples of 16" in messages[0]
+    np.testing.assert_allclose(y1, lhs @ rhs.T, rtol=1e-5, atol=1e-5)  # exact plain dot
+
+
+def test_misaligned_rows_fall_back(key):
+    op = fp8jax.Fp8DotGeneral(CURRENT)
+    lhs, rhs = normal(key, (30, 32)), normal(key, (32, 32))
+    with pytest.warns(UserWarning, match="M=30 rows"):
+        y = op(lhs, rhs, (((1,), (1,)), ((), ())))
+    np.testing.assert_allclose(y, lhs @ rhs.T, rtol=1e-5, atol=1e-5)
+    grad = jax.grad(lambda a: jnp.sum(op(a, rhs, (((1,), (1,)), ((), ())))))(lhs)
+    np.testing.assert_allclose(grad, jnp.ones((30, 32)) @ rhs, rtol=1e-5, atol=1e-5)
+
+
+def test_on_unsupported_raise():
+    op = fp8jax.Fp8DotGeneral(fp8jax.Fp8Config(selective=False, on_unsupported="raise"))
+    with pytest.raises(ValueError, match="K=40"):
+        op(jnp.ones((32, 40)), jnp.ones((32, 40)), (((1,), (1,)), ((), ())))
+
+
+def test_stacked_state_must_be_sliced():
+    op = fp8jax.Fp8DotGeneral(CURRENT, stack_shape=(3,))
+    with pytest.raises(ValueError, match="stack shape"):
+        op(jnp.ones((32, 32)), jnp.ones((32, 32)), (((1,), (1,)), ((), ())))
+
+
+def test_linear_rejects_wrong_input_width(key):
+    import equinox as eqx
+
+    layer = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=key), CURRENT)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 32\), got \(8, 16\)"):
+        layer(jnp.ones((8, 16)))
