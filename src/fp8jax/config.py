@@ -51,9 +51,11 @@ class Fp8Config:
     targets: Targets = None
     selective: bool = True
     alignment: int = 16
-    min_features: int = 1024
-    min_weight_elements: int = 2048 * 4096
-    min_tokens: int = 2048
+    # Defaults from the H100 crossover sweep (benchmarks/RESULTS.md): FP8 loses at
+    # K = N <= 2048 for M <= 8192, and at K = N = 4096 it wins from M = 4096 on.
+    min_features: int = 2048
+    min_weight_elements: int = 4096 * 4096
+    min_tokens: int = 4096
     on_unsupported: Literal["warn", "silent", "raise"] = "warn"
 
     def __post_init__(self):
