@@ -480,20 +480,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = run_meta(argv)
     print(f"{meta['command']}: {len(shapes)} shapes x {len(variants)} variants on {meta['device']} "
           f"(jax {meta['jax']}), {reps} x {iters} calls per variant", flush=True)
-    rows = []
+    record = not args.quick and jax.devices()[0].platform == "gpu"
+    path = args.out or DEFAULT_OUT
+    rows, written = [], 0
     for shape in shapes:
         shape_rows = run_shape(shape, variants, iters, reps, meta, args.seed)
         print(format_shape_table(shape_rows), flush=True)
         rows += shape_rows
+        if record:  # per shape, so a run cut short keeps what it measured
+            written += write_records(shape_rows, path)
     if args.crossover and "fp8jax-delayed" in variants and "bf16" in variants:
         print(crossover_grid(rows), flush=True)
     print("\n" + markdown_table(rows), flush=True)
-    on_gpu = jax.devices()[0].platform == "gpu"
-    if args.quick or not on_gpu:
-        print(f"\n(no records written: {'--quick' if args.quick else 'not on a GPU'})")
+    if record:
+        print(f"\nappended {written} records to {path}")
     else:
-        path = args.out or DEFAULT_OUT
-        print(f"\nappended {write_records(rows, path)} records to {path}")
+        print(f"\n(no records written: {'--quick' if args.quick else 'not on a GPU'})")
     return rows
 
 

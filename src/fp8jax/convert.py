@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -100,7 +101,8 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     the same weight and bias arrays, and, when haliax is installed, sets the
     ``dot_general`` of every ``haliax.nn.Linear`` to an `Fp8DotGeneral`. Layers the
     config's targets or selection policy leave out are listed in the report with the
-    reason. Converting an already converted model is a no-op.
+    reason (a warning says so when no layer at all was converted). Converting an
+    already converted model is a no-op.
 
     Raises ``ValueError`` if the model has no linear layer, or if ``config.targets``
     matches none.
@@ -166,6 +168,8 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             lambda x: replace_with[ids[id(x)]] if id(x) in ids else x, model, is_leaf=is_layer
         )
     report = ConversionReport(decisions)
+    if not report.converted:
+        warnings.warn(f"fp8_linear_layers converted no layer; every one was skipped:\n{report}", stacklevel=2)
     return (model, report) if return_report else model
 
 
