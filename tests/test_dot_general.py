@@ -107,3 +107,13 @@ def test_linear_rejects_wrong_input_width(key):
     layer = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=key), CURRENT)
     with pytest.raises(ValueError, match=r"\(\.\.\., 32\), got \(8, 16\)"):
         layer(jnp.ones((8, 16)))
+
+
+@pytest.mark.parametrize("m", [32, 30])  # FP8 path and plain fallback
+def test_gradients_come_back_in_operand_dtypes(key, m):
+    op = fp8jax.Fp8DotGeneral(CURRENT)
+    lhs, rhs = normal(key, (m, 32), jnp.bfloat16), normal(key, (48, 32), jnp.float32)
+    dn = (((1,), (1,)), ((), ()))
+    assert op(lhs, rhs, dn).dtype == jnp.float32  # like lax.dot_general's promotion
+    g_lhs, g_rhs = jax.grad(lambda a, b: jnp.sum(op(a, b, dn)), argnums=(0, 1))(lhs, rhs)
+    assert g_lhs.dtype == jnp.bfloat16 and g_rhs.dtype == jnp.float32

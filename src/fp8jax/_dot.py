@@ -58,6 +58,8 @@ class Spec(NamedTuple):
 
     config: Fp8Config
     out_dtype: np.dtype
+    x_dtype: np.dtype  # dtypes of the operands: their gradients come back in these
+    w_dtype: np.dtype
     rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
     emit_state: bool  # this use writes the new state (first use of the layer in the trace)
 
@@ -137,7 +139,6 @@ def _fwd_impl(spec: Spec, x3, w3, state):
 def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
     cfg = spec.config
     xr, wr, sx, sw, _, _ = res
-    out_dtype = spec.out_dtype
     if xr.dtype != cfg.input_dtype:  # plain (non-FP8) path chosen in the forward
         w_kn = wr if spec.rhs_k_first else jnp.swapaxes(wr, 1, 2)
         dx = _gemm(g3, w_kn, xr.dtype)
@@ -151,11 +152,11 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
     else:
         sg = q.scale_from_amax(ag.reshape(1), g_scale, cfg.grad_dtype, cfg.margin)
     gq, gTq = _quantize_both(g3, sg, cfg.grad_dtype)
-    dx = _fp8_gemm(gq, w_kn, sg * sw, out_dtype)
+    dx = _fp8_gemm(gq, w_kn, sg * sw, spec.x_dtype)
     if spec.rhs_k_first:
-        dw = _fp8_gemm(xTq, gTq, sg * sx, out_dtype)
+        dw = _fp8_gemm(xTq, gTq, sg * sx, spec.w_dtype)
     else:
-        dw = _fp8_gemm(gTq, xTq, sg * sx, out_dtype)
+        dw = _fp8_gemm(gTq, xTq, sg * sx, spec.w_dtype)
     return dx, dw, ag, sg
 
 

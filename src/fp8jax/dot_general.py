@@ -113,7 +113,8 @@ class Fp8DotGeneral(OverwriteWithGradient):
             w3 = jnp.transpose(rhs, rb + rf + rc).reshape(b, n, k)
         key_leaf = self.input_amax_history
         link = _dot.take_link(key_leaf)
-        spec = _dot.Spec(cfg, np.dtype(out_dtype), rhs_k_first, emit_state=link is None)
+        spec = _dot.Spec(cfg, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype), rhs_k_first,
+                         emit_state=link is None)
         if link is None:
             link = jnp.zeros((_dot.LINK_SIZE,), jnp.float32)
         y3, link_out = _dot.fp8_dot3(spec, x3, w3, self.state(), link)
