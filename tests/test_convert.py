@@ -2,8 +2,6 @@
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import fp8jax
@@ -93,7 +91,7 @@ def test_model_without_linear_raises(key):
 def test_converting_twice_is_a_noop(key):
     once = fp8jax.fp8_linear_layers(Block(key), ALL)
     twice, report = fp8jax.fp8_linear_layers(once, ALL, return_report=True)
-    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(once), jax.tree_util.tree_leaves(twice)))
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(once), jax.tree_util.tree_leaves(twice), strict=True))
     assert "already FP8" in str(report)
 
 

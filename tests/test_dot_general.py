@@ -38,7 +38,7 @@ def test_dimension_numbers_match_reference(key, name):
     grad_fp8 = jax.grad(lambda a, b: jnp.sum(op(a, b, dn) * c), argnums=(0, 1))(lhs, rhs)
     grad_ref = jax.grad(lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn, precision="highest") * c),
                         argnums=(0, 1))(lhs, rhs)
-    for g, r in zip(grad_fp8, grad_ref):
+    for g, r in zip(grad_fp8, grad_ref, strict=True):
         assert g.shape == r.shape
         assert sqnr_db(g, r) >= 20.0
 

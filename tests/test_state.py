@@ -105,7 +105,7 @@ def test_vmap_is_one_gemm_with_global_amax(key):
 
     g_vmap = eqx.filter_jit(eqx.filter_grad(loss_vmap))(model, x)
     g_plain = eqx.filter_jit(eqx.filter_grad(loss_plain))(model, x)
-    for a, b in zip(jax.tree_util.tree_leaves(g_vmap), jax.tree_util.tree_leaves(g_plain)):
+    for a, b in zip(jax.tree_util.tree_leaves(g_vmap), jax.tree_util.tree_leaves(g_plain), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(g_vmap.dot_general.input_amax_history, g_plain.dot_general.input_amax_history)
     report = fp8jax.fp8_gemm_report(eqx.filter_grad(loss_vmap), model, x, stage="lowered")
@@ -140,7 +140,7 @@ def test_python_loop_accumulation(key):
     full = _grads(model, jnp.concatenate(micro), jnp.ones((64, 32)))
     ow_acc, g_acc = fp8jax.partition_for_grad_overwrite(acc)
     ow_full, g_full = fp8jax.partition_for_grad_overwrite(full)
-    for a, b in zip(jax.tree_util.tree_leaves(ow_acc), jax.tree_util.tree_leaves(ow_full)):
+    for a, b in zip(jax.tree_util.tree_leaves(ow_acc), jax.tree_util.tree_leaves(ow_full), strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(g_acc.weight, g_full.weight, rtol=2e-2, atol=1e-2)
     # plain summation is what the helper exists to avoid
@@ -215,7 +215,7 @@ def test_scan_over_stacked_layers(key):
     # equals running the layers one by one
     h = x
     for i in range(3):
-        layer = jax.tree_util.tree_map(lambda a: a[i], model.layers)
+        layer = jax.tree_util.tree_map(lambda a, i=i: a[i], model.layers)
         np.testing.assert_array_equal(first[i], jnp.max(jnp.abs(h)))
         h = jnp.tanh(layer(h)) * 3.0
 
@@ -235,7 +235,7 @@ def test_data_parallel_amax_is_global(key):
     cs = jax.device_put(c, NamedSharding(mesh, P("data", None)))
     sharded = _grads(model, xs, cs)
     single = _grads(model, x, c)
-    for a, b in zip(jax.tree_util.tree_leaves(sharded.dot_general), jax.tree_util.tree_leaves(single.dot_general)):
+    for a, b in zip(jax.tree_util.tree_leaves(sharded.dot_general), jax.tree_util.tree_leaves(single.dot_general), strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(sharded.weight, single.weight, rtol=1e-5, atol=1e-5)
 
@@ -278,7 +278,7 @@ def test_unused_layer_keeps_its_state(key):
     model = take_state(model, _grads(model, normal(key, (16, 32), scale=3.0), jnp.ones((16, 32))))
     grads = eqx.filter_grad(lambda m: jnp.sum(m.weight) * 0.0)(model)  # layer not called
     kept = take_state(model, grads).dot_general
-    for a, b in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(model.dot_general)):
+    for a, b in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(model.dot_general), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -295,7 +295,7 @@ def test_optax_global_transforms_never_see_state(key):
     new_model, _ = fp8jax.optax_step(opt, model, grads, opt_state)
     overwrites, true_grads = fp8jax.partition_for_grad_overwrite(grads)
     # state is exactly the overwrite: no weight decay, no clipping applied to it
-    for a, b in zip(jax.tree_util.tree_leaves(new_model.dot_general), jax.tree_util.tree_leaves(overwrites)):
+    for a, b in zip(jax.tree_util.tree_leaves(new_model.dot_general), jax.tree_util.tree_leaves(overwrites), strict=True):
         np.testing.assert_array_equal(a, b)
     # parameter update equals the optimizer run on the parameters alone
     params = fp8jax.trainable(model)

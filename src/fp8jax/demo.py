@@ -58,7 +58,7 @@ class MLP(eqx.Module):
     def __init__(self, dim, width, key):
         keys = jax.random.split(key, 3)
         sizes = [(dim, width), (width, width), (width, dim)]
-        self.layers = tuple(eqx.nn.Linear(i, o, dtype=jnp.bfloat16, key=k) for (i, o), k in zip(sizes, keys))
+        self.layers = tuple(eqx.nn.Linear(i, o, dtype=jnp.bfloat16, key=k) for (i, o), k in zip(sizes, keys, strict=True))
 
     def __call__(self, x):
         for layer in self.layers[:-1]:

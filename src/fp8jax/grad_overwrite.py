@@ -46,7 +46,7 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
     if hasattr(new, "input_scale"):
         ran = jnp.asarray(new.input_scale) > 0  # [*stack, 1]
     merged = []
-    for o, n in zip(old_leaves, new_leaves):
+    for o, n in zip(old_leaves, new_leaves, strict=True):
         n = jnp.asarray(n).astype(jnp.asarray(o).dtype)
         merged.append(n if ran is None else jnp.where(ran, n, o))
     return jax.tree_util.tree_unflatten(treedef, merged)
