@@ -301,3 +301,32 @@ def test_optax_global_transforms_never_see_state(key):
     params = fp8jax.trainable(model)
     updates, _ = opt.update(true_grads, opt.init(params), params)
     np.testing.assert_allclose(new_model.weight, model.weight + updates.weight, rtol=1e-6)
+
+
+# --- other transformations ---------------------------------------------------------------------
+def test_ensemble_vmap_keeps_per_member_state(key):
+    """Weights and state batched (an ensemble via eqx.filter_vmap): each member its own amax."""
+    ens = eqx.filter_vmap(lambda k: _layer(k))(jax.random.split(key, 2))
+    x = normal(key, (2, 16, 32)) * jnp.array([1.0, 10.0])[:, None, None]
+    loss = lambda m, x: jnp.sum(eqx.filter_vmap(lambda m, x: m(x))(m, x))  # noqa: E731
+    new = take_state(ens, eqx.filter_jit(eqx.filter_grad(loss))(ens, x)).dot_general
+    np.testing.assert_array_equal(new.input_amax_history[:, 0], jnp.max(jnp.abs(x), axis=(1, 2)))
+    np.testing.assert_array_equal(new.history_index[:, 0], [1, 1])
+
+
+def test_checkpoint_gives_the_same_state_and_grads(key):
+    model, x = _layer(key), normal(key, (16, 32))
+    remat = eqx.filter_grad(lambda m, x: jnp.sum(jax.checkpoint(lambda m, x: m(x))(m, x)))(model, x)
+    plain = eqx.filter_grad(lambda m, x: jnp.sum(m(x)))(model, x)
+    for a, b in zip(jax.tree_util.tree_leaves(remat), jax.tree_util.tree_leaves(plain), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_reuse_under_vmap_matches_plain(key):
+    model, x = _layer(key), normal(key, (16, 32), scale=0.2)
+    vmapped = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(jax.vmap(lambda r: m(m(r)))(x))))(model, x)
+    plain = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(m(x)))))(model, x)
+    for a, b in zip(jax.tree_util.tree_leaves(vmapped.dot_general), jax.tree_util.tree_leaves(plain.dot_general),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert float(vmapped.dot_general.history_index[0]) == 1.0
