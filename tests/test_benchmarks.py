@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, not in src/
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import linear  # noqa: E402
+from benchmarks import linear, mlp  # noqa: E402
 
 
 def test_linear_quick_runs_all_variants(capsys, tmp_path):
@@ -28,3 +28,15 @@ def test_linear_quick_runs_all_variants(capsys, tmp_path):
     for variant in linear.VARIANTS:
         assert variant in printed
     assert not out.exists()  # --quick writes no records
+
+
+def test_mlp_quick_runs_all_variants(tmp_path):
+    out = tmp_path / "mlp.jsonl"
+    rows = mlp.main(["--quick", "--out", str(out)])
+    assert len(rows) == len(mlp.QUICK_CASES) * len(mlp.VARIANTS)
+    for r in rows:
+        assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
+        assert r["ms"] > 0 and r["gemm_count"] == 6 and r["kernels"] > 0
+    saved = {(r["params"]["activation"], r["variant"]): r["saved_act_mb"] for r in rows}
+    assert saved[("swiglu", "fp8jax-fused")] <= 0.75 * saved[("swiglu", "bf16-unfused")]
+    assert not out.exists()

@@ -58,3 +58,21 @@ def test_gpu_numerics_match_reference(key):
     x = normal(key, (2048, 2048), jnp.bfloat16)
     ref = jax.vmap(layer)(x.astype(jnp.float32))
     assert sqnr_db(model(x), ref) >= 25.0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_mlp_train_step_is_six_fp8_gemms(key, fused):
+    mlp = fp8jax.nn.FusedMLP(1024, 2048, activation="swiglu", config=ALL, dtype=jnp.bfloat16, key=key)
+    mlp = mlp.with_fused(fused)
+    x = normal(key, (4096, 1024), jnp.bfloat16)
+    c = normal(key, (4096, 1024), jnp.float32)
+    fp8jax.assert_fp8(_step, mlp, x, c, expected=6)
+
+
+def test_fused_mlp_matches_reference_on_gpu(key):
+    mlp = fp8jax.nn.FusedMLP(1024, 2048, activation="gelu", config=ALL, key=key)
+    x = normal(key, (4096, 1024))
+    ref = mlp.with_fused(False)
+    ref = fp8jax.nn.FusedMLP.from_modules(eqx.nn.RMSNorm(1024), ref.fc1.to_linear(), ref.fc2.to_linear(),
+                                         activation="gelu", fp8=False, fused=False)
+    assert sqnr_db(mlp(x), ref(x)) >= 24.0

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
 from . import _quant as q
@@ -51,6 +52,12 @@ STATE_FIELDS = (
     "nonfinite_count",
 )
 LINK_SIZE = 4  # [amax_x, amax_w, amax_g, nonfinite flag]
+# Names given to the residuals that are cheap to keep and costly to recompute (the FP8
+# weight, scales, amaxes), for `jax.checkpoint` policies: a policy saving these and
+# not the FP8 input copy recomputes only the input's cast (see `fp8jax.nn.FusedMLP`).
+KERNEL_RESIDUAL = "fp8jax_kernel_fp8"
+SCALAR_RESIDUALS = "fp8jax_gemm_scalars"
+SAVED_RESIDUAL_NAMES = (KERNEL_RESIDUAL, SCALAR_RESIDUALS)
 
 
 class Spec(NamedTuple):
@@ -281,7 +288,8 @@ def fp8_dot3(spec: Spec, x3, w3, state, link):
 
 def _fp8_dot3_fwd(spec, x3, w3, state, link):
     del link
-    y, res = fwd_fn(spec)(x3, w3, state)
+    y, (xr, wr, *scalars) = fwd_fn(spec)(x3, w3, state)
+    res = (xr, checkpoint_name(wr, KERNEL_RESIDUAL), *(checkpoint_name(s, SCALAR_RESIDUALS) for s in scalars))
     return (y, jnp.zeros((LINK_SIZE,), F32)), (res, state)
 
 

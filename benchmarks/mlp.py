@@ -1,0 +1,185 @@
+"""Benchmark: the training step of an MLP block (norm -> fc1 -> activation -> fc2).
+
+For each case ``(hidden, ffn, tokens, activation)`` it times, in one process, a jitted
+step returning the loss and the gradients w.r.t. the block and the input
+``x: [tokens, hidden]`` of ``loss = sum(y * G)``, for:
+
+* ``bf16-unfused``    the block op by op in bf16 (``FusedMLP(fp8=False, fused=False)``)
+* ``fp8jax-unfused``  the same block after ``fp8_linear_layers`` (FP8 GEMMs, no fusion)
+* ``fp8jax-fused``    ``fp8jax.nn.FusedMLP`` (FP8, one checkpoint region)
+
+and reports ms, TFLOP/s, speedup vs bf16, FP8 GEMM count, kernels launched per step
+(top-level ops of the compiled entry computation), activation memory saved for the
+backward (residuals with a token dim, from ``jax.vjp``) and peak memory.
+
+    python -m benchmarks.mlp            # LLaMA-3-8B MLP and a 70B TP=8 shard, tokens 16384
+    python -m benchmarks.mlp --quick    # CPU smoke run, writes nothing
+
+Records (GPU, not ``--quick``) go to ``benchmarks/results/mlp.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import fp8jax
+from benchmarks import linear
+from benchmarks.hlo import kernel_summary
+from fp8jax.nn import FusedMLP
+
+BF16 = jnp.bfloat16
+VARIANTS = ("bf16-unfused", "fp8jax-unfused", "fp8jax-fused")
+# (hidden, ffn, tokens, activation)
+DEFAULT_CASES = [(4096, 14336, 16384, "swiglu"), (8192, 28672 // 8, 16384, "swiglu")]
+QUICK_CASES = [(64, 96, 128, "swiglu"), (64, 64, 128, "gelu")]
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "mlp.jsonl"
+COMMAND_PREFIX = "python -m benchmarks.mlp"
+
+
+def parse_case(text: str):
+    """``"hidden,ffn,tokens[,activation]"``."""
+    parts = text.split(",")
+    try:
+        hidden, ffn, tokens = (int(v) for v in parts[:3])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"case must be hidden,ffn,tokens[,activation], got {text!r}") from None
+    return hidden, ffn, tokens, parts[3] if len(parts) > 3 else "swiglu"
+
+
+def build(variant: str, case, key, config: fp8jax.Fp8Config):
+    hidden, ffn, _, activation = case
+    base = FusedMLP(hidden, ffn, activation=activation, fp8=False, fused=False, dtype=BF16, key=key)
+    if variant == "bf16-unfused":
+        return base
+    if variant == "fp8jax-unfused":
+        return fp8jax.fp8_linear_layers(base, config)
+    if variant == "fp8jax-fused":
+        return FusedMLP.from_modules(eqx.nn.RMSNorm(hidden), base.fc1, base.fc2, activation=activation,
+                                     config=config)
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def make_step(block, x, g) -> linear.Step:
+    """A calibrated (one state update for FP8) `benchmarks.linear.Step`."""
+    params, static = eqx.partition(block, eqx.is_array)
+
+    def loss(params, x, g):
+        return linear.projection_loss(eqx.combine(params, static)(x), g)
+
+    step = linear.Step(jax.value_and_grad(loss, argnums=(0, 1)), params)
+    if fp8jax.fp8_state(block):
+        _, (param_grads, _) = jax.block_until_ready(step.jitted(params, x, g))
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(param_grads)
+        step.params, _ = eqx.partition(fp8jax.apply_updates(block, None, overwrites), eqx.is_array)
+    return step
+
+
+def saved_activation_mb(block, x) -> float:
+    """MiB of the residuals ``jax.vjp`` keeps for the backward that have a token dim."""
+    params, static = eqx.partition(block, eqx.is_array)
+    res = jax.eval_shape(lambda p, x: jax.vjp(lambda p, x: eqx.combine(p, static)(x), p, x)[1], params, x)
+    tokens = x.shape[0]
+    return sum(r.size * r.dtype.itemsize for r in jax.tree_util.tree_leaves(res) if tokens in r.shape) / 2**20
+
+
+def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dict]:
+    hidden, ffn, tokens, activation = case
+    config = fp8jax.Fp8Config() if config is None else config
+    key = jax.random.PRNGKey(seed)
+    kx, kg, km = jax.random.split(key, 3)
+    xs = jax.block_until_ready([jax.random.normal(k, (tokens, hidden), BF16) for k in jax.random.split(kx, 3)])
+    g = jax.random.normal(kg, (tokens, hidden), BF16)
+    gated = fp8jax.nn.ACTIVATIONS[activation][1]
+    flops = 6 * tokens * (hidden * ffn * (2 if gated else 1) + ffn * hidden)
+    rows = []
+    for name in variants:
+        row = dict(meta, params=dict(hidden=hidden, ffn=ffn, tokens=tokens, activation=activation), variant=name)
+        try:
+            block = build(name, case, km, config)
+            step = make_step(block, xs[0], g)
+            row["ms"] = linear.time_step(step, xs, g, iters, reps, warmup=1 if iters <= 2 else 2)
+            n_fp8, n_gemms = linear.gemm_check(step, xs[0], g)
+            row.update(fp8_gemms=n_fp8 >= 6, fp8_gemm_count=n_fp8, gemm_count=n_gemms,
+                       kernels=sum(kernel_summary(step.hlo_text(xs[0], g)).values()),
+                       saved_act_mb=saved_activation_mb(block, xs[0]),
+                       peak_mem_mb=linear.peak_mem_mb(step, xs[0], g))
+            del step
+        except Exception as e:  # report and go on with the other variants
+            row.update(ms=None, error=f"{type(e).__name__}: {e}"[:300])
+        rows.append(row)
+    ref = {r["variant"]: r.get("ms") for r in rows}
+    for r in rows:
+        ok = r.get("ms") is not None and r["ms"] > 0
+        r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12 if ok else None
+        r["speedup_vs_bf16"] = ref["bf16-unfused"] / r["ms"] if ok and ref.get("bf16-unfused") else None
+        r["speedup_vs_unfused_fp8"] = ref["fp8jax-unfused"] / r["ms"] if ok and ref.get("fp8jax-unfused") else None
+    return rows
+
+
+def _f(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown_table(rows) -> str:
+    head = ("| hidden x ffn x tokens (act) | variant | ms | TFLOP/s | vs bf16 | vs fp8 unfused | FP8 GEMMs | "
+            "kernels | saved act MiB | peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        p = r["params"]
+        case = f"{p['hidden']} x {p['ffn']} x {p['tokens']} ({p['activation']})"
+        if r.get("ms") is None:
+            lines.append(f"| {case} | {r['variant']} | error: {r.get('error', '')[:80]} |||||||")
+            continue
+        lines.append(
+            f"| {case} | {r['variant']} | {r['ms']:.3f} | {_f(r['tflops'], '.0f')} | "
+            f"{_f(r['speedup_vs_bf16'], '.2f')}x | {_f(r['speedup_vs_unfused_fp8'], '.2f')}x | "
+            f"{r['fp8_gemm_count']}/{r['gemm_count']} | {r['kernels']} | {r['saved_act_mb']:.1f} | "
+            f"{_f(r['peak_mem_mb'], '.0f')} |")
+    return "\n".join(lines)
+
+
+RECORD_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops",
+                 "speedup_vs_bf16", "speedup_vs_unfused_fp8", "fp8_gemms", "kernels", "saved_act_mb", "peak_mem_mb")
+
+
+def main(argv=None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny CPU-sized cases, 2 iters; writes no records")
+    p.add_argument("--cases", nargs="+", type=parse_case, metavar="H,F,T[,ACT]")
+    p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v], default=list(VARIANTS))
+    p.add_argument("--iters", type=int)
+    p.add_argument("--reps", type=int)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    cases = args.cases or (QUICK_CASES if args.quick else DEFAULT_CASES)
+    iters, reps = args.iters or (2 if args.quick else 10), args.reps or (2 if args.quick else 5)
+    config = fp8jax.Fp8Config(selective=False) if args.quick else fp8jax.Fp8Config()
+    meta = linear.run_meta(argv)
+    meta.update(bench="mlp", command=" ".join([COMMAND_PREFIX, *map(shlex.quote, argv)]))
+    record = not args.quick and jax.devices()[0].platform == "gpu"
+    rows = []
+    for case in cases:
+        case_rows = run_case(case, args.variants, iters, reps, meta, config=config)
+        print(markdown_table(case_rows), flush=True)
+        rows += case_rows
+        if record:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "a") as f:
+                for r in case_rows:
+                    if r.get("ms") is not None:
+                        f.write(json.dumps({k: r.get(k) for k in RECORD_FIELDS}) + "\n")
+    print("\n" + markdown_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
