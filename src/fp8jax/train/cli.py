@@ -1,0 +1,443 @@
+"""``fp8jax-train``: train a byte-level decoder-only transformer in bf16 or FP8.
+
+    fp8jax-train                          # tiny preset, FP8 vs bf16 (--compare), CPU-sized
+    fp8jax-train --preset 1b --precision fp8 --out runs/1b
+    fp8jax-train --data my_corpus.txt --steps 2000 --dim 512 --layers 8
+    fp8jax-train --out runs/tiny --resume # continue from the newest checkpoint
+
+Writes to ``--out``: ``loss.png`` (loss curves), ``metrics.csv`` / ``metrics.json``,
+``summary.md`` (the table printed at the end), and orbax checkpoints under
+``ckpt-<precision>/`` every ``--checkpoint-every`` steps and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..config import Fp8Config
+from ..convert import fp8_linear_layers
+from ..grad_overwrite import optax_step, trainable
+from .data import load_corpus
+from .model import ModelConfig, Transformer, cast_for_compute
+
+PRESETS = {
+    # CPU: a few minutes on 2 cores for both precisions. FP8 everywhere (the size
+    # policy would skip layers this small, leaving nothing to compare).
+    "tiny": dict(model=ModelConfig(dim=128, layers=2, heads=4, kv_heads=4, ffn=384, seq=128), batch=16,
+                 steps=300, lr=3e-3, warmup=30, eval_every=50, checkpoint_every=100, selective=False),
+    "350m": dict(model=ModelConfig(dim=1024, layers=24, heads=8, kv_heads=8, ffn=3072, seq=2048), batch=8,
+                 steps=1000, lr=6e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=True),
+    "1b": dict(model=ModelConfig(dim=2048, layers=16, heads=16, kv_heads=8, ffn=8192, seq=2048), batch=8,
+               steps=1000, lr=3e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=True),
+}
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
+RECORD_COMMAND = "fp8jax-train"
+
+
+# ----------------------------------------------------------------------------- setup
+@dataclasses.dataclass
+class RunConfig:
+    model: ModelConfig
+    batch: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_every: int
+    checkpoint_every: int
+    selective: bool
+    eval_batches: int = 8
+    seed: int = 0
+    scaling: str = "delayed"
+
+
+def fp8_config(run: RunConfig) -> Fp8Config:
+    """FP8 for the linears inside the blocks; embedding and LM head stay bf16 (as in TE)."""
+    return Fp8Config(scaling=run.scaling, selective=run.selective, targets=r"blocks\..*", on_unsupported="silent")
+
+
+def build_model(run: RunConfig, precision: str):
+    model = Transformer(run.model, key=jax.random.PRNGKey(run.seed))
+    if precision == "fp8":
+        model = fp8_linear_layers(model, fp8_config(run))
+    return model
+
+
+def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, run.lr, max(run.warmup, 1), max(run.steps, run.warmup + 1),
+                                                  end_value=run.lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0))
+
+
+def compute_dtype() -> jnp.dtype:
+    return jnp.bfloat16
+
+
+def _loss(model, batch):
+    logits = cast_for_compute(model, compute_dtype())(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+class Trainer:
+    """Jitted train and eval steps for one model/optimizer (compiled once; the compiled
+    step also gives the memory analysis)."""
+
+    def __init__(self, model, optimizer):
+        self.params, self.static = eqx.partition(model, eqx.is_array)
+        # Distinct buffers for every leaf (FP8 state may share its initial arrays), so
+        # that the step can donate them.
+        self.params = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), self.params)
+        self.optimizer = optimizer
+        self.opt_state = optimizer.init(trainable(model))
+        static = self.static
+
+        def train_step(params, opt_state, batch):
+            model = eqx.combine(params, static)
+            loss, grads = eqx.filter_value_and_grad(_loss)(model, batch)
+            model, opt_state = optax_step(optimizer, model, grads, opt_state)
+            return eqx.filter(model, eqx.is_array), opt_state, loss
+
+        self._train = jax.jit(train_step, donate_argnums=(0, 1))
+        self._eval = jax.jit(lambda params, batch: _loss(eqx.combine(params, static), batch))
+        self.compiled = None
+
+    def step(self, batch):
+        if self.compiled is None:
+            self.compiled = self._train.lower(self.params, self.opt_state, batch).compile()
+        self.params, self.opt_state, loss = self.compiled(self.params, self.opt_state, batch)
+        return loss
+
+    def eval(self, batches) -> float:
+        return float(np.mean([float(self._eval(self.params, b)) for b in batches]))
+
+    def peak_mem_mb(self) -> float | None:
+        try:
+            stats = self.compiled.memory_analysis()
+            return (stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2**20
+        except Exception:
+            return None
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _manager(out: Path, precision: str):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        (out / f"ckpt-{precision}").resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def save_checkpoint(out: Path, precision: str, step: int, trainer: Trainer, history: list[dict]) -> None:
+    import orbax.checkpoint as ocp
+
+    mngr = _manager(out, precision)
+    if step in mngr.all_steps():  # e.g. interrupted right after a scheduled save
+        return
+    mngr.save(step, args=ocp.args.StandardSave(dict(params=trainer.params, opt_state=trainer.opt_state)), force=True)
+    mngr.wait_until_finished()
+    (out / f"history-{precision}.json").write_text(json.dumps(history))
+
+
+def restore_checkpoint(out: Path, precision: str, trainer: Trainer) -> tuple[int, list[dict]]:
+    """Restore the newest checkpoint into ``trainer``; returns (step, metric history)."""
+    import orbax.checkpoint as ocp
+
+    mngr = _manager(out, precision)
+    step = mngr.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / f'ckpt-{precision}'}")
+    target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
+                                    dict(params=trainer.params, opt_state=trainer.opt_state))
+    restored = mngr.restore(step, args=ocp.args.StandardRestore(target))
+    trainer.params, trainer.opt_state = restored["params"], restored["opt_state"]
+    path = out / f"history-{precision}.json"
+    history = [h for h in json.loads(path.read_text()) if h["step"] <= step] if path.exists() else []
+    return step, history
+
+
+# ----------------------------------------------------------------------------- progress
+def _peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
+
+
+class Progress:
+    """A one-line progress bar on stderr: step, loss, tokens/s and (on GPU) MFU."""
+
+    def __init__(self, total: int, label: str, quiet: bool = False):
+        self.total, self.label, self.quiet = total, label, quiet
+        self.tty = sys.stderr.isatty()
+        self.last_print = 0.0
+
+    def update(self, step: int, loss: float, tokens_per_s: float | None, mfu: float | None, val: float | None):
+        if self.quiet:
+            return
+        now = time.perf_counter()
+        final = step == self.total
+        if not final and now - self.last_print < (0.2 if self.tty else 10.0):
+            return
+        self.last_print = now
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        parts = [f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {step}/{self.total}", f"loss {loss:.4f}"]
+        if val is not None:
+            parts.append(f"val {val:.4f}")
+        if tokens_per_s:
+            parts.append(f"{tokens_per_s / 1e3:.1f}k tok/s")
+        if mfu is not None:
+            parts.append(f"MFU {100 * mfu:.1f}%")
+        line = " | ".join(parts)
+        sys.stderr.write(("\r" + line + " " * 4) if self.tty else line + "\n")
+        if final and self.tty:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- training
+def train(run: RunConfig, precision: str, corpus, out: Path, *, resume: bool = False, quiet: bool = False,
+          interrupt_at: int | None = None) -> dict:
+    """Train one precision; returns its result dict (``history`` holds per-step metrics).
+    ``interrupt_at`` simulates Ctrl-C at that step (for tests)."""
+    if not resume:  # a fresh run: older checkpoints of this precision would mix runs
+        shutil.rmtree(out / f"ckpt-{precision}", ignore_errors=True)
+    model = build_model(run, precision)
+    trainer = Trainer(model, make_optimizer(run))
+    start, history = (restore_checkpoint(out, precision, trainer) if resume else (0, []))
+    val_batches = corpus.val_batches(run.batch, run.model.seq, run.eval_batches)
+    tokens = run.batch * run.model.seq
+    peak = _peak_flops()
+    progress = Progress(run.steps, precision, quiet)
+    timed_tokens, timed_s, interrupted = 0, 0.0, False
+    step = start
+    try:
+        while step < run.steps:
+            if interrupt_at is not None and step == interrupt_at:
+                raise KeyboardInterrupt
+            batch = jnp.asarray(corpus.batch(run.seed, step, run.batch, run.model.seq))
+            t0 = time.perf_counter()
+            loss = float(trainer.step(batch))
+            dt = time.perf_counter() - t0
+            step += 1
+            if step - start > 2:  # the first steps compile and warm up
+                timed_tokens, timed_s = timed_tokens + tokens, timed_s + dt
+            tps = timed_tokens / timed_s if timed_s else None
+            mfu = tps * run.model.flops_per_token() / peak if (tps and peak) else None
+            entry = dict(step=step, loss=loss, tokens_per_s=tps, mfu=mfu)
+            if step % run.eval_every == 0 or step == run.steps:
+                entry["val_loss"] = trainer.eval(val_batches)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"{precision}: loss is {loss} at step {step}")
+            history.append(entry)
+            progress.update(step, loss, tps, mfu, entry.get("val_loss"))
+            if run.checkpoint_every and step % run.checkpoint_every == 0 and step < run.steps:
+                save_checkpoint(out, precision, step, trainer, history)
+    except KeyboardInterrupt:
+        interrupted = True
+        if trainer.compiled is not None or step > start:
+            save_checkpoint(out, precision, step, trainer, history)
+            print(f"\ninterrupted: checkpoint of step {step} written to {out / f'ckpt-{precision}'}; "
+                  f"continue with --resume", file=sys.stderr)
+    if not interrupted and run.checkpoint_every:  # --checkpoint-every 0: no checkpoints (benchmarks)
+        save_checkpoint(out, precision, step, trainer, history)
+    vals = [h["val_loss"] for h in history if "val_loss" in h]
+    tps = timed_tokens / timed_s if timed_s else None
+    return dict(precision=precision, steps=step, interrupted=interrupted, history=history,
+                final_loss=history[-1]["loss"] if history else None, val_loss=vals[-1] if vals else None,
+                tokens_per_s=tps, mfu=(tps * run.model.flops_per_token() / peak) if (tps and peak) else None,
+                peak_mem_mb=trainer.peak_mem_mb() if trainer.compiled is not None else None)
+
+
+# ----------------------------------------------------------------------------- reporting
+def summarize(results: dict[str, dict]) -> str:
+    """The markdown summary table (bf16 first; speedup and val-loss gap vs bf16)."""
+    base = results.get("bf16")
+    lines = ["| precision | steps | train loss | val loss | val gap vs bf16 | tokens/s | speedup | MFU | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in sorted(results, key=lambda n: n != "bf16"):
+        r = results[name]
+        gap = speed = None
+        if base and r["val_loss"] is not None and base["val_loss"]:
+            gap = (r["val_loss"] - base["val_loss"]) / base["val_loss"]
+        if base and r["tokens_per_s"] and base["tokens_per_s"]:
+            speed = r["tokens_per_s"] / base["tokens_per_s"]
+        r["val_loss_rel_gap"], r["speedup_vs_bf16"] = gap, speed
+        f = lambda v, s: "-" if v is None else format(v, s)  # noqa: E731
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        gap_s = "-" if gap is None else f"{100 * gap:+.2f}%"
+        speed_s = "-" if speed is None else f"{speed:.2f}x"
+        lines.append(f"| {name} | {r['steps']} | {f(r['final_loss'], '.4f')} | {f(r['val_loss'], '.4f')} | "
+                     f"{gap_s} | {f(r['tokens_per_s'], ',.0f')} | "
+                     f"{speed_s} | "
+                     f"{mfu} | {f(r['peak_mem_mb'], ',.0f')} |")
+    return "\n".join(lines)
+
+
+def write_metrics(results: dict[str, dict], out: Path, meta: dict) -> None:
+    with open(out / "metrics.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["precision", "step", "loss", "val_loss", "tokens_per_s", "mfu"])
+        for name, r in results.items():
+            for h in r["history"]:
+                w.writerow([name, h["step"], h["loss"], h.get("val_loss", ""), h.get("tokens_per_s") or "",
+                            h.get("mfu") or ""])
+    (out / "metrics.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+
+
+def plot(results: dict[str, dict], out: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot; pip install 'fp8jax[train]')", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, r in sorted(results.items()):
+        steps = np.array([h["step"] for h in r["history"]])
+        loss = np.array([h["loss"] for h in r["history"]])
+        ema, smooth = loss[0] if len(loss) else 0.0, []
+        for v in loss:
+            ema = 0.9 * ema + 0.1 * v
+            smooth.append(ema)
+        (line,) = ax.plot(steps, smooth, label=f"{name} train (EMA)", lw=1.2)
+        val = [(h["step"], h["val_loss"]) for h in r["history"] if "val_loss" in h]
+        if val:
+            ax.plot(*zip(*val, strict=True), "o--", color=line.get_color(), label=f"{name} val", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = out / "loss.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def to_records(results: dict[str, dict], run: RunConfig, preset: str, meta: dict) -> list[dict]:
+    """`benchmarks/results/train.jsonl` records (names from BENCHMARKS.md)."""
+    recs = []
+    for name, r in results.items():
+        recs.append(dict(bench="train", params=dict(preset=preset, seq=run.model.seq, steps=r["steps"],
+                                                    batch=run.batch), variant=name,
+                         device=meta["device"], date=meta["date"], jax=meta["jax"], command=meta["command"],
+                         ms=(run.batch * run.model.seq / r["tokens_per_s"] * 1e3) if r["tokens_per_s"] else None,
+                         tokens_per_s=r["tokens_per_s"], mfu=r["mfu"], val_loss=r["val_loss"],
+                         val_loss_rel_gap=r.get("val_loss_rel_gap"), speedup_vs_bf16=r.get("speedup_vs_bf16"),
+                         peak_mem_mb=r["peak_mem_mb"]))
+    return recs
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="fp8jax-train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--precision", choices=["bf16", "fp8"], default=None,
+                   help="train one precision (default: --compare both)")
+    p.add_argument("--compare", action="store_true", help="bf16 then fp8, same seed and data order (default)")
+    p.add_argument("--data", default=None, help="text file or directory (default: the Python stdlib sources)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    for name, typ in (("steps", int), ("batch", int), ("lr", float), ("warmup", int), ("eval-every", int),
+                      ("eval-batches", int), ("checkpoint-every", int), ("seed", int)):
+        p.add_argument(f"--{name}", type=typ, default=None)
+    for name in ("dim", "layers", "heads", "kv-heads", "ffn", "seq", "experts", "top-k"):
+        p.add_argument(f"--{name}", type=int, default=None, help="model size override")
+    p.add_argument("--scaling", choices=["delayed", "current"], default="delayed")
+    p.add_argument("--fp8-everywhere", action="store_true", help="turn the size policy off (FP8 on every block linear)")
+    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="corpus size cap")
+    p.add_argument("--record", type=Path, default=None, help="append benchmark records (JSON lines) here")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def run_config(args) -> RunConfig:
+    preset = dict(PRESETS[args.preset])
+    model = preset.pop("model")
+    overrides = {k: getattr(args, k) for k in ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts",
+                                               "top_k") if getattr(args, k) is not None}
+    model = dataclasses.replace(model, **overrides)
+    for k in ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every"):
+        if getattr(args, k) is not None:
+            preset[k] = getattr(args, k)
+    if args.fp8_everywhere:
+        preset["selective"] = False
+    run = RunConfig(model=model, scaling=args.scaling, **preset)
+    if args.eval_batches is not None:
+        run.eval_batches = args.eval_batches
+    if args.seed is not None:
+        run.seed = args.seed
+    return run
+
+
+def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> dict[str, dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    run = run_config(args)
+    precisions = [args.precision] if (args.precision and not args.compare) else ["bf16", "fp8"]
+    out = args.out or Path("runs") / args.preset
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+    device = jax.devices()[0]
+    meta = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                command=" ".join([RECORD_COMMAND, *map(shlex.quote, argv)]), preset=args.preset,
+                model=dataclasses.asdict(run.model), batch=run.batch, steps=run.steps, lr=run.lr,
+                corpus=dict(source=corpus.source, files=corpus.files, train_bytes=len(corpus.train),
+                            val_bytes=len(corpus.val)))
+    print(f"fp8jax-train: preset {args.preset}, {run.model.non_embedding_params() / 1e6:.1f}M params, "
+          f"{run.steps} steps x {run.batch} x {run.model.seq} tokens, on {device.device_kind}; corpus "
+          f"{corpus.source} ({corpus.files} files, {len(corpus.train) / 1e6:.1f} MB train)", flush=True)
+    results: dict[str, dict] = {}
+    # Results of the other precision from an earlier invocation into the same --out.
+    for name in ("bf16", "fp8"):
+        path = out / f"result-{name}.json"
+        if name not in precisions and path.exists():
+            results[name] = json.loads(path.read_text())
+    for precision in precisions:
+        done = out / f"result-{precision}.json"
+        if args.resume and done.exists():
+            previous = json.loads(done.read_text())
+            if previous["steps"] >= run.steps and not previous["interrupted"]:
+                results[precision] = previous  # finished before the interruption
+                continue
+        r = train(run, precision, corpus, out, resume=args.resume, quiet=args.quiet, interrupt_at=interrupt_at)
+        results[precision] = r
+        (out / f"result-{precision}.json").write_text(json.dumps(r))
+        if r["interrupted"]:
+            break
+    table = summarize(results)
+    (out / "summary.md").write_text(f"{meta['command']} on {meta['device']} ({meta['date']})\n\n{table}\n")
+    write_metrics(results, out, meta)
+    png = None if args.no_plot else plot(
+        results, out, f"{args.preset}: {run.model.non_embedding_params() / 1e6:.0f}M params, {meta['device']}")
+    if args.record:
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.record, "a") as f:
+            for rec in to_records(results, run, args.preset, meta):
+                f.write(json.dumps(rec) + "\n")
+    print("\n" + table)
+    print(f"\nwrote {out}/metrics.csv, metrics.json, summary.md" + (f", {png.name}" if png else ""))
+    return results
+
+
+if __name__ == "__main__":
+    main()

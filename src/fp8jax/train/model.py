@@ -1,0 +1,201 @@
+"""A decoder-only transformer in plain equinox: RMSNorm, rotary attention (GQA),
+SwiGLU MLP (`fp8jax.nn.FusedMLP`) or a top-k MoE, layers stacked and run with
+``jax.lax.scan``. Byte-level (vocabulary 256). FP8 is applied from outside with
+`fp8jax.fp8_linear_layers`, like a user would."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ..dot_general import Fp8DotGeneral
+from ..nn.linear import Linear as Fp8Linear
+from ..nn.mlp import FusedMLP, normalize
+
+VOCAB = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    dim: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    ffn: int = 384
+    seq: int = 128
+    experts: int = 0  # 0: dense SwiGLU MLP; >0: MoE with this many experts
+    top_k: int = 2
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        if self.dim % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"dim ({self.dim}) must divide by heads ({self.heads}) and heads by kv_heads "
+                             f"({self.kv_heads})")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def non_embedding_params(self) -> int:
+        kv = self.kv_heads * self.head_dim
+        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
+        mlp = 3 * self.dim * self.ffn * max(1, self.experts)
+        return self.layers * (attn + mlp + 2 * self.dim)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (6N for the GEMMs of active params + attention),
+        as in the PaLM MFU definition (causal attention counted in full)."""
+        kv = self.kv_heads * self.head_dim
+        active_mlp = 3 * self.dim * self.ffn * (self.top_k if self.experts else 1)
+        dense = self.layers * (self.dim * (self.dim + 2 * kv) + self.dim * self.dim + active_mlp)
+        dense += self.dim * VOCAB
+        return 6 * dense + 12 * self.layers * self.dim * self.seq
+
+
+def _rope(x: Float[Array, "T H D"], base: float) -> Float[Array, "T H D"]:
+    t, _, d = x.shape
+    inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def _linear(layer, x):
+    """``eqx.nn.Linear`` or `fp8jax.nn.Linear` on ``x: [..., in]``."""
+    if isinstance(layer, Fp8Linear):
+        return layer(x)
+    y = x @ layer.weight.T.astype(x.dtype)
+    return y if layer.bias is None else y + layer.bias.astype(y.dtype)
+
+
+class Attention(eqx.Module):
+    norm: Float[Array, " dim"]
+    q: eqx.nn.Linear
+    kv: eqx.nn.Linear
+    o: eqx.nn.Linear
+    cfg: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
+        kq, kkv, ko = jax.random.split(key, 3)
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.norm = jnp.ones((cfg.dim,))
+        self.q = eqx.nn.Linear(cfg.dim, cfg.dim, use_bias=False, key=kq)
+        self.kv = eqx.nn.Linear(cfg.dim, 2 * kv_dim, use_bias=False, key=kkv)
+        self.o = eqx.nn.Linear(cfg.dim, cfg.dim, use_bias=False, key=ko)
+        self.o = eqx.tree_at(lambda l: l.weight, self.o, self.o.weight / math.sqrt(2 * cfg.layers))
+        self.cfg = cfg
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
+        q = _linear(self.q, h).reshape(b, t, cfg.heads, cfg.head_dim)
+        k, v = jnp.split(_linear(self.kv, h).reshape(b, t, 2 * cfg.kv_heads, cfg.head_dim), 2, axis=2)
+        q, k = jax.vmap(_rope, in_axes=(0, None))(q, cfg.rope_base), jax.vmap(_rope, in_axes=(0, None))(
+            k, cfg.rope_base)
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(q))
+        return x + _linear(self.o, attn.reshape(b, t, cfg.dim))
+
+
+def _attention_impl(q) -> str | None:
+    """cuDNN flash attention on GPU for bf16/fp16 and supported head dims, else XLA."""
+    ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)
+    return "cudnn" if ok and jax.devices()[0].platform == "gpu" else None
+
+
+class MoE(eqx.Module):
+    """Top-k MoE (softmax router, renormalized top-k gates) with dense dispatch (every expert sees every token, weighted by its
+    gate; zero gate for unrouted tokens). Simple and exact; O(experts) compute, so for
+    small models. Experts are SwiGLU MLPs stacked with ``eqx.filter_vmap``."""
+
+    norm: Float[Array, " dim"]
+    router: eqx.nn.Linear
+    experts: FusedMLP
+    cfg: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
+        kr, ke = jax.random.split(key)
+        self.norm = jnp.ones((cfg.dim,))
+        self.router = eqx.nn.Linear(cfg.dim, cfg.experts, use_bias=False, key=kr)
+        make = lambda k: FusedMLP(cfg.dim, cfg.ffn, activation="swiglu", norm="rmsnorm",  # noqa: E731
+                                  fp8=False, fused=False, key=k)
+        self.experts = eqx.filter_vmap(make)(jax.random.split(ke, cfg.experts))
+        self.cfg = cfg
+
+    def __call__(self, x):
+        h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
+        logits = _linear(self.router, h).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_p, top_i = jax.lax.top_k(probs, self.cfg.top_k)
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        gates = jnp.sum(jax.nn.one_hot(top_i, self.cfg.experts) * top_p[..., None], axis=-2)  # [B, T, E]
+        params, static = eqx.partition(self.experts, eqx.is_array)
+        outs = jax.vmap(lambda p: eqx.combine(p, static)(x))(params)  # [E, B, T, C]; each expert norms x
+        y = jnp.einsum("ebtc,bte->btc", outs.astype(jnp.float32), gates).astype(x.dtype)
+        return x + y
+
+
+class Block(eqx.Module):
+    attn: Attention
+    mlp: FusedMLP | MoE
+
+    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.attn = Attention(cfg, key=ka)
+        if cfg.experts:
+            self.mlp = MoE(cfg, key=km)
+        else:
+            mlp = FusedMLP(cfg.dim, cfg.ffn, activation="swiglu", norm="rmsnorm", residual=True, fp8=False,
+                           key=km)
+            self.mlp = eqx.tree_at(lambda m: m.fc2.weight, mlp, mlp.fc2.weight / math.sqrt(2 * cfg.layers))
+
+    def __call__(self, x):
+        return self.mlp(self.attn(x))
+
+
+class Transformer(eqx.Module):
+    embed: Float[Array, "vocab dim"]
+    blocks: Block  # stacked: every array has a leading [layers] dim
+    norm: Float[Array, " dim"]
+    head: eqx.nn.Linear
+    cfg: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
+        ke, kb, kh = jax.random.split(key, 3)
+        self.embed = jax.random.normal(ke, (VOCAB, cfg.dim)) * 0.02
+        self.blocks = eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kb, cfg.layers))
+        self.norm = jnp.ones((cfg.dim,))
+        self.head = eqx.nn.Linear(cfg.dim, VOCAB, use_bias=False, key=kh)
+        self.cfg = cfg
+
+    def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
+        x = self.embed[tokens]
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def layer(x, p):
+            return eqx.combine(p, static)(x), None
+
+        x, _ = jax.lax.scan(layer, x, params)
+        x = normalize(x, self.norm, None, "rmsnorm", 1e-5)
+        return _linear(self.head, x).astype(jnp.float32)
+
+
+def cast_for_compute(model, dtype):
+    """Floating parameters in ``dtype`` for the forward (f32 master copies stay in the
+    optimizer); FP8 scaling state is left in float32."""
+    def cast(x):
+        if isinstance(x, Fp8DotGeneral):
+            return x
+        if eqx.is_inexact_array(x):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, model, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
