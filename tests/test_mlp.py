@@ -56,9 +56,12 @@ def _grad_ref(mlp, x, c):
         mlp.fc1.to_linear(), mlp.fc2.to_linear(), activation=mlp.activation, fp8=False, fused=False)
     ref = eqx.tree_at(lambda m: (m.norm_weight, m.norm_bias), ref, (mlp.norm_weight, mlp.norm_bias),
                       is_leaf=lambda v: v is None)
-    # The float64 forward oracle checks this float32 reference block too.
-    np.testing.assert_allclose(ref(x), _reference(_params(mlp), x, mlp.norm, mlp.activation), rtol=1e-4, atol=1e-5)
-    return _grads(ref, x, c)
+    # Full float32 matmuls (a GPU would use TF32 by default); the float64 forward
+    # oracle checks this float32 reference block too.
+    with jax.default_matmul_precision("float32"):
+        np.testing.assert_allclose(ref(x), _reference(_params(mlp), x, mlp.norm, mlp.activation), rtol=1e-4,
+                                   atol=1e-5)
+        return _grads(ref, x, c)
 
 
 def _mlp(key, activation, norm, **kw):

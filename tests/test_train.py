@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,6 +17,9 @@ def _losses(result):
     return [h["loss"] for h in result["history"]]
 
 
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu",
+                    reason="two identical GPU runs already differ (nondeterministic XLA reductions): bit-for-bit "
+                           "resume is checked on CPU")
 def test_resume_is_bit_for_bit_and_ctrl_c_checkpoints(tmp_path):
     args = SMALL + ["--precision", "fp8", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "3",
                     "--no-plot"]
