@@ -178,14 +178,18 @@ def fp8jax_builder(config: fp8jax.Fp8Config) -> Callable[..., Step]:
         if not report.converted:
             note = "layer skipped by policy, runs bf16: " + "; ".join(report.skipped.values())
         params, static = eqx.partition(model, eqx.is_array)
-        step = Step(_eqx_grad_fn(static), params, note)
-        _, (param_grads, _) = jax.block_until_ready(step.jitted(params, x, g))
-        overwrites, _ = fp8jax.partition_for_grad_overwrite(param_grads)
-        model = fp8jax.apply_updates(model, None, overwrites)
-        step.params, _ = eqx.partition(model, eqx.is_array)
-        return step
+        return calibrate(Step(_eqx_grad_fn(static), params, note), model, x, g)
 
     return build
+
+
+def calibrate(step: Step, model, x, g) -> Step:
+    """Run ``step`` once and write the FP8 state it returns into ``step.params`` (so the
+    timed steps use calibrated delayed scales)."""
+    _, (param_grads, _) = jax.block_until_ready(step.jitted(step.params, x, g))
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(param_grads)
+    step.params, _ = eqx.partition(fp8jax.apply_updates(model, None, overwrites), eqx.is_array)
+    return step
 
 
 def _flax_fp8_ops():

@@ -75,11 +75,7 @@ def make_step(block, x, g) -> linear.Step:
         return linear.projection_loss(eqx.combine(params, static)(x), g)
 
     step = linear.Step(jax.value_and_grad(loss, argnums=(0, 1)), params)
-    if fp8jax.fp8_state(block):
-        _, (param_grads, _) = jax.block_until_ready(step.jitted(params, x, g))
-        overwrites, _ = fp8jax.partition_for_grad_overwrite(param_grads)
-        step.params, _ = eqx.partition(fp8jax.apply_updates(block, None, overwrites), eqx.is_array)
-    return step
+    return linear.calibrate(step, block, x, g) if fp8jax.fp8_state(block) else step
 
 
 def saved_activation_mb(block, x) -> float:

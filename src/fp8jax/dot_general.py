@@ -22,18 +22,25 @@ class OverwriteWithGradient(eqx.Module):
 
 
 def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = ()) -> dict[str, Array]:
-    ones = jnp.ones(stack_shape + (1,), jnp.float32)
-    zeros_hist = jnp.zeros(stack_shape + (config.history_length,), jnp.float32)
-    zero = jnp.zeros(stack_shape + (1,), jnp.float32)
+    # A fresh buffer per field: shared ones could not be donated to a jitted step.
+    def ones():
+        return jnp.ones(stack_shape + (1,), jnp.float32)
+
+    def zeros_hist():
+        return jnp.zeros(stack_shape + (config.history_length,), jnp.float32)
+
+    def zero():
+        return jnp.zeros(stack_shape + (1,), jnp.float32)
+
     return dict(
-        input_scale=ones,
-        kernel_scale=ones,
-        output_grad_scale=ones,
-        input_amax_history=zeros_hist,
-        kernel_amax_history=zeros_hist,
-        output_grad_amax_history=zeros_hist,
-        history_index=zero,
-        nonfinite_count=zero,
+        input_scale=ones(),
+        kernel_scale=ones(),
+        output_grad_scale=ones(),
+        input_amax_history=zeros_hist(),
+        kernel_amax_history=zeros_hist(),
+        output_grad_amax_history=zeros_hist(),
+        history_index=zero(),
+        nonfinite_count=zero(),
     )
 
 

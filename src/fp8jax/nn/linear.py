@@ -78,3 +78,11 @@ class Linear(eqx.Module):
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype)
         return y
+
+
+def apply_linear(layer: "Linear | eqx.nn.Linear", x: Array) -> Array:
+    """An fp8jax or eqx linear on ``x: [..., in]`` (``eqx.nn.Linear`` takes one vector)."""
+    if isinstance(layer, Linear):
+        return layer(x)
+    y = jnp.einsum("...i,oi->...o", x, layer.weight.astype(x.dtype))
+    return y if layer.bias is None else y + layer.bias.astype(y.dtype)

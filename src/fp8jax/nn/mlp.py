@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import _dot
 from ..config import Fp8Config
-from .linear import Linear
+from .linear import Linear, apply_linear
 
 F32 = jnp.float32
 FC1_OUT = "fp8jax_mlp_fc1_out"
@@ -86,14 +86,6 @@ def normalize(x: Array, weight: Array | None, bias: Array | None, kind: str, eps
     if bias is not None:
         y = y + bias.astype(F32)
     return y.astype(x.dtype)
-
-
-def _apply_linear(layer, x: Array) -> Array:
-    """An fp8jax or eqx linear on ``x: [..., in]``."""
-    if isinstance(layer, Linear):
-        return layer(x)
-    y = jnp.einsum("...i,oi->...o", x, layer.weight.astype(x.dtype))
-    return y if layer.bias is None else y + layer.bias.astype(y.dtype)
 
 
 def _fp8_state_leaf(layer):
@@ -190,9 +182,9 @@ class FusedMLP(eqx.Module):
     # ------------------------------------------------------------------ math
     def _unfused(self, x):
         normed = normalize(x, self.norm_weight, self.norm_bias, self.norm, self.eps, self.zero_centered_gamma)
-        fc1_out = _apply_linear(self.fc1, normed)
+        fc1_out = apply_linear(self.fc1, normed)
         act = activate(checkpoint_name(fc1_out, FC1_OUT), self.activation)
-        y = _apply_linear(self.fc2, act)
+        y = apply_linear(self.fc2, act)
         if self.residual:
             y = y + x.astype(y.dtype)
         return y, dict(normed=normed, fc1_out=fc1_out, activation=act)

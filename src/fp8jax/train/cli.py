@@ -99,9 +99,6 @@ class Trainer:
 
     def __init__(self, model, optimizer):
         self.params, self.static = eqx.partition(model, eqx.is_array)
-        # Distinct buffers for every leaf (FP8 state may share its initial arrays), so
-        # that the step can donate them.
-        self.params = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), self.params)
         self.optimizer = optimizer
         self.opt_state = optimizer.init(trainable(model))
         static = self.static

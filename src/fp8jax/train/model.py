@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..dot_general import Fp8DotGeneral
-from ..nn.linear import Linear as Fp8Linear
+from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
 
 VOCAB = 256
@@ -68,14 +68,6 @@ def _rope(x: Float[Array, "T H D"], base: float) -> Float[Array, "T H D"]:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
-def _linear(layer, x):
-    """``eqx.nn.Linear`` or `fp8jax.nn.Linear` on ``x: [..., in]``."""
-    if isinstance(layer, Fp8Linear):
-        return layer(x)
-    y = x @ layer.weight.T.astype(x.dtype)
-    return y if layer.bias is None else y + layer.bias.astype(y.dtype)
-
-
 class Attention(eqx.Module):
     norm: Float[Array, " dim"]
     q: eqx.nn.Linear
@@ -97,12 +89,12 @@ class Attention(eqx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        q = _linear(self.q, h).reshape(b, t, cfg.heads, cfg.head_dim)
-        k, v = jnp.split(_linear(self.kv, h).reshape(b, t, 2 * cfg.kv_heads, cfg.head_dim), 2, axis=2)
+        q = apply_linear(self.q, h).reshape(b, t, cfg.heads, cfg.head_dim)
+        k, v = jnp.split(apply_linear(self.kv, h).reshape(b, t, 2 * cfg.kv_heads, cfg.head_dim), 2, axis=2)
         q, k = jax.vmap(_rope, in_axes=(0, None))(q, cfg.rope_base), jax.vmap(_rope, in_axes=(0, None))(
             k, cfg.rope_base)
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(q))
-        return x + _linear(self.o, attn.reshape(b, t, cfg.dim))
+        return x + apply_linear(self.o, attn.reshape(b, t, cfg.dim))
 
 
 def _attention_impl(q) -> str | None:
@@ -132,7 +124,7 @@ class MoE(eqx.Module):
 
     def __call__(self, x):
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        logits = _linear(self.router, h).astype(jnp.float32)
+        logits = apply_linear(self.router, h).astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, top_i = jax.lax.top_k(probs, self.cfg.top_k)
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
@@ -185,7 +177,7 @@ class Transformer(eqx.Module):
 
         x, _ = jax.lax.scan(layer, x, params)
         x = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        return _linear(self.head, x).astype(jnp.float32)
+        return apply_linear(self.head, x).astype(jnp.float32)
 
 
 def cast_for_compute(model, dtype):
