@@ -40,3 +40,18 @@ def test_mlp_quick_runs_all_variants(tmp_path):
     saved = {(r["params"]["activation"], r["variant"]): r["saved_act_mb"] for r in rows}
     assert saved[("swiglu", "fp8jax-fused")] <= 0.75 * saved[("swiglu", "bf16-unfused")]
     assert not out.exists()
+
+
+def test_attention_quick_runs_all_variants(tmp_path):
+    from benchmarks import attention
+
+    out = tmp_path / "attention.jsonl"
+    rows = attention.main(["--quick", "--out", str(out)])
+    expected = sum(len(v) for v in attention.VARIANTS.values()) * len(attention.DIRECTIONS)
+    assert len(rows) == expected
+    for r in rows:
+        assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
+        assert r["ms"] > 0 and r["speedup_vs_bf16"] > 0
+    saved = {(r["params"]["level"], r["variant"]): r["saved_act_mb"] for r in rows if r["params"]["direction"] == "fwd"}
+    assert saved[("attention", "fp8jax-fp8_dpa")] < saved[("attention", "cudnn-bf16")]  # e4m3 residuals
+    assert not out.exists()

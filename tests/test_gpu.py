@@ -79,3 +79,112 @@ def test_fused_mlp_matches_reference_on_gpu(key):
         expected = ref(x)
     # 25.5-26 dB on CPU at width 64; 23.6 dB measured on the H100 at width 1024.
     assert sqnr_db(mlp(x), expected) >= 23.0
+
+
+# ----------------------------------------------------------------------------- attention
+def _attn_inputs(key, b, t, n, nk, h=128):
+    kq, kk, kv, kg = jax.random.split(key, 4)
+    return (normal(kq, (b, t, n, h), jnp.bfloat16), normal(kk, (b, t, nk, h), jnp.bfloat16),
+            normal(kv, (b, t, nk, h), jnp.bfloat16), normal(kg, (b, t, n, h), jnp.float32, scale=1e-3))
+
+
+def _attn_loss(attn, q, k, v, g):
+    return jnp.sum(attn(q, k, v).astype(jnp.float32) * g)
+
+
+def _calibrate(attn, q, k, v, g, steps=2):
+    from helpers import take_state
+
+    for _ in range(steps):
+        attn = take_state(attn, eqx.filter_grad(_attn_loss)(attn, q, k, v, g))
+    return attn
+
+
+def test_fp8_attention_runs_cudnn_fp8_kernels(key):
+    q, k, v, g = _attn_inputs(key, 2, 512, 8, 8)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True)
+
+    def step(attn, q, k, v):
+        return jax.grad(_attn_loss, argnums=(1, 2, 3))(attn, q, k, v, g)
+
+    report = fp8jax.fp8_gemm_report(step, attn, q, k, v)
+    fmha = [gm for gm in report.gemms if "fmha" in gm.target]
+    assert {gm.target for gm in fmha} == {"__cudnn$fmhaSoftmaxF8", "__cudnn$fmhaSoftmaxBackwardF8"}, report
+    assert all(gm.is_fp8 for gm in fmha), report
+
+
+@pytest.mark.parametrize("seq,heads,kv_heads,causal", [(256, 8, 8, True), (1024, 8, 2, True), (512, 4, 4, False)])
+def test_cudnn_fp8_attention_matches_float32(key, seq, heads, kv_heads, causal):
+    q, k, v, g = _attn_inputs(key, 2, seq, heads, kv_heads)
+    attn = _calibrate(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=causal), q, k, v, g)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+
+    def exact(q, k, v):
+        with jax.default_matmul_precision("float32"):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+    got = jax.grad(_attn_loss, argnums=(1, 2, 3))(attn, q, k, v, g)
+    want = jax.grad(lambda q, k, v: jnp.sum(exact(q, k, v) * g), argnums=(0, 1, 2))(*f32)
+    # The plain-JAX reference applies the same quantization with the same state.
+    reference = eqx.tree_at(lambda a: a.state, fp8jax.nn.DotProductAttention(
+        "fp8_dpa", is_causal=causal, backend="reference"), attn.state)
+    measured = {"out": sqnr_db(attn(q, k, v), exact(*f32)),
+                **{"d" + name: sqnr_db(a, b) for name, a, b in zip("qkv", got, want)},
+                "out_vs_reference": sqnr_db(attn(q, k, v), reference(q, k, v))}
+    assert min(v for k_, v in measured.items() if k_ != "out_vs_reference") >= 20.0, measured
+    assert measured["out_vs_reference"] >= 25.0, measured
+
+
+def test_cudnn_fp8_mha_train_step_is_all_fp8(key):
+    mha = fp8jax.nn.MultiHeadAttention(1024, 8, mode="fp8_mha", config=ALL, dtype=jnp.bfloat16, key=key)
+    x = normal(key, (2, 512, 1024), jnp.bfloat16)
+    c = normal(key, (2, 512, 1024), jnp.float32)
+    # 3 GEMMs per projection (cuBLASLt FP8 calls or XLA's FP8 GEMM fusions) + 2 cuDNN FP8 attention calls.
+    report = fp8jax.assert_fp8(_step, mha, x, c, expected=8)
+    assert sum("fmha" in gm.target for gm in report.gemms) == 2, report
+
+
+def test_cudnn_fp8_attention_limits(key):
+    q, k, v, g = _attn_inputs(key, 2, 256, 4, 4, h=64)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True)
+    with pytest.raises(ValueError, match="runs only head_dim=128"):
+        attn(q, k, v)
+    q, k, v, g = _attn_inputs(key, 2, 256, 4, 4)
+    with pytest.raises(ValueError, match="no padding mask"):
+        attn(q, k, v, query_seq_lengths=jnp.array([256, 100], jnp.int32))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        attn(q[:, :200], k[:, :200], v[:, :200])
+    # The reference backend runs what cuDNN cannot.
+    ref = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference")
+    assert ref(q[:, :200], k[:, :200], v[:, :200]).shape == (2, 200, 4, 128)
+
+
+def test_cudnn_fp8_attention_under_vmap(key):
+    q, k, v, g = _attn_inputs(key, 2, 256, 4, 4)
+    attn = _calibrate(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True), q, k, v, g)
+    assert sqnr_db(jax.vmap(attn)(q, k, v), attn(q, k, v)) >= 40.0
+
+
+def test_cudnn_fp8_backward_scale_operands_have_their_roles(key):
+    """Doubling one scale doubles exactly the outputs it should (guards the operand
+    order of the private primitive, see fp8jax._cudnn_attention.BWD_OPERAND_ROLES)."""
+    from fp8jax import _cudnn_attention as cu
+
+    e4m3 = jnp.float8_e4m3fn
+    q8, k8, v8, do8 = (normal(k_, (1, 256, 2, 128)).astype(e4m3) for k_ in jax.random.split(key, 4))
+    one = jnp.float32(1.0)
+    fwd = {n: one for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
+    o8, _, _, stats = cu.forward(q8, k8, v8, **fwd, softmax_scale=0.0625, causal=False, training=True)
+
+    def grads(**override):
+        scales = {n: one for n in cu.BWD_OPERAND_ROLES}
+        scales.update({n: jnp.float32(v) for n, v in override.items()})
+        out = cu.backward(q8, k8, v8, o8, do8, stats, **scales, softmax_scale=0.0625, causal=False)
+        return [float(jnp.mean(jnp.abs(x.astype(jnp.float32)))) for x in out[:3]]
+
+    base = grads()
+    for name, doubled in [("scale_dq", {0}), ("scale_dk", {1}), ("scale_dv", {2}), ("descale_do", {0, 1, 2}),
+                          ("descale_dp", {0, 1}), ("scale_dp", {0, 1}), ("descale_s", {2}), ("scale_s", {2})]:
+        ratios = [g / b for g, b in zip(grads(**{name: 2.0}), base)]
+        for i, ratio in enumerate(ratios):
+            assert abs(ratio - (2.0 if i in doubled else 1.0)) < 0.1, (name, ratios)

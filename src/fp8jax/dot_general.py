@@ -20,6 +20,11 @@ class OverwriteWithGradient(eqx.Module):
     its new value (haliax's convention). `partition_for_grad_overwrite` pulls these
     out of the gradients; `apply_updates` writes them back."""
 
+    def ran_mask(self) -> Array | None:
+        """``[*stack, 1]`` bools: which (stacked) states hold a new value in a gradient
+        (a state that did not run gets all-zero "gradients"); None: all of them."""
+        return None
+
 
 def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = ()) -> dict[str, Array]:
     # A fresh buffer per field: shared ones could not be donated to a jitted step.
@@ -73,6 +78,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
         self.config = config
 
     # ------------------------------------------------------------------ inspection
+    def ran_mask(self) -> Array:
+        return self.input_scale > 0  # a scale is never 0
+
     def state(self) -> tuple[Array, ...]:
         return tuple(getattr(self, name) for name in _dot.STATE_FIELDS)
 

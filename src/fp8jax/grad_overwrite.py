@@ -42,13 +42,14 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
     new_leaves = jax.tree_util.tree_leaves(new)
     if len(old_leaves) != len(new_leaves):
         raise ValueError("apply_updates: overwrite structure does not match the model's FP8 state.")
-    ran = None
-    if hasattr(new, "input_scale"):
-        ran = jnp.asarray(new.input_scale) > 0  # [*stack, 1]
+    ran = new.ran_mask()  # [*stack, 1] or None
     merged = []
     for o, n in zip(old_leaves, new_leaves, strict=True):
         n = jnp.asarray(n).astype(jnp.asarray(o).dtype)
-        merged.append(n if ran is None else jnp.where(ran, n, o))
+        if ran is not None:
+            stack = ran.ndim - 1
+            n = jnp.where(ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack)), n, o)
+        merged.append(n)
     return jax.tree_util.tree_unflatten(treedef, merged)
 
 

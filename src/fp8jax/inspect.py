@@ -80,7 +80,7 @@ def parse_gemms(hlo_text: str) -> list[GemmInfo]:
             target = target_match.group(1) if target_match else ""
             if not (_GEMM_TARGET.search(target) or _OUR_KERNEL.search(target)):
                 continue
-            is_fp8 = "f8" in target or bool(_OUR_KERNEL.search(target)) or f8_operands >= 2
+            is_fp8 = "f8" in target.lower() or bool(_OUR_KERNEL.search(target)) or f8_operands >= 2
             gemms.append(GemmInfo(op, target, operands[:2], _element(shapes[name]), is_fp8, line[:300]))
         elif op in ("dot", "convolution"):
             gemms.append(GemmInfo(op, "", operands[:2], _element(shapes[name]), f8_operands >= 2, line[:300]))

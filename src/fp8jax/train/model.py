@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..dot_general import Fp8DotGeneral
+from ..dot_general import OverwriteWithGradient
 from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
 
@@ -184,10 +184,10 @@ def cast_for_compute(model, dtype):
     """Floating parameters in ``dtype`` for the forward (f32 master copies stay in the
     optimizer); FP8 scaling state is left in float32."""
     def cast(x):
-        if isinstance(x, Fp8DotGeneral):
+        if isinstance(x, OverwriteWithGradient):
             return x
         if eqx.is_inexact_array(x):
             return x.astype(dtype)
         return x
 
-    return jax.tree_util.tree_map(cast, model, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
+    return jax.tree_util.tree_map(cast, model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient))

@@ -1,0 +1,237 @@
+"""Benchmark: causal attention, forward and forward+backward, bf16 cuDNN vs FP8.
+
+Two levels, each timed in one process and one run:
+
+* ``attention`` (the core on BTNH q, k, v): ``cudnn-bf16`` (``jax.nn.dot_product_attention``,
+  cuDNN) vs ``fp8jax-fp8_dpa`` (`fp8jax.nn.dot_product_attention`, cuDNN FP8 with
+  bf16 in/out, the casts included);
+* ``mha`` (the `fp8jax.nn.MultiHeadAttention` block: QKV projection, rotary,
+  attention, output projection on ``x: [batch, seq, dim]``): ``cudnn-bf16`` (mode
+  bf16), ``fp8jax-fp8_dpa`` (FP8 core, bf16 projections) and ``fp8jax-fp8_mha``
+  (FP8 core and FP8 projections, FP8 handed between them).
+
+head_dim 128, 16 heads, batch = 32768 // seq (a fixed token count per step). The
+forward+backward loss is ``sum(out * G)`` (a fixed random projection) and is returned,
+so nothing is dead code. FP8 variants are calibrated (two state updates) before
+timing; inputs rotate among three sets so nothing sits in L2. Reports ms, TFLOP/s
+(causal FLOPs: 4·B·N·S²·D/2 forward, x3.5 forward+backward; projections added for
+``mha``), the ratio to bf16, whether the compiled program runs cuDNN's FP8 attention
+(``__cudnn$fmhaSoftmaxF8``), peak memory and the activations saved for the backward.
+
+    python -m benchmarks.attention            # seq 2048 ... 32768 (H100)
+    python -m benchmarks.attention --quick    # CPU smoke run (reference backend), writes nothing
+
+Records (GPU, not ``--quick``) go to ``benchmarks/results/attention.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import fp8jax
+from benchmarks import linear
+from fp8jax.nn import DotProductAttention, MultiHeadAttention
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+VARIANTS = {"attention": ("cudnn-bf16", "fp8jax-fp8_dpa"),
+            "mha": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8jax-fp8_mha")}
+MODE = {"cudnn-bf16": "bf16", "fp8jax-fp8_dpa": "fp8_dpa", "fp8jax-fp8_mha": "fp8_mha"}
+DIRECTIONS = ("fwd", "fwd+bwd")
+TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
+DEFAULT_SEQS = (2048, 4096, 8192, 16384, 32768)
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention.jsonl"
+COMMAND_PREFIX = "python -m benchmarks.attention"
+RECORD_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops",
+                 "speedup_vs_bf16", "fp8_gemms", "saved_act_mb", "peak_mem_mb")
+
+
+def case_params(seq: int, quick: bool) -> dict:
+    if quick:
+        return dict(seq=seq, batch=2, heads=4, kv_heads=2, head_dim=32)
+    return dict(seq=seq, batch=max(1, TOKENS // seq), heads=HEADS, kv_heads=HEADS, head_dim=HEAD_DIM)
+
+
+def flops(p: dict, level: str, direction: str) -> float:
+    b, s, n, k, d = p["batch"], p["seq"], p["heads"], p["kv_heads"], p["head_dim"]
+    fwd = 4 * b * n * s * s * d / 2
+    if level == "mha":
+        dim = n * d
+        fwd += 2 * b * s * dim * ((n + 2 * k) * d + dim)
+    return fwd * (3.5 if direction == "fwd+bwd" and level == "attention" else 3.0 if direction == "fwd+bwd" else 1.0)
+
+
+def build(level: str, variant: str, p: dict, key, backend: str):
+    """The module (a `DotProductAttention` or `MultiHeadAttention`) and its inputs' shapes."""
+    mode = MODE[variant]
+    if level == "attention":
+        module = DotProductAttention(mode, is_causal=True, backend=backend)
+        shapes = [(p["batch"], p["seq"], p["heads"], p["head_dim"])] + [
+            (p["batch"], p["seq"], p["kv_heads"], p["head_dim"])] * 2
+        return module, shapes
+    dim = p["heads"] * p["head_dim"]
+    module = MultiHeadAttention(dim, p["heads"], num_kv_heads=p["kv_heads"], mode=mode, backend=backend,
+                                config=fp8jax.Fp8Config(selective=False), dtype=BF16, key=key)
+    return module, [(p["batch"], p["seq"], dim)]
+
+
+def make_fns(module, direction: str):
+    """(jitted fn(params, inputs, g), params): forward output, or loss and gradients."""
+    params, static = eqx.partition(module, eqx.is_array)
+
+    def run(params, inputs):
+        return eqx.combine(params, static)(*inputs)
+
+    if direction == "fwd":
+        return jax.jit(lambda params, inputs, g: run(params, inputs)), params
+
+    def loss(params, inputs, g):
+        return linear.projection_loss(run(params, inputs), g)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params
+
+
+def _has_state(module) -> bool:
+    is_state = lambda x: isinstance(x, fp8jax.OverwriteWithGradient)  # noqa: E731
+    return any(is_state(x) for x in jax.tree_util.tree_leaves(module, is_leaf=is_state))
+
+
+def calibrate(module, inputs, g, steps: int = 2):
+    """Run the training step ``steps`` times writing the FP8 state back (delayed scales
+    of the gradients are unknown before the first backward)."""
+    if not _has_state(module):
+        return module
+    grad_fn = eqx.filter_jit(eqx.filter_grad(lambda m, inputs, g: linear.projection_loss(m(*inputs), g)))
+    for _ in range(steps):
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(grad_fn(module, inputs, g))
+        module = fp8jax.apply_updates(module, None, overwrites)
+    return module
+
+
+def time_fn(fn, params, input_sets, g, iters: int, reps: int) -> float:
+    out = fn(params, input_sets[0], g)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            out = fn(params, input_sets[i % len(input_sets)], g)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times) * 1e3
+
+
+def saved_activation_mb(module, inputs) -> float:
+    """MiB of the residuals ``jax.vjp`` keeps for the backward that have a sequence dim."""
+    params, static = eqx.partition(module, eqx.is_array)
+    res = jax.eval_shape(lambda p, i: jax.vjp(lambda p, i: eqx.combine(p, static)(*i), p, i)[1], params, inputs)
+    seq = inputs[0].shape[1]
+    return sum(r.size * r.dtype.itemsize for r in jax.tree_util.tree_leaves(res) if seq in r.shape) / 2**20
+
+
+def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, backend: str) -> list[dict]:
+    p = case_params(seq, quick)
+    rows = []
+    key = jax.random.PRNGKey(seq)
+    for level in levels:
+        for direction in DIRECTIONS:
+            for variant in VARIANTS[level]:
+                row = dict(meta, params=dict(p, level=level, direction=direction), variant=variant)
+                try:
+                    module, shapes = build(level, variant, p, key, backend)
+                    keys = jax.random.split(jax.random.PRNGKey(seq + 1), 3 * len(shapes) + 1)
+                    input_sets = [[jax.random.normal(keys[3 * j + i], s, BF16) for j, s in enumerate(shapes)]
+                                  for i in range(3)]
+                    g = jax.random.normal(keys[-1], shapes[0], BF16)
+                    module = calibrate(module, input_sets[0], g)
+                    fn, params = make_fns(module, direction)
+                    row["ms"] = time_fn(fn, params, input_sets, g, iters, reps)
+                    compiled = fn.lower(params, input_sets[0], g).compile()
+                    hlo = compiled.as_text()
+                    row["fp8_gemms"] = "fmhaSoftmaxF8" in hlo or ("fp8" in variant and not
+                                                                  jax.devices()[0].platform == "gpu")
+                    row["fp8_attention_kernel"] = "fmhaSoftmaxF8" in hlo
+                    try:
+                        stats = compiled.memory_analysis()
+                        row["peak_mem_mb"] = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                                              + stats.output_size_in_bytes) / 2**20
+                    except Exception:  # not every backend has it
+                        row["peak_mem_mb"] = None
+                    row["saved_act_mb"] = saved_activation_mb(module, input_sets[0])
+                except Exception as e:  # report and go on
+                    row.update(ms=None, error=f"{type(e).__name__}: {e}"[:400])
+                rows.append(row)
+    for r in rows:
+        base = next((b for b in rows if b["variant"] == "cudnn-bf16" and b["params"] == r["params"]), None)
+        ok = r.get("ms") is not None
+        r["tflops"] = flops(r["params"], r["params"]["level"], r["params"]["direction"]) / (r["ms"] * 1e-3) / 1e12 \
+            if ok else None
+        r["speedup_vs_bf16"] = base["ms"] / r["ms"] if ok and base and base.get("ms") else None
+    return rows
+
+
+def _f(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown_table(rows) -> str:
+    lines = ["| level | seq x batch | direction | variant | ms | TFLOP/s | vs bf16 | FP8 attention | saved act MiB "
+             "| peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["params"]
+        case = f"{p['level']} | {p['seq']} x {p['batch']} | {p['direction']}"
+        if r.get("ms") is None:
+            lines.append(f"| {case} | {r['variant']} | error: {r.get('error', '')[:100]} ||||||")
+            continue
+        lines.append(f"| {case} | {r['variant']} | {r['ms']:.3f} | {_f(r['tflops'], '.0f')} | "
+                     f"{_f(r['speedup_vs_bf16'], '.2f')}x | {'yes' if r['fp8_attention_kernel'] else 'no'} | "
+                     f"{r['saved_act_mb']:.0f} | {_f(r['peak_mem_mb'], '.0f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny CPU-sized cases (reference backend); no records")
+    ap.add_argument("--seqs", type=lambda s: [int(v) for v in s.split(",")], help="comma-separated sequence lengths")
+    ap.add_argument("--levels", type=lambda s: [v for v in s.split(",") if v], default=["attention", "mha"])
+    ap.add_argument("--iters", type=int)
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    for level in args.levels:
+        if level not in VARIANTS:
+            ap.error(f"unknown level {level!r}; choose from {', '.join(VARIANTS)}")
+    seqs = args.seqs or ([128] if args.quick else list(DEFAULT_SEQS))
+    iters, reps = args.iters or (2 if args.quick else 10), args.reps or (2 if args.quick else 5)
+    backend = "reference" if args.quick else "auto"
+    meta = linear.run_meta(argv)
+    meta.update(bench="attention", command=" ".join([COMMAND_PREFIX, *map(shlex.quote, argv)]))
+    record = not args.quick and jax.devices()[0].platform == "gpu"
+    rows = []
+    for seq in seqs:
+        case_rows = run_case(seq, args.levels, iters, reps, meta, args.quick, backend)
+        print(markdown_table(case_rows), flush=True)
+        rows += case_rows
+        if record:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "a") as f:
+                for r in case_rows:
+                    if r.get("ms") is not None:
+                        f.write(json.dumps({k: r.get(k) for k in RECORD_FIELDS}) + "\n")
+    print("\n" + markdown_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""FP8 attention: `dot_product_attention`, `DotProductAttention` and `MultiHeadAttention`.
+
+Modes (Transformer Engine's names):
+
+* ``"bf16"``: no FP8; cuDNN flash attention on GPU (``jax.nn.dot_product_attention``),
+  XLA elsewhere.
+* ``"fp8_dpa"``: the attention core runs in FP8: Q.K^T and P.V (and the four backward
+  GEMMs) are FP8 GEMMs inside cuDNN's FP8 flash attention. Inputs and output are in
+  the model's precision; the cast of Q, K, V to e4m3 and the dequantization of O
+  are elementwise passes that XLA fuses into their neighbours.
+* ``"fp8_mha"`` (`MultiHeadAttention` only; the same core as ``fp8_dpa`` for the bare
+  function): the QKV and output projections are FP8 GEMMs too, and the tensors
+  passed between the projections and the core stay FP8 in the compiled step: the
+  QKV projection's epilogue (+ rotary) writes Q, K, V in e4m3 and the output
+  projection reads O's e4m3 copy (the dequantize/requantize pair fuses into one
+  pass over FP8 data).
+
+FP8 tensors are e4m3 with per-tensor scales kept in an `Fp8AttentionState` (see
+`fp8jax._attention` for the ten tensors and which scaling each uses). Softmax and
+its statistics stay in float32. The state is updated through the gradient, so the
+usual `partition_for_grad_overwrite` / `apply_updates` step works unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .. import _attention
+from .. import _cudnn_attention as cudnn
+from .. import _dot
+from .. import _quant as qt
+from ..config import Fp8Config
+from ..dot_general import OverwriteWithGradient
+from .linear import Linear, apply_linear
+
+MODES = ("bf16", "fp8_dpa", "fp8_mha")
+BACKENDS = ("auto", "cudnn", "reference")
+TENSORS = _attention.TENSORS
+
+
+class Fp8AttentionState(OverwriteWithGradient):
+    """FP8 scaling state of one attention: for each tensor in `TENSORS` (q, k, v, s,
+    o, do, dp, dq, dk, dv) a dequantization scale and an amax ring buffer."""
+
+    scales: Float[Array, "*stack 10"]
+    amax_history: Float[Array, "*stack 10 history"]
+    history_index: Float[Array, "*stack 1"]
+    nonfinite_count: Float[Array, "*stack 1"]
+    config: Fp8Config = eqx.field(static=True)
+
+    def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
+        config = Fp8Config() if config is None else config
+        if not isinstance(config, Fp8Config):
+            raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
+        stack_shape = tuple(stack_shape)
+        self.scales = jnp.broadcast_to(jnp.asarray(_attention.INITIAL_SCALES, jnp.float32),
+                                       stack_shape + (len(TENSORS),)).copy()
+        self.amax_history = jnp.zeros(stack_shape + (len(TENSORS), config.history_length), jnp.float32)
+        self.history_index = jnp.zeros(stack_shape + (1,), jnp.float32)
+        self.nonfinite_count = jnp.zeros(stack_shape + (1,), jnp.float32)
+        self.config = config
+
+    def ran_mask(self) -> Array:
+        """[*stack, 1]: which (stacked) states a step produced (scales are never 0)."""
+        return self.scales[..., :1] > 0
+
+    def state(self) -> tuple[Array, ...]:
+        return (self.scales, self.amax_history, self.history_index, self.nonfinite_count)
+
+    def scale(self, tensor: str) -> Array:
+        """The scale last used for ``tensor`` (one of `TENSORS`)."""
+        return self.scales[..., _index(tensor)]
+
+    def ordered_amax_history(self, tensor: str) -> Array:
+        """``tensor``'s amax history, newest first."""
+        return qt.ordered_history(self.amax_history[_index(tensor)], self.history_index)
+
+
+def _index(tensor: str) -> int:
+    if tensor not in _attention.IDX:
+        raise ValueError(f"unknown attention tensor {tensor!r}; expected one of {TENSORS}")
+    return _attention.IDX[tensor]
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_inputs(query, key, value, mode, backend, lengths):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise ValueError(f"dot_product_attention expects BTNH arrays [batch, seq, heads, head_dim]; "
+                             f"{name} has shape {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < 2:
+            raise TypeError(f"{name} must be float16/bfloat16/float32, got {x.dtype} (shape {x.shape})")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
+    b, _, n, h = query.shape
+    if key.shape[0] != b or key.shape[3] != h:
+        raise ValueError(f"query {query.shape} and key {key.shape} must agree on batch and head_dim")
+    if n % key.shape[2]:
+        raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({key.shape[2]}) for GQA")
+    for name, x in lengths.items():
+        if x is None:
+            continue
+        if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an int array of shape ({b},), got {x.dtype}{list(x.shape)}")
+
+
+def _choose_backend(backend: str, query, key, has_lengths: bool) -> str:
+    ok, why = cudnn.availability()
+    if backend == "auto":
+        backend = "cudnn" if ok else "reference"
+    if backend == "cudnn":
+        if not ok:
+            raise RuntimeError(f"backend='cudnn' cannot run here: {why}. Use backend='reference' (plain JAX, slow).")
+        if has_lengths:
+            raise ValueError("cuDNN's FP8 attention has no padding mask: sequence lengths need mode='bf16' or "
+                             "backend='reference'.")
+        limit = cudnn.limits(query.shape[-1], query.shape[1], key.shape[1])
+        if limit:
+            raise ValueError(limit + ". Use mode='bf16' or backend='reference'.")
+    return backend
+
+
+def dot_product_attention(
+    query: Float[Array, "B T N H"],
+    key: Float[Array, "B S K H"],
+    value: Float[Array, "B S K H"],
+    state: Fp8AttentionState | None = None,
+    *,
+    mode: str = "fp8_dpa",
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_seq_lengths: Int[Array, " B"] | None = None,
+    key_value_seq_lengths: Int[Array, " B"] | None = None,
+    backend: str = "auto",
+) -> Float[Array, "B T N H"]:
+    """Scaled dot-product attention on BTNH arrays, in FP8 for ``mode="fp8_dpa"`` /
+    ``"fp8_mha"`` (``state`` required) or in the input precision for ``"bf16"``.
+
+    ``key``/``value`` may have fewer heads than ``query`` (grouped-query attention).
+    ``backend``: ``"cudnn"`` (Hopper; head_dim 128 with sequence lengths that are
+    multiples of 128), ``"reference"`` (plain JAX with the same quantization:
+    any size, on any device, materializes the [T, S] scores) or ``"auto"`` (cuDNN
+    where it can run). Sequence lengths (padding) work in ``"bf16"`` mode and on the
+    reference backend; cuDNN's FP8 kernel has no padding mask.
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    lengths = {"query_seq_lengths": query_seq_lengths, "key_value_seq_lengths": key_value_seq_lengths}
+    _check_inputs(query, key, value, mode, backend, lengths)
+    if mode == "bf16":
+        on_gpu = jax.devices()[0].platform == "gpu"
+        fast = on_gpu and backend != "reference" and query.dtype in (jnp.bfloat16, jnp.float16)
+        return jax.nn.dot_product_attention(
+            query, key, value, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, implementation="cudnn" if fast else None)
+    if not isinstance(state, Fp8AttentionState):
+        raise TypeError(f"mode={mode!r} needs an Fp8AttentionState (got {type(state).__name__}); "
+                        "keep one in your model, or use fp8jax.nn.DotProductAttention.")
+    if state.scales.ndim != 1:
+        raise ValueError(f"Fp8AttentionState has stack shape {state.scales.shape[:-1]}: run a stacked state one "
+                         "slice at a time (jax.lax.scan or eqx.filter_vmap).")
+    has_lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
+    chosen = _choose_backend(backend, query, key, has_lengths)
+    softmax_scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    key_leaf = state.amax_history
+    link = _dot.take_link(key_leaf)
+    spec = _attention.AttnSpec(state.config, chosen, bool(is_causal), softmax_scale, np.dtype(query.dtype),
+                               np.dtype(query.dtype), emit_state=link is None)
+    if link is None:
+        link = jnp.zeros((_attention.LINK_SIZE,), jnp.float32)
+    q_len = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths, jnp.int32)
+    kv_len = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths, jnp.int32)
+    out, link_out = _attention.fp8_attention(spec, query, key, value, q_len, kv_len, state.state(), link)
+    _dot.put_link(key_leaf, link_out)
+    return out
+
+
+class DotProductAttention(eqx.Module):
+    """`dot_product_attention` with its FP8 state: ``attn(q, k, v)`` on BTNH arrays, or
+    on TNH arrays (one example, e.g. under ``jax.vmap``)."""
+
+    state: Fp8AttentionState | None
+    mode: str = eqx.field(static=True)
+    is_causal: bool = eqx.field(static=True)
+    scale: float | None = eqx.field(static=True)
+    backend: str = eqx.field(static=True)
+
+    def __init__(self, mode: str = "fp8_dpa", *, is_causal: bool = False, scale: float | None = None,
+                 backend: str = "auto", config: Fp8Config | None = None, stack_shape: tuple[int, ...] = ()):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.state = None if mode == "bf16" else Fp8AttentionState(config, stack_shape=stack_shape)
+        self.mode, self.is_causal, self.scale, self.backend = mode, bool(is_causal), scale, backend
+
+    @jax.named_scope("fp8jax.nn.DotProductAttention")
+    def __call__(self, query, key, value, *, query_seq_lengths=None, key_value_seq_lengths=None):
+        single = jnp.ndim(query) == 3
+        if single:
+            query, key, value = query[None], key[None], value[None]
+            query_seq_lengths = None if query_seq_lengths is None else jnp.reshape(query_seq_lengths, (1,))
+            key_value_seq_lengths = None if key_value_seq_lengths is None else jnp.reshape(
+                key_value_seq_lengths, (1,))
+        out = dot_product_attention(
+            query, key, value, self.state, mode=self.mode, is_causal=self.is_causal, scale=self.scale,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths, backend=self.backend)
+        return out[0] if single else out
+
+
+def rotary(x: Float[Array, "*B T N H"], base: float = 10000.0, positions=None) -> Float[Array, "*B T N H"]:
+    """Rotary position embedding (GPT-NeoX half-split convention) over the T axis."""
+    *_, t, _, h = x.shape
+    if h % 2:
+        raise ValueError(f"rotary embedding needs an even head_dim, got {h}")
+    positions = jnp.arange(t, dtype=jnp.float32) if positions is None else jnp.asarray(positions, jnp.float32)
+    inv = 1.0 / (base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    angles = positions[:, None] * inv[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class MultiHeadAttention(eqx.Module):
+    """QKV projection (one fused GEMM) -> optional rotary -> attention -> output projection.
+
+    ``mode="fp8_mha"`` makes both projections FP8 `Linear`s and runs the core in FP8;
+    ``"fp8_dpa"`` runs only the core in FP8 (projections are ``eqx.nn.Linear``, which
+    `fp8jax.fp8_linear_layers` may still convert); ``"bf16"`` runs none in FP8.
+    Input ``[..., T, dim]`` (any leading dims, or one sequence under ``jax.vmap``).
+    """
+
+    qkv: Linear | eqx.nn.Linear
+    out: Linear | eqx.nn.Linear
+    attention: DotProductAttention
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    use_rotary: bool = eqx.field(static=True)
+    rope_base: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 mode: str = "fp8_mha", is_causal: bool = True, use_rotary: bool = True, rope_base: float = 10000.0,
+                 use_bias: bool = False, backend: str = "auto", config: Fp8Config | None = None, dtype=None,
+                 key: PRNGKeyArray):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim ({dim}) must divide by num_heads ({num_heads}), or pass head_dim")
+            head_dim = dim // num_heads
+        kqkv, kout = jax.random.split(key)
+        qkv_features = (num_heads + 2 * num_kv_heads) * head_dim
+        if mode == "fp8_mha":
+            self.qkv = Linear(dim, qkv_features, use_bias, dtype=dtype, config=config, key=kqkv)
+            self.out = Linear(num_heads * head_dim, dim, use_bias, dtype=dtype, config=config, key=kout)
+        else:
+            self.qkv = eqx.nn.Linear(dim, qkv_features, use_bias, dtype=dtype, key=kqkv)
+            self.out = eqx.nn.Linear(num_heads * head_dim, dim, use_bias, dtype=dtype, key=kout)
+        self.attention = DotProductAttention(mode, is_causal=is_causal, backend=backend, config=config)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.use_rotary, self.rope_base = bool(use_rotary), float(rope_base)
+
+    @jax.named_scope("fp8jax.nn.MultiHeadAttention")
+    def __call__(self, x: Float[Array, "*B T dim"], *, query_seq_lengths=None, key_value_seq_lengths=None,
+                 key: PRNGKeyArray | None = None) -> Float[Array, "*B T dim"]:
+        del key
+        x = jnp.asarray(x)
+        if x.ndim < 2:
+            raise ValueError(f"MultiHeadAttention expects [..., T, dim] inputs, got shape {x.shape}")
+        lead, t = x.shape[:-2], x.shape[-2]
+        xb = x.reshape((-1, t, x.shape[-1]))
+        n, nk, h = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = apply_linear(self.qkv, xb).reshape(xb.shape[0], t, n + 2 * nk, h)
+        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + nk], qkv[:, :, n + nk:]
+        if self.use_rotary:
+            q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
+        o = self.attention(q, k, v, query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+        y = apply_linear(self.out, o.reshape(xb.shape[0], t, n * h))
+        return y.reshape(lead + (t, y.shape[-1]))
