@@ -27,7 +27,6 @@ Records (GPU, not ``--quick``) go to ``benchmarks/results/attention.jsonl``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -131,14 +130,6 @@ def time_fn(fn, params, input_sets, g, iters: int, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def saved_activation_mb(module, inputs) -> float:
-    """MiB of the residuals ``jax.vjp`` keeps for the backward that have a sequence dim."""
-    params, static = eqx.partition(module, eqx.is_array)
-    res = jax.eval_shape(lambda p, i: jax.vjp(lambda p, i: eqx.combine(p, static)(*i), p, i)[1], params, inputs)
-    seq = inputs[0].shape[1]
-    return sum(r.size * r.dtype.itemsize for r in jax.tree_util.tree_leaves(res) if seq in r.shape) / 2**20
-
-
 def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, backend: str) -> list[dict]:
     p = case_params(seq, quick)
     rows = []
@@ -167,7 +158,7 @@ def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, b
                                               + stats.output_size_in_bytes) / 2**20
                     except Exception:  # not every backend has it
                         row["peak_mem_mb"] = None
-                    row["saved_act_mb"] = saved_activation_mb(module, input_sets[0])
+                    row["saved_act_mb"] = fp8jax.saved_activation_bytes(module, *input_sets[0], dim=seq) / 2**20
                 except Exception as e:  # report and go on
                     row.update(ms=None, error=f"{type(e).__name__}: {e}"[:400])
                 rows.append(row)
@@ -224,11 +215,7 @@ def main(argv=None) -> list[dict]:
         print(markdown_table(case_rows), flush=True)
         rows += case_rows
         if record:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            with open(args.out, "a") as f:
-                for r in case_rows:
-                    if r.get("ms") is not None:
-                        f.write(json.dumps({k: r.get(k) for k in RECORD_FIELDS}) + "\n")
+            linear.append_records(case_rows, args.out, RECORD_FIELDS)
     print("\n" + markdown_table(rows))
     return rows
 

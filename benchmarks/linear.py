@@ -423,14 +423,22 @@ def to_record(row: dict) -> dict:
     return rec
 
 
-def write_records(rows: list[dict], path: Path) -> int:
-    """Append the measured rows (errors left out) to ``path``; the number written."""
-    records = [to_record(r) for r in rows if r["ms"] is not None]
+def append_records(rows: list[dict], path: Path, fields) -> int:
+    """Append ``fields`` of the measured rows (errors left out) to ``path`` as JSON lines;
+    the number written."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
     with open(path, "a") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    return len(records)
+        for r in rows:
+            if r.get("ms") is not None:
+                f.write(json.dumps({k: r.get(k) for k in fields}) + "\n")
+                written += 1
+    return written
+
+
+def write_records(rows: list[dict], path: Path) -> int:
+    """Append the measured rows (errors left out, values rounded) to ``path``; the number written."""
+    return append_records([to_record(r) for r in rows if r["ms"] is not None], path, RECORD_FIELDS)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -21,7 +21,6 @@ Records (GPU, not ``--quick``) go to ``benchmarks/results/mlp.jsonl``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -78,14 +77,6 @@ def make_step(block, x, g) -> linear.Step:
     return linear.calibrate(step, block, x, g) if fp8jax.fp8_state(block) else step
 
 
-def saved_activation_mb(block, x) -> float:
-    """MiB of the residuals ``jax.vjp`` keeps for the backward that have a token dim."""
-    params, static = eqx.partition(block, eqx.is_array)
-    res = jax.eval_shape(lambda p, x: jax.vjp(lambda p, x: eqx.combine(p, static)(x), p, x)[1], params, x)
-    tokens = x.shape[0]
-    return sum(r.size * r.dtype.itemsize for r in jax.tree_util.tree_leaves(res) if tokens in r.shape) / 2**20
-
-
 def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dict]:
     hidden, ffn, tokens, activation = case
     config = fp8jax.Fp8Config() if config is None else config
@@ -105,7 +96,7 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dic
             n_fp8, n_gemms = linear.gemm_check(step, xs[0], g)
             row.update(fp8_gemms=n_fp8 >= 6, fp8_gemm_count=n_fp8, gemm_count=n_gemms,
                        kernels=sum(kernel_summary(step.hlo_text(xs[0], g)).values()),
-                       saved_act_mb=saved_activation_mb(block, xs[0]),
+                       saved_act_mb=fp8jax.saved_activation_bytes(block, xs[0], dim=tokens) / 2**20,
                        peak_mem_mb=linear.peak_mem_mb(step, xs[0], g))
             del step
         except Exception as e:  # report and go on with the other variants
@@ -168,11 +159,7 @@ def main(argv=None) -> list[dict]:
         print(markdown_table(case_rows), flush=True)
         rows += case_rows
         if record:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            with open(args.out, "a") as f:
-                for r in case_rows:
-                    if r.get("ms") is not None:
-                        f.write(json.dumps({k: r.get(k) for k in RECORD_FIELDS}) + "\n")
+            linear.append_records(case_rows, args.out, RECORD_FIELDS)
     print("\n" + markdown_table(rows))
     return rows
 

@@ -74,3 +74,15 @@ def test_bad_arguments_raise(tmp_path):
         cli.main(SMALL + ["--heads", "3", "--out", str(tmp_path / "x")])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         cli.main(SMALL + ["--precision", "bf16", "--resume", "--out", str(tmp_path / "empty")])
+
+
+def test_fp8_attention_option_trains_and_updates_its_state(tmp_path):
+    args = SMALL + ["--precision", "fp8", "--fp8-attention", "--steps", "4", "--eval-every", "2", "--no-plot",
+                    "--checkpoint-every", "0", "--out", str(tmp_path)]
+    result = cli.main(args)["fp8"]
+    losses = _losses(result)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    run = cli.run_config(cli.parse_args(args))
+    model = cli.build_model(run, "fp8")
+    assert model.blocks.attn.core.state.scales.shape == (2, 10)  # one state per layer
+    assert cli.build_model(run, "bf16").blocks.attn.core is None

@@ -12,7 +12,7 @@ from .grad_overwrite import (
     scale_grads,
     trainable,
 )
-from .inspect import GemmReport, assert_fp8, fp8_gemm_report
+from .inspect import GemmReport, assert_fp8, fp8_gemm_report, saved_activation_bytes
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ __all__ = [
     "nn",
     "optax_step",
     "partition_for_grad_overwrite",
+    "saved_activation_bytes",
     "scale_grads",
     "trainable",
 ]

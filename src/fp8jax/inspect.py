@@ -126,6 +126,22 @@ def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs:
     raise ValueError(f"stage must be 'compiled' or 'lowered', got {stage!r}")
 
 
+def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> int:
+    """Bytes of the residuals ``jax.vjp`` keeps for the backward of ``model(*inputs)``
+    (nothing is run: shapes only). With ``dim``, only residuals that have an axis of
+    that size count (e.g. the token or sequence length: the activations, not the
+    weights). ``model`` is any callable pytree (an equinox module)."""
+    import jax
+
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def residuals(params, inputs):
+        return jax.vjp(lambda p, i: eqx.combine(p, static)(*i), params, inputs)[1]
+
+    res = jax.eval_shape(residuals, params, inputs)
+    return sum(r.size * r.dtype.itemsize for r in jax.tree_util.tree_leaves(res) if dim is None or dim in r.shape)
+
+
 def assert_fp8(fn: Callable, *args: Any, expected: int | None = None, **kwargs: Any) -> GemmReport:
     """Raise ``AssertionError`` unless every GEMM of ``fn`` runs in FP8 (and, if given,
     there are exactly ``expected`` of them)."""

@@ -64,6 +64,7 @@ class RunConfig:
     eval_batches: int = 8
     seed: int = 0
     scaling: str = "delayed"
+    fp8_attention: bool = False  # the fp8 run also runs attention in FP8
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
@@ -72,7 +73,10 @@ def fp8_config(run: RunConfig) -> Fp8Config:
 
 
 def build_model(run: RunConfig, precision: str):
-    model = Transformer(run.model, key=jax.random.PRNGKey(run.seed))
+    cfg = run.model
+    if precision == "fp8" and run.fp8_attention:
+        cfg = dataclasses.replace(cfg, attention="fp8_dpa")  # same weights: the FP8 core has no parameters
+    model = Transformer(cfg, key=jax.random.PRNGKey(run.seed))
     if precision == "fp8":
         model = fp8_linear_layers(model, fp8_config(run))
     return model
@@ -359,6 +363,9 @@ def parse_args(argv):
         p.add_argument(f"--{name}", type=int, default=None, help="model size override")
     p.add_argument("--scaling", choices=["delayed", "current"], default="delayed")
     p.add_argument("--fp8-everywhere", action="store_true", help="turn the size policy off (FP8 on every block linear)")
+    p.add_argument("--fp8-attention", action="store_true",
+                   help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays from "
+                        "seq 8192 on, slower below; needs head_dim 128 and seq a multiple of 128 on GPU)")
     p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="corpus size cap")
     p.add_argument("--record", type=Path, default=None, help="append benchmark records (JSON lines) here")
     p.add_argument("--no-plot", action="store_true")
@@ -377,7 +384,7 @@ def run_config(args) -> RunConfig:
             preset[k] = getattr(args, k)
     if args.fp8_everywhere:
         preset["selective"] = False
-    run = RunConfig(model=model, scaling=args.scaling, **preset)
+    run = RunConfig(model=model, scaling=args.scaling, fp8_attention=args.fp8_attention, **preset)
     if args.eval_batches is not None:
         run.eval_batches = args.eval_batches
     if args.seed is not None:

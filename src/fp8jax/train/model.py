@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..dot_general import OverwriteWithGradient
+from ..nn.attention import DotProductAttention
 from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
 
@@ -31,11 +32,14 @@ class ModelConfig:
     experts: int = 0  # 0: dense SwiGLU MLP; >0: MoE with this many experts
     top_k: int = 2
     rope_base: float = 10000.0
+    attention: str = "bf16"  # or "fp8_dpa": `fp8jax.nn.DotProductAttention` (cuDNN FP8 on Hopper)
 
     def __post_init__(self):
         if self.dim % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"dim ({self.dim}) must divide by heads ({self.heads}) and heads by kv_heads "
                              f"({self.kv_heads})")
+        if self.attention not in ("bf16", "fp8_dpa"):
+            raise ValueError(f"attention must be 'bf16' or 'fp8_dpa', got {self.attention!r}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
 
@@ -73,10 +77,12 @@ class Attention(eqx.Module):
     q: eqx.nn.Linear
     kv: eqx.nn.Linear
     o: eqx.nn.Linear
+    core: DotProductAttention | None  # FP8 attention with its state, or None (bf16 cuDNN/XLA)
     cfg: ModelConfig = eqx.field(static=True)
 
     def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
         kq, kkv, ko = jax.random.split(key, 3)
+        self.core = None if cfg.attention == "bf16" else DotProductAttention(cfg.attention, is_causal=True)
         kv_dim = cfg.kv_heads * cfg.head_dim
         self.norm = jnp.ones((cfg.dim,))
         self.q = eqx.nn.Linear(cfg.dim, cfg.dim, use_bias=False, key=kq)
@@ -93,7 +99,10 @@ class Attention(eqx.Module):
         k, v = jnp.split(apply_linear(self.kv, h).reshape(b, t, 2 * cfg.kv_heads, cfg.head_dim), 2, axis=2)
         q, k = jax.vmap(_rope, in_axes=(0, None))(q, cfg.rope_base), jax.vmap(_rope, in_axes=(0, None))(
             k, cfg.rope_base)
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(q))
+        if self.core is not None:
+            attn = self.core(q, k, v)
+        else:
+            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(q))
         return x + apply_linear(self.o, attn.reshape(b, t, cfg.dim))
 
 
