@@ -146,7 +146,7 @@ def test_cudnn_fp8_mha_train_step_is_all_fp8(key):
 
 def test_cudnn_fp8_attention_limits(key):
     q, k, v, g = _attn_inputs(key, 2, 256, 4, 4, h=64)
-    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="cudnn")
     with pytest.raises(ValueError, match="runs only head_dim=128"):
         attn(q, k, v)
     q, k, v, g = _attn_inputs(key, 2, 256, 4, 4)
@@ -154,9 +154,10 @@ def test_cudnn_fp8_attention_limits(key):
         attn(q, k, v, query_seq_lengths=jnp.array([256, 100], jnp.int32))
     with pytest.raises(ValueError, match="multiples of 128"):
         attn(q[:, :200], k[:, :200], v[:, :200])
-    # The reference backend runs what cuDNN cannot.
-    ref = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference")
-    assert ref(q[:, :200], k[:, :200], v[:, :200]).shape == (2, 200, 4, 128)
+    # backend="auto" runs the reference where cuDNN cannot, and says so.
+    auto = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True)
+    with pytest.warns(UserWarning, match="reference backend"):
+        assert auto(q[:, :200], k[:, :200], v[:, :200]).shape == (2, 200, 4, 128)
 
 
 def test_cudnn_fp8_attention_under_vmap(key):

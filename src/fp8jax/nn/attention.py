@@ -24,6 +24,7 @@ usual `partition_for_grad_overwrite` / `apply_updates` step works unchanged.
 from __future__ import annotations
 
 import math
+import warnings
 
 import equinox as eqx
 import jax
@@ -116,19 +117,29 @@ def _check_inputs(query, key, value, mode, backend, lengths):
             raise ValueError(f"{name} must be an int array of shape ({b},), got {x.dtype}{list(x.shape)}")
 
 
+_WARNED: set[str] = set()
+
+
 def _choose_backend(backend: str, query, key, has_lengths: bool) -> str:
+    """``backend`` checked, or for ``"auto"``: cuDNN where it can run this call, else the
+    reference (with one warning per reason on a GPU, where cuDNN was expected)."""
     ok, why = cudnn.availability()
+    if ok and has_lengths:
+        why = "cuDNN's FP8 attention has no padding mask: sequence lengths need mode='bf16' or backend='reference'"
+    elif ok:
+        why = cudnn.limits(query.shape[-1], query.shape[1], key.shape[1])
     if backend == "auto":
-        backend = "cudnn" if ok else "reference"
+        if ok and why is None:
+            return "cudnn"
+        if ok and why not in _WARNED:
+            _WARNED.add(why)
+            warnings.warn(f"fp8jax attention: {why}; running the plain-JAX reference backend (slow).", stacklevel=4)
+        return "reference"
     if backend == "cudnn":
         if not ok:
             raise RuntimeError(f"backend='cudnn' cannot run here: {why}. Use backend='reference' (plain JAX, slow).")
-        if has_lengths:
-            raise ValueError("cuDNN's FP8 attention has no padding mask: sequence lengths need mode='bf16' or "
-                             "backend='reference'.")
-        limit = cudnn.limits(query.shape[-1], query.shape[1], key.shape[1])
-        if limit:
-            raise ValueError(limit + ". Use mode='bf16' or backend='reference'.")
+        if why is not None:
+            raise ValueError(why + (". Use mode='bf16' or backend='reference'." if not has_lengths else "."))
     return backend
 
 
@@ -152,7 +163,7 @@ def dot_product_attention(
     ``backend``: ``"cudnn"`` (Hopper; head_dim 128 with sequence lengths that are
     multiples of 128), ``"reference"`` (plain JAX with the same quantization:
     any size, on any device, materializes the [T, S] scores) or ``"auto"`` (cuDNN
-    where it can run). Sequence lengths (padding) work in ``"bf16"`` mode and on the
+    where it can run this call, else the reference, with a warning on a GPU). Sequence lengths (padding) work in ``"bf16"`` mode and on the
     reference backend; cuDNN's FP8 kernel has no padding mask.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
