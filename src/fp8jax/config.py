@@ -122,6 +122,15 @@ class Fp8Config:
         return any(path == p or re.fullmatch(p, path) for p in _patterns(self.targets))
 
 
+def resolve_config(config: "Fp8Config | None") -> Fp8Config:
+    """``config``, or the default `Fp8Config` for None; a TypeError for anything else."""
+    if config is None:
+        return Fp8Config()
+    if not isinstance(config, Fp8Config):
+        raise TypeError(f"config must be an fp8jax.Fp8Config, got {type(config).__name__}")
+    return config
+
+
 def _patterns(targets) -> tuple[str, ...]:
     if isinstance(targets, str):
         return (targets,)

@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .config import Fp8Config
+from .config import Fp8Config, resolve_config
 from .dot_general import Fp8DotGeneral
 from .nn.linear import Linear
 
@@ -107,9 +107,7 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     Raises ``ValueError`` if the model has no linear layer, or if ``config.targets``
     matches none.
     """
-    config = Fp8Config() if config is None else config
-    if not isinstance(config, Fp8Config):
-        raise TypeError(f"config must be an fp8jax.Fp8Config, got {type(config).__name__}")
+    config = resolve_config(config)
     hlinear = _haliax_linear_type()
     kinds = (eqx.nn.Linear, Linear) + ((hlinear,) if hlinear is not None else ())
 

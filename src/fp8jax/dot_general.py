@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 
 from . import _dot
 from . import _quant as q
-from .config import Fp8Config
+from .config import Fp8Config, resolve_config
 
 
 class OverwriteWithGradient(eqx.Module):
@@ -70,9 +70,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
     config: Fp8Config = eqx.field(static=True)
 
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
-        config = Fp8Config() if config is None else config
-        if not isinstance(config, Fp8Config):
-            raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
+        config = resolve_config(config)
         for name, value in _init_state(config, tuple(stack_shape)).items():
             setattr(self, name, value)
         self.config = config

@@ -36,7 +36,7 @@ from .. import _attention
 from .. import _cudnn_attention as cudnn
 from .. import _dot
 from .. import _quant as qt
-from ..config import Fp8Config
+from ..config import Fp8Config, resolve_config
 from ..dot_general import OverwriteWithGradient
 from .linear import Linear, apply_linear
 
@@ -56,9 +56,7 @@ class Fp8AttentionState(OverwriteWithGradient):
     config: Fp8Config = eqx.field(static=True)
 
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
-        config = Fp8Config() if config is None else config
-        if not isinstance(config, Fp8Config):
-            raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
+        config = resolve_config(config)
         stack_shape = tuple(stack_shape)
         self.scales = jnp.broadcast_to(jnp.asarray(_attention.INITIAL_SCALES, jnp.float32),
                                        stack_shape + (len(TENSORS),)).copy()
