@@ -27,10 +27,7 @@ Records (GPU, not ``--quick``) go to ``benchmarks/results/attention.jsonl``.
 from __future__ import annotations
 
 import argparse
-import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import equinox as eqx
@@ -84,50 +81,22 @@ def build(level: str, variant: str, p: dict, key, backend: str):
     return module, [(p["batch"], p["seq"], dim)]
 
 
-def make_fns(module, direction: str):
-    """(jitted fn(params, inputs, g), params): forward output, or loss and gradients."""
+def make_step(module, direction: str, inputs, g) -> linear.Step:
+    """A `benchmarks.linear.Step` of ``direction``: the forward output, or the loss and
+    its gradients. FP8 variants are calibrated by one train step first (delayed scales
+    of dO, dP, dQ, dK, dV come from the first backward)."""
     params, static = eqx.partition(module, eqx.is_array)
 
-    def run(params, inputs):
-        return eqx.combine(params, static)(*inputs)
-
-    if direction == "fwd":
-        return jax.jit(lambda params, inputs, g: run(params, inputs)), params
-
     def loss(params, inputs, g):
-        return linear.projection_loss(run(params, inputs), g)
+        return linear.projection_loss(eqx.combine(params, static)(*inputs), g)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params
-
-
-def _has_state(module) -> bool:
+    train = linear.Step(jax.value_and_grad(loss, argnums=(0, 1)), params)
     is_state = lambda x: isinstance(x, fp8jax.OverwriteWithGradient)  # noqa: E731
-    return any(is_state(x) for x in jax.tree_util.tree_leaves(module, is_leaf=is_state))
-
-
-def calibrate(module, inputs, g, steps: int = 2):
-    """Run the training step ``steps`` times writing the FP8 state back (delayed scales
-    of the gradients are unknown before the first backward)."""
-    if not _has_state(module):
-        return module
-    grad_fn = eqx.filter_jit(eqx.filter_grad(lambda m, inputs, g: linear.projection_loss(m(*inputs), g)))
-    for _ in range(steps):
-        overwrites, _ = fp8jax.partition_for_grad_overwrite(grad_fn(module, inputs, g))
-        module = fp8jax.apply_updates(module, None, overwrites)
-    return module
-
-
-def time_fn(fn, params, input_sets, g, iters: int, reps: int) -> float:
-    out = fn(params, input_sets[0], g)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            out = fn(params, input_sets[i % len(input_sets)], g)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times) * 1e3
+    if any(is_state(x) for x in jax.tree_util.tree_leaves(module, is_leaf=is_state)):
+        train = linear.calibrate(train, module, inputs, g)
+    if direction == "fwd+bwd":
+        return train
+    return linear.Step(lambda params, inputs, g: eqx.combine(params, static)(*inputs), train.params)
 
 
 def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, backend: str) -> list[dict]:
@@ -144,20 +113,13 @@ def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, b
                     input_sets = [[jax.random.normal(keys[3 * j + i], s, BF16) for j, s in enumerate(shapes)]
                                   for i in range(3)]
                     g = jax.random.normal(keys[-1], shapes[0], BF16)
-                    module = calibrate(module, input_sets[0], g)
-                    fn, params = make_fns(module, direction)
-                    row["ms"] = time_fn(fn, params, input_sets, g, iters, reps)
-                    compiled = fn.lower(params, input_sets[0], g).compile()
-                    hlo = compiled.as_text()
-                    row["fp8_gemms"] = "fmhaSoftmaxF8" in hlo or ("fp8" in variant and not
-                                                                  jax.devices()[0].platform == "gpu")
+                    step = make_step(module, direction, input_sets[0], g)
+                    row["ms"] = linear.time_step(step, input_sets, g, iters, reps, warmup=1)
+                    hlo = step.hlo_text(input_sets[0], g)
+                    on_gpu = jax.devices()[0].platform == "gpu"
+                    row["fp8_gemms"] = "fmhaSoftmaxF8" in hlo or ("fp8" in variant and not on_gpu)
                     row["fp8_attention_kernel"] = "fmhaSoftmaxF8" in hlo
-                    try:
-                        stats = compiled.memory_analysis()
-                        row["peak_mem_mb"] = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
-                                              + stats.output_size_in_bytes) / 2**20
-                    except Exception:  # not every backend has it
-                        row["peak_mem_mb"] = None
+                    row["peak_mem_mb"] = linear.peak_mem_mb(step, input_sets[0], g)
                     row["saved_act_mb"] = fp8jax.saved_activation_bytes(module, *input_sets[0], dim=seq) / 2**20
                 except Exception as e:  # report and go on
                     row.update(ms=None, error=f"{type(e).__name__}: {e}"[:400])
@@ -171,10 +133,6 @@ def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, b
     return rows
 
 
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
 def markdown_table(rows) -> str:
     lines = ["| level | seq x batch | direction | variant | ms | TFLOP/s | vs bf16 | FP8 attention | saved act MiB "
              "| peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -184,9 +142,9 @@ def markdown_table(rows) -> str:
         if r.get("ms") is None:
             lines.append(f"| {case} | {r['variant']} | error: {r.get('error', '')[:100]} ||||||")
             continue
-        lines.append(f"| {case} | {r['variant']} | {r['ms']:.3f} | {_f(r['tflops'], '.0f')} | "
-                     f"{_f(r['speedup_vs_bf16'], '.2f')}x | {'yes' if r['fp8_attention_kernel'] else 'no'} | "
-                     f"{r['saved_act_mb']:.0f} | {_f(r['peak_mem_mb'], '.0f')} |")
+        lines.append(f"| {case} | {r['variant']} | {r['ms']:.3f} | {linear._fmt(r['tflops'], '.0f')} | "
+                     f"{linear._fmt(r['speedup_vs_bf16'], '.2f', 'x')} | {'yes' if r['fp8_attention_kernel'] else 'no'} | "
+                     f"{r['saved_act_mb']:.0f} | {linear._fmt(r['peak_mem_mb'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -206,19 +164,9 @@ def main(argv=None) -> list[dict]:
     seqs = args.seqs or ([128] if args.quick else list(DEFAULT_SEQS))
     iters, reps = args.iters or (2 if args.quick else 10), args.reps or (2 if args.quick else 5)
     backend = "reference" if args.quick else "auto"
-    meta = linear.run_meta(argv)
-    meta.update(bench="attention", command=" ".join([COMMAND_PREFIX, *map(shlex.quote, argv)]))
-    record = not args.quick and jax.devices()[0].platform == "gpu"
-    rows = []
-    for seq in seqs:
-        case_rows = run_case(seq, args.levels, iters, reps, meta, args.quick, backend)
-        print(markdown_table(case_rows), flush=True)
-        rows += case_rows
-        if record:
-            linear.append_records(case_rows, args.out, RECORD_FIELDS)
-    print("\n" + markdown_table(rows))
-    return rows
-
+    meta = linear.run_meta(argv, bench="attention", prefix=COMMAND_PREFIX)
+    return linear.run_cases(seqs, lambda seq: run_case(seq, args.levels, iters, reps, meta, args.quick, backend),
+                            markdown_table, args.out, RECORD_FIELDS, record=not args.quick)
 
 if __name__ == "__main__":
     main()

@@ -474,11 +474,27 @@ def select_shapes(args) -> list[tuple[int, int, int]]:
     return default_shapes(full=args.full)
 
 
-def run_meta(argv: list[str]) -> dict:
-    """Fields shared by every row of this run."""
-    return dict(bench="linear", device=jax.devices()[0].device_kind,
+def run_meta(argv: list[str], bench: str = "linear", prefix: str = COMMAND_PREFIX) -> dict:
+    """Fields shared by every row of this run of ``bench`` (command ``prefix argv``)."""
+    return dict(bench=bench, device=jax.devices()[0].device_kind,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                jax=jax.__version__, command=" ".join([COMMAND_PREFIX, *map(shlex.quote, argv)]))
+                jax=jax.__version__, command=" ".join([prefix, *map(shlex.quote, argv)]))
+
+
+def run_cases(cases, run_one, table, path: Path, fields, record: bool = True) -> list[dict]:
+    """``run_one(case) -> rows`` for each case, printing ``table(rows)`` as it goes and, on a
+    GPU when ``record``, appending the rows' ``fields`` to ``path`` per case (a run cut
+    short keeps what it measured); then the whole table. Returns all rows."""
+    record = record and jax.devices()[0].platform == "gpu"
+    rows = []
+    for case in cases:
+        case_rows = run_one(case)
+        print(table(case_rows), flush=True)
+        rows += case_rows
+        if record:
+            append_records(case_rows, path, fields)
+    print("\n" + table(rows), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -21,7 +21,6 @@ Records (GPU, not ``--quick``) go to ``benchmarks/results/mlp.jsonl``.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -111,10 +110,6 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dic
     return rows
 
 
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
 def markdown_table(rows) -> str:
     head = ("| hidden x ffn x tokens (act) | variant | ms | TFLOP/s | vs bf16 | vs fp8 unfused | FP8 GEMMs | "
             "kernels | saved act MiB | peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -126,10 +121,10 @@ def markdown_table(rows) -> str:
             lines.append(f"| {case} | {r['variant']} | error: {r.get('error', '')[:80]} |||||||")
             continue
         lines.append(
-            f"| {case} | {r['variant']} | {r['ms']:.3f} | {_f(r['tflops'], '.0f')} | "
-            f"{_f(r['speedup_vs_bf16'], '.2f')}x | {_f(r['speedup_vs_unfused_fp8'], '.2f')}x | "
+            f"| {case} | {r['variant']} | {r['ms']:.3f} | {linear._fmt(r['tflops'], '.0f')} | "
+            f"{linear._fmt(r['speedup_vs_bf16'], '.2f')}x | {linear._fmt(r['speedup_vs_unfused_fp8'], '.2f')}x | "
             f"{r['fp8_gemm_count']}/{r['gemm_count']} | {r['kernels']} | {r['saved_act_mb']:.1f} | "
-            f"{_f(r['peak_mem_mb'], '.0f')} |")
+            f"{linear._fmt(r['peak_mem_mb'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -150,19 +145,9 @@ def main(argv=None) -> list[dict]:
     cases = args.cases or (QUICK_CASES if args.quick else DEFAULT_CASES)
     iters, reps = args.iters or (2 if args.quick else 10), args.reps or (2 if args.quick else 5)
     config = fp8jax.Fp8Config(selective=False) if args.quick else fp8jax.Fp8Config()
-    meta = linear.run_meta(argv)
-    meta.update(bench="mlp", command=" ".join([COMMAND_PREFIX, *map(shlex.quote, argv)]))
-    record = not args.quick and jax.devices()[0].platform == "gpu"
-    rows = []
-    for case in cases:
-        case_rows = run_case(case, args.variants, iters, reps, meta, config=config)
-        print(markdown_table(case_rows), flush=True)
-        rows += case_rows
-        if record:
-            linear.append_records(case_rows, args.out, RECORD_FIELDS)
-    print("\n" + markdown_table(rows))
-    return rows
-
+    meta = linear.run_meta(argv, bench="mlp", prefix=COMMAND_PREFIX)
+    return linear.run_cases(cases, lambda case: run_case(case, args.variants, iters, reps, meta, config=config),
+                            markdown_table, args.out, RECORD_FIELDS, record=not args.quick)
 
 if __name__ == "__main__":
     main()
