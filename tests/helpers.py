@@ -12,5 +12,20 @@ def take_state(model, grads):
     return fp8jax.apply_updates(model, None, overwrites)
 
 
+def attention_loss(attn, q, k, v, g, **kw):
+    """``sum(attn(q, k, v) * g)`` in float32: a fixed random projection of the output."""
+    return jnp.sum(attn(q, k, v, **kw).astype(jnp.float32) * g)
+
+
+def calibrated_attention(attn, q, k, v, g, steps=2, **kw):
+    """Run the attention train step ``steps`` times, writing the state back (delayed
+    scales of the gradients are unknown before the first backward)."""
+    import equinox as eqx
+
+    for _ in range(steps):
+        attn = take_state(attn, eqx.filter_grad(attention_loss)(attn, q, k, v, g, **kw))
+    return attn
+
+
 def normal(key, shape, dtype=jnp.float32, scale=1.0):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)

@@ -10,6 +10,8 @@ import pytest
 import fp8jax
 from fp8jax.nn import DotProductAttention, Fp8AttentionState, MultiHeadAttention, dot_product_attention
 from fp8jax.nn.attention import TENSORS
+from helpers import attention_loss as _loss
+from helpers import calibrated_attention as _calibrated
 from helpers import normal, sqnr_db, take_state
 
 F32 = jnp.float32
@@ -26,18 +28,6 @@ def _exact(q, k, v, causal, q_len=None, kv_len=None):
     with jax.default_matmul_precision("float32"):
         return jax.nn.dot_product_attention(q.astype(F32), k.astype(F32), v.astype(F32), is_causal=causal,
                                             query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
-
-
-def _loss(attn, q, k, v, g, **kw):
-    return jnp.sum(attn(q, k, v, **kw).astype(F32) * g)
-
-
-def _calibrated(attn, q, k, v, g, steps=2, **kw):
-    """Run the train step ``steps`` times, writing the state back (delayed scales of the
-    gradients are unknown before the first backward)."""
-    for _ in range(steps):
-        attn = take_state(attn, eqx.filter_grad(_loss)(attn, q, k, v, g, **kw))
-    return attn
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -7,7 +7,7 @@ import pytest
 
 import fp8jax
 from conftest import gpu
-from helpers import normal, sqnr_db
+from helpers import attention_loss, calibrated_attention, normal, sqnr_db
 
 pytestmark = [gpu, pytest.mark.gpu]
 ALL = fp8jax.Fp8Config(selective=False)
@@ -88,24 +88,12 @@ def _attn_inputs(key, b, t, n, nk, h=128):
             normal(kv, (b, t, nk, h), jnp.bfloat16), normal(kg, (b, t, n, h), jnp.float32, scale=1e-3))
 
 
-def _attn_loss(attn, q, k, v, g):
-    return jnp.sum(attn(q, k, v).astype(jnp.float32) * g)
-
-
-def _calibrate(attn, q, k, v, g, steps=2):
-    from helpers import take_state
-
-    for _ in range(steps):
-        attn = take_state(attn, eqx.filter_grad(_attn_loss)(attn, q, k, v, g))
-    return attn
-
-
 def test_fp8_attention_runs_cudnn_fp8_kernels(key):
     q, k, v, g = _attn_inputs(key, 2, 512, 8, 8)
     attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True)
 
     def step(attn, q, k, v):
-        return jax.grad(_attn_loss, argnums=(1, 2, 3))(attn, q, k, v, g)
+        return jax.grad(attention_loss, argnums=(1, 2, 3))(attn, q, k, v, g)
 
     report = fp8jax.fp8_gemm_report(step, attn, q, k, v)
     fmha = [gm for gm in report.gemms if "fmha" in gm.target]
@@ -116,14 +104,14 @@ def test_fp8_attention_runs_cudnn_fp8_kernels(key):
 @pytest.mark.parametrize("seq,heads,kv_heads,causal", [(256, 8, 8, True), (1024, 8, 2, True), (512, 4, 4, False)])
 def test_cudnn_fp8_attention_matches_float32(key, seq, heads, kv_heads, causal):
     q, k, v, g = _attn_inputs(key, 2, seq, heads, kv_heads)
-    attn = _calibrate(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=causal), q, k, v, g)
+    attn = calibrated_attention(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=causal), q, k, v, g)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
 
     def exact(q, k, v):
         with jax.default_matmul_precision("float32"):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
 
-    got = jax.grad(_attn_loss, argnums=(1, 2, 3))(attn, q, k, v, g)
+    got = jax.grad(attention_loss, argnums=(1, 2, 3))(attn, q, k, v, g)
     want = jax.grad(lambda q, k, v: jnp.sum(exact(q, k, v) * g), argnums=(0, 1, 2))(*f32)
     # The plain-JAX reference applies the same quantization with the same state.
     reference = eqx.tree_at(lambda a: a.state, fp8jax.nn.DotProductAttention(
@@ -162,7 +150,7 @@ def test_cudnn_fp8_attention_limits(key):
 
 def test_cudnn_fp8_attention_under_vmap(key):
     q, k, v, g = _attn_inputs(key, 2, 256, 4, 4)
-    attn = _calibrate(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True), q, k, v, g)
+    attn = calibrated_attention(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True), q, k, v, g)
     assert sqnr_db(jax.vmap(attn)(q, k, v), attn(q, k, v)) >= 40.0
 
 
