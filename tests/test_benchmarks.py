@@ -55,3 +55,14 @@ def test_attention_quick_runs_all_variants(tmp_path):
     saved = {(r["params"]["level"], r["variant"]): r["saved_act_mb"] for r in rows if r["params"]["direction"] == "fwd"}
     assert saved[("attention", "fp8jax-fp8_dpa")] < saved[("attention", "cudnn-bf16")]  # e4m3 residuals
     assert not out.exists()
+
+
+def test_moe_quick_runs_all_variants():
+    from benchmarks import moe
+
+    rows = moe.main(["--quick", "--experts", "4", "--routing", "random"])
+    assert {r["bench"] for r in rows} == {"grouped_gemm", "moe_mlp"}
+    assert all(r.get("ms") is not None for r in rows), [r.get("error") for r in rows]
+    assert {r["variant"] for r in rows if r["bench"] == "moe_mlp"} == set(moe.MLP_VARIANTS)
+    sizes = moe.group_sizes(64, 4, "random")
+    assert sizes.sum() == 64 and len(sizes) == 4

@@ -12,6 +12,7 @@ _F8 = re.compile(r"\bf8e\w+")
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul|triton_gemm|__cudnn\$", re.I)
 _OUR_KERNEL = re.compile(r"fp8jax", re.I)
+GROUPED_SCOPE = "fp8jax_grouped_gemm"  # named scope around the grouped-GEMM kernels (in HLO metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +79,13 @@ def parse_gemms(hlo_text: str) -> list[GemmInfo]:
         if op == "custom-call":
             target_match = _CUSTOM_CALL.search(line)
             target = target_match.group(1) if target_match else ""
-            if not (_GEMM_TARGET.search(target) or _OUR_KERNEL.search(target)):
+            ours = "mosaic_gpu" in target and GROUPED_SCOPE in line  # fp8jax's Pallas grouped GEMMs
+            if not (_GEMM_TARGET.search(target) or _OUR_KERNEL.search(target) or ours):
                 continue
-            is_fp8 = "f8" in target.lower() or bool(_OUR_KERNEL.search(target)) or f8_operands >= 2
+            if ours:  # drop the small int32/f32 side inputs (group table, scales)
+                operands = tuple(t for t in operands if t not in ("s32", "f32")) or operands
+                f8_operands = sum(t.startswith("f8") for t in operands)
+            is_fp8 = "f8" in target.lower() or (bool(_OUR_KERNEL.search(target)) and not ours) or f8_operands >= 2
             gemms.append(GemmInfo(op, target, operands[:2], _element(shapes[name]), is_fp8, line[:300]))
         elif op in ("dot", "convolution"):
             gemms.append(GemmInfo(op, "", operands[:2], _element(shapes[name]), f8_operands >= 2, line[:300]))

@@ -7,6 +7,16 @@ from .attention import (
     dot_product_attention,
     rotary,
 )
+from .grouped import (
+    Fp8GroupedState,
+    GroupedLinear,
+    GroupedMLP,
+    MoE,
+    RoutingInfo,
+    make_layout,
+    merge_experts,
+    split_experts,
+)
 from .linear import Linear
 from .mlp import ACTIVATIONS, FusedMLP
 
@@ -14,9 +24,17 @@ __all__ = [
     "ACTIVATIONS",
     "DotProductAttention",
     "Fp8AttentionState",
+    "Fp8GroupedState",
+    "GroupedLinear",
+    "GroupedMLP",
+    "MoE",
+    "RoutingInfo",
     "FusedMLP",
     "Linear",
     "MultiHeadAttention",
     "dot_product_attention",
+    "make_layout",
+    "merge_experts",
     "rotary",
+    "split_experts",
 ]

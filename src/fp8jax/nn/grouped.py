@@ -1,0 +1,409 @@
+"""Grouped experts for MoE: `GroupedLinear`, `GroupedMLP` and the `MoE` layer.
+
+All experts run as one grouped GEMM per projection (a Pallas Mosaic-GPU kernel on
+Hopper, a plain-JAX reference elsewhere), in FP8 or in the input precision.
+Rows travel in the *padded layout* of `GroupLayout`: each expert's rows start at a
+multiple of 128 rows (the kernel's tile; also Megatron's ``moe_router_padding_for_fp8``
+alignment), so the kernels need no masking and padding rows cost at most one tile
+per expert. `MoE` builds that layout directly while permuting tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .. import _grouped as gr
+from .. import _quant as q
+from .._grouped import GroupLayout
+from .._grouped_kernel import ROW_ALIGN
+from ..config import Fp8Config, resolve_config
+from ..dot_general import OverwriteWithGradient
+from .mlp import ACTIVATIONS, activate
+
+F32 = jnp.float32
+
+
+class Fp8GroupedState(OverwriteWithGradient):
+    """FP8 scaling state of one grouped projection (``num_experts`` GEMMs).
+
+    Inputs and output gradients: one scale per tensor (``[*stack, 1]``, histories
+    ``[*stack, history]``): all experts' rows form one operand, cast in one pass.
+    Weights: one scale per expert (``kernel_scale [*stack, num_experts]``,
+    ``kernel_amax_history [*stack, history, num_experts]``). Updated through the
+    gradient like `fp8jax.Fp8DotGeneral`.
+    """
+
+    input_scale: Float[Array, "*stack 1"]
+    kernel_scale: Float[Array, "*stack experts"]
+    output_grad_scale: Float[Array, "*stack 1"]
+    input_amax_history: Float[Array, "*stack history"]
+    kernel_amax_history: Float[Array, "*stack history experts"]
+    output_grad_amax_history: Float[Array, "*stack history"]
+    history_index: Float[Array, "*stack 1"]
+    nonfinite_count: Float[Array, "*stack 1"]
+    config: Fp8Config = eqx.field(static=True)
+
+    def __init__(self, num_experts: int, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
+        config = resolve_config(config)
+        stack = tuple(stack_shape)
+        length = config.history_length
+        self.input_scale = jnp.ones(stack + (1,), F32)
+        self.kernel_scale = jnp.ones(stack + (num_experts,), F32)
+        self.output_grad_scale = jnp.ones(stack + (1,), F32)
+        self.input_amax_history = jnp.zeros(stack + (length,), F32)
+        self.kernel_amax_history = jnp.zeros(stack + (length, num_experts), F32)
+        self.output_grad_amax_history = jnp.zeros(stack + (length,), F32)
+        self.history_index = jnp.zeros(stack + (1,), F32)
+        self.nonfinite_count = jnp.zeros(stack + (1,), F32)
+        self.config = config
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.kernel_scale.shape[-1])
+
+    def ran_mask(self) -> Array:
+        return self.input_scale > 0  # a scale is never 0
+
+    def state(self) -> tuple[Array, ...]:
+        return tuple(getattr(self, name) for name in gr.STATE_FIELDS)
+
+    def ordered_amax_history(self, which: str = "input") -> Array:
+        """``<which>_amax_history`` newest-first (kernel: ``[history, experts]``)."""
+        history = getattr(self, f"{which}_amax_history")
+        if which == "kernel":
+            return jax.vmap(q.ordered_history, in_axes=(1, None), out_axes=1)(history, self.history_index)
+        return q.ordered_history(history, self.history_index)
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in gr.BACKENDS:
+        raise ValueError(f"backend must be one of {gr.BACKENDS}, got {backend!r}")
+    return backend
+
+
+class GroupedLinear(eqx.Module):
+    """``num_experts`` linear maps run as one grouped GEMM: row ``r`` of the input,
+    which belongs to expert ``e``, gives ``x[r] @ weight[e]``.
+
+    ``weight: [num_experts, in_features, out_features]`` (``x @ W`` per expert, no
+    bias; Mixtral/Megatron experts have none). ``fp8``: FP8 GEMMs with state in
+    ``fp8_state`` (`Fp8GroupedState`); otherwise the input precision through the
+    same grouped kernel. ``backend``: ``"auto"`` (Pallas kernel on Hopper where the
+    sizes allow, else the plain-JAX reference), ``"pallas"`` or ``"reference"``.
+    """
+
+    weight: Float[Array, experts in out]
+    fp8_state: Fp8GroupedState | None
+    backend: str = eqx.field(static=True)
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, key: PRNGKeyArray,
+                 fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
+        for name, value in (("num_experts", num_experts), ("in_features", in_features),
+                            ("out_features", out_features)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GroupedLinear: {name} must be a positive int, got {value!r}")
+        bound = 1.0 / math.sqrt(in_features)
+        self.weight = jax.random.uniform(key, (num_experts, in_features, out_features), dtype, -bound, bound)
+        self.fp8_state = Fp8GroupedState(num_experts, config) if fp8 else None
+        self.backend = _check_backend(backend)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.weight.shape[-3])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[-2])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[-1])
+
+    def with_backend(self, backend: str) -> GroupedLinear:
+        """The same layer (shared arrays) running on ``backend``."""
+        new = object.__new__(type(self))
+        for name in ("weight", "fp8_state"):
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "backend", _check_backend(backend))
+        return new
+
+    @jax.named_scope("fp8jax.nn.GroupedLinear")
+    def __call__(self, x_sorted: Float[Array, "rows in"], group_sizes: Int[Array, " experts"]) -> Array:
+        """``x_sorted [rows, in]`` grouped by expert (``group_sizes[e]`` rows for expert
+        ``e``, in order; groups may be empty) -> ``[rows, out]``. Rows past
+        ``sum(group_sizes)`` get zeros. Pads to the kernel layout and back."""
+        x_sorted = self._check_input(x_sorted, "x_sorted")
+        gr.check_group_sizes(group_sizes, x_sorted.shape[0], self.num_experts)
+        sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
+        layout = make_layout(sizes, x_sorted.shape[0])
+        y = self.apply_padded(gr.pad_rows(x_sorted, layout), layout)
+        return gr.unpad_rows(y, layout, x_sorted.shape[0])
+
+    def apply_padded(self, x: Float[Array, "rows_pad in"], layout: GroupLayout) -> Array:
+        """The grouped GEMM on rows already in ``layout``'s padded layout (what `MoE`
+        calls). Output rows that are not ``layout.row_valid`` are undefined."""
+        x = self._check_input(x, "x")
+        if x.shape[0] != layout.num_rows:
+            raise ValueError(f"GroupedLinear: x has {x.shape[0]} rows, the layout {layout.num_rows}")
+        if layout.num_groups != self.num_experts:
+            raise ValueError(f"GroupedLinear: the layout has {layout.num_groups} groups, the layer "
+                             f"{self.num_experts} experts")
+        if self.weight.ndim != 3:
+            raise ValueError(f"GroupedLinear: weight has stack shape {self.weight.shape[:-3]}: run a stacked "
+                             "layer one slice at a time (jax.lax.scan or eqx.filter_vmap).")
+        backend = gr.resolve_backend(self.backend, layout, self.in_features, self.out_features, x.dtype
+                                     if self.fp8_state is None else jnp.float8_e4m3fn)
+        if self.fp8_state is None:
+            return gr.grouped_plain(backend, x, self.weight, layout)
+        state = self.fp8_state
+        key_leaf = state.input_amax_history
+        link = gr.take_link(key_leaf)
+        spec = gr.Spec(state.config, backend, np.dtype(x.dtype), np.dtype(self.weight.dtype), emit_state=link is None)
+        if link is None:
+            link = jnp.zeros((gr.link_size(self.num_experts),), F32)
+        y, link_out = gr.grouped_fp8(spec, x, self.weight, layout, state.state(), link)
+        gr.put_link(key_leaf, link_out)
+        return y
+
+    def _check_input(self, x, name):
+        x = jnp.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"GroupedLinear: {name} must have shape (rows, {self.in_features}), got {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < 2:
+            raise TypeError(f"GroupedLinear: {name} must be float16/bfloat16/float32, got {x.dtype} "
+                            f"with shape {x.shape}")
+        return x
+
+
+def make_layout(group_sizes: Int[Array, " experts"], num_rows: int, align: int = ROW_ALIGN) -> GroupLayout:
+    """The padded layout for ``num_rows`` real rows split into ``group_sizes``."""
+    return gr.layout_from_sizes(group_sizes, gr.padded_rows(num_rows, group_sizes.shape[0], align), align)
+
+
+class GroupedMLP(eqx.Module):
+    """Every expert's MLP at once: ``fc2(activation(fc1(x)))`` with grouped GEMMs.
+
+    ``activation``: one of `fp8jax.nn.ACTIVATIONS`; the gated ones (``swiglu``,
+    ``geglu``, ...) make fc1 ``2 * ffn`` wide (first half activated, gating the
+    second, as in `FusedMLP` and Megatron).
+    """
+
+    fc1: GroupedLinear
+    fc2: GroupedLinear
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, *, key: PRNGKeyArray, activation: str = "swiglu",
+                 fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GroupedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}")
+        gated = ACTIVATIONS[activation][1]
+        k1, k2 = jax.random.split(key)
+        self.fc1 = GroupedLinear(num_experts, hidden, ffn * (2 if gated else 1), key=k1, fp8=fp8, config=config,
+                                 dtype=dtype, backend=backend)
+        self.fc2 = GroupedLinear(num_experts, ffn, hidden, key=k2, fp8=fp8, config=config, dtype=dtype,
+                                 backend=backend)
+        self.activation = activation
+
+    def __call__(self, x_sorted: Array, group_sizes: Array) -> Array:
+        """Like `GroupedLinear.__call__`: sorted rows and per-expert group sizes."""
+        x_sorted = self.fc1._check_input(x_sorted, "x_sorted")
+        gr.check_group_sizes(group_sizes, x_sorted.shape[0], self.fc1.num_experts)
+        sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
+        layout = make_layout(sizes, x_sorted.shape[0])
+        y = self.apply_padded(gr.pad_rows(x_sorted, layout), layout)
+        return gr.unpad_rows(y, layout, x_sorted.shape[0])
+
+    @jax.named_scope("fp8jax.nn.GroupedMLP")
+    def apply_padded(self, x: Array, layout: GroupLayout) -> Array:
+        h = self.fc1.apply_padded(x, layout)
+        return self.fc2.apply_padded(activate(h, self.activation), layout)
+
+
+# ----------------------------------------------------------------------------- MoE
+class RoutingInfo(eqx.Module):
+    """What the router decided for one batch (returned by `MoE` for logging/losses)."""
+
+    load_balancing_loss: Float[Array, ""]
+    router_z_loss: Float[Array, ""]
+    tokens_per_expert: Int[Array, " experts"]
+    dropped_fraction: Float[Array, ""]
+
+
+class MoE(eqx.Module):
+    """Mixture-of-experts feed-forward layer (Mixtral / Switch / Megatron style).
+
+    ``x [..., hidden]`` -> ``(y [..., hidden], RoutingInfo)``. Steps: router
+    (``hidden -> num_experts`` linear in float32, softmax or sigmoid scores), top-k,
+    token permutation into the padded expert layout (sorted by expert, stable: ties
+    in the scores go to the lower expert index, as ``jax.lax.top_k`` orders them; the
+    earlier token wins a capacity slot), `GroupedMLP`, un-permutation weighted by the
+    routing weights.
+
+    ``capacity_factor``: ``None`` (dropless) or the factor ``c`` of Switch: each
+    expert keeps at most ``ceil(c * tokens * top_k / num_experts)`` assignments and
+    the rest are dropped (their weight is 0; the residual path carries the token).
+    ``normalize_weights``: rescale the top-k weights to sum to 1 (Mixtral).
+    The load-balancing loss is Switch/GShard's ``E * sum_e f_e * P_e`` (``f_e``: share
+    of assignments sent to ``e``, ``P_e``: mean router probability of ``e``); the
+    router z-loss (ST-MoE) is ``mean(logsumexp(logits)^2)``. Add them to the loss with
+    your coefficients.
+    """
+
+    router: Float[Array, "hidden experts"]
+    experts: GroupedMLP
+    top_k: int = eqx.field(static=True)
+    score: str = eqx.field(static=True)
+    capacity_factor: float | None = eqx.field(static=True)
+    normalize_weights: bool = eqx.field(static=True)
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, *, key: PRNGKeyArray, top_k: int = 2,
+                 activation: str = "swiglu", score: Literal["softmax", "sigmoid"] = "softmax",
+                 capacity_factor: float | None = None, normalize_weights: bool = True, fp8: bool = True,
+                 config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE: score must be 'softmax' or 'sigmoid', got {score!r}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {capacity_factor!r}")
+        k_router, k_experts = jax.random.split(key)
+        self.router = jax.random.normal(k_router, (hidden, num_experts), F32) * (1.0 / math.sqrt(hidden))
+        self.experts = GroupedMLP(num_experts, hidden, ffn, key=k_experts, activation=activation, fp8=fp8,
+                                  config=config, dtype=dtype, backend=backend)
+        self.top_k, self.score = top_k, score
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.normalize_weights = normalize_weights
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.router.shape[-1])
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Assignments each expert keeps (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+
+    @jax.named_scope("fp8jax.nn.MoE")
+    def __call__(self, x: Float[Array, "... hidden"]) -> tuple[Array, RoutingInfo]:
+        x = jnp.asarray(x)
+        hidden = self.router.shape[0]
+        if x.ndim == 0 or x.shape[-1] != hidden:
+            raise ValueError(f"MoE: x must have shape (..., {hidden}), got {x.shape}")
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, hidden)
+        y, info = self._route_and_run(tokens)
+        return y.reshape(lead + (hidden,)), info
+
+    def _route_and_run(self, tokens):
+        num_tokens, g, k = tokens.shape[0], self.num_experts, self.top_k
+        logits = jnp.dot(tokens.astype(F32), self.router)
+        probs = jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
+        weights, experts = jax.lax.top_k(probs, k)  # ties: lower expert index first
+        if self.normalize_weights and (k > 1 or self.score == "sigmoid"):
+            weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
+
+        flat_expert = experts.reshape(-1).astype(jnp.int32)  # [A] assignments, token-major
+        num_assign = flat_expert.shape[0]
+        order = jnp.argsort(flat_expert, stable=True)
+        sorted_expert = flat_expert[order]
+        counts = jnp.bincount(flat_expert, length=g).astype(jnp.int32)
+        starts_unpadded = jnp.cumsum(counts) - counts
+        rank = jnp.arange(num_assign, dtype=jnp.int32) - starts_unpadded[sorted_expert]
+        cap = self.capacity(num_tokens)
+        if cap is None:
+            kept_sizes, keep_sorted = counts, jnp.ones((num_assign,), bool)
+            rows = gr.padded_rows(num_assign, g, ROW_ALIGN)
+        else:
+            kept_sizes, keep_sorted = jnp.minimum(counts, cap), rank < cap
+            rows = min(gr.padded_rows(num_assign, g, ROW_ALIGN), g * gr._round_up(cap, ROW_ALIGN))
+        layout = gr.layout_from_sizes(kept_sizes, rows, ROW_ALIGN)
+
+        big = gr._BIG
+        pos_sorted = jnp.where(keep_sorted, layout.starts[sorted_expert] + rank, big)
+        pos = jnp.zeros((num_assign,), jnp.int32).at[order].set(pos_sorted)  # padded row of each assignment
+        token_of_row = jnp.full((rows,), num_tokens, jnp.int32).at[pos].set(
+            jnp.arange(num_assign, dtype=jnp.int32) // k, mode="drop")
+        x_pad = jnp.take(tokens, token_of_row, axis=0, mode="fill", fill_value=0)
+        y_pad = self.experts.apply_padded(x_pad, layout)
+        kept = (pos < big).reshape(num_tokens, k)
+        gathered = jnp.take(y_pad, pos, axis=0, mode="fill", fill_value=0).reshape(num_tokens, k, -1)
+        w = jnp.where(kept, weights, 0.0).astype(gathered.dtype)
+        y = jnp.einsum("tk,tkh->th", w, gathered, preferred_element_type=F32).astype(tokens.dtype)
+
+        share = counts.astype(F32) / num_assign
+        mean_prob = jnp.mean(probs if self.score == "softmax" else probs / jnp.sum(probs, -1, keepdims=True), axis=0)
+        info = RoutingInfo(
+            load_balancing_loss=g * jnp.sum(share * mean_prob),
+            router_z_loss=jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+            tokens_per_expert=kept_sizes,
+            dropped_fraction=(num_assign - jnp.sum(kept_sizes)).astype(F32) / num_assign,
+        )
+        return y, info
+
+
+# ----------------------------------------------------------------------------- expert sharding
+def _is_grouped(x) -> bool:
+    return isinstance(x, GroupedLinear)
+
+
+def _slice_grouped(layer: GroupedLinear, lo: int, hi: int) -> GroupedLinear:
+    weight = layer.weight[..., lo:hi, :, :]
+    state = layer.fp8_state
+    if state is not None:
+        state = eqx.tree_at(lambda s: (s.kernel_scale, s.kernel_amax_history), state,
+                            (state.kernel_scale[..., lo:hi], state.kernel_amax_history[..., lo:hi]))
+    return eqx.tree_at(lambda l: (l.weight, l.fp8_state), layer, (weight, state), is_leaf=lambda x: x is None)
+
+
+def split_experts(tree: Any, num_shards: int) -> list[Any]:
+    """Split every `GroupedLinear` in ``tree`` (a `MoE`, `GroupedMLP`, model, ...)
+    into ``num_shards`` consecutive expert shards: weights ``[E, ...]`` and per-expert
+    FP8 state (``kernel_scale``, ``kernel_amax_history``) are sliced, per-tensor state
+    and every other leaf is copied. Like Megatron's sharded state dict for experts:
+    save each shard on its own, load as another expert-parallel degree with
+    `merge_experts` (and `split_experts` again)."""
+    layers = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_grouped) if _is_grouped(x)]
+    if not layers:
+        raise ValueError("split_experts: no fp8jax.nn.GroupedLinear in the tree")
+    num = {layer.num_experts for layer in layers}
+    if len(num) != 1 or next(iter(num)) % num_shards:
+        raise ValueError(f"split_experts: expert counts {sorted(num)} cannot be split into {num_shards} equal shards")
+    per = next(iter(num)) // num_shards
+    return [jax.tree_util.tree_map(lambda x, i=i: _slice_grouped(x, i * per, (i + 1) * per) if _is_grouped(x) else x,
+                                   tree, is_leaf=_is_grouped) for i in range(num_shards)]
+
+
+def merge_experts(shards: Sequence[Any]) -> Any:
+    """Inverse of `split_experts`: concatenate the expert shards (in order). Per-tensor
+    FP8 state (input / output-gradient scales and histories, index, counters) must
+    agree across shards -- it does when they trained in lockstep -- and is taken
+    elementwise max (the conservative amax) otherwise."""
+    if not shards:
+        raise ValueError("merge_experts: no shards")
+
+    def merge(*layers):
+        if not _is_grouped(layers[0]):
+            return layers[0]
+        weight = jnp.concatenate([lay.weight for lay in layers], axis=-3)
+        state = layers[0].fp8_state
+        if state is not None:
+            states = [lay.fp8_state for lay in layers]
+            per_tensor = ("input_scale", "output_grad_scale", "input_amax_history", "output_grad_amax_history",
+                          "history_index", "nonfinite_count")
+            values = [jnp.max(jnp.stack([getattr(s, f) for s in states]), axis=0) for f in per_tensor]
+            state = eqx.tree_at(lambda s: tuple(getattr(s, f) for f in per_tensor), state, tuple(values))
+            state = eqx.tree_at(lambda s: (s.kernel_scale, s.kernel_amax_history), state,
+                                (jnp.concatenate([s.kernel_scale for s in states], axis=-1),
+                                 jnp.concatenate([s.kernel_amax_history for s in states], axis=-1)))
+        return eqx.tree_at(lambda l: (l.weight, l.fp8_state), layers[0], (weight, state), is_leaf=lambda x: x is None)
+
+    return jax.tree_util.tree_map(merge, *shards, is_leaf=_is_grouped)
