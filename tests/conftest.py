@@ -1,4 +1,5 @@
 import os
+import zlib
 
 # 8 host devices for the data-parallel tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -19,8 +20,9 @@ def sqnr_db(actual, reference) -> float:
 
 @pytest.fixture
 def key(request):
-    # A fresh key per test (derived from its name): random inputs, never zeros.
-    return jax.random.PRNGKey(abs(hash(request.node.name)) % (2**31))
+    # A fresh key per test, derived from its name with a stable hash (Python's str hash
+    # changes per process, which made thresholds pass or fail from run to run).
+    return jax.random.PRNGKey(zlib.crc32(request.node.name.encode()) % (2**31))
 
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

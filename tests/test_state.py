@@ -63,6 +63,7 @@ def test_most_recent_algo_uses_last_amax(key):
 # --- b. reuse in one step -------------------------------------------------------------
 def test_layer_used_twice_max_combines(key):
     model = _layer(key)
+    model = eqx.tree_at(lambda m: m.weight, model, model.weight * 4.0)  # |y1| well above |x|
     kx, kc = jax.random.split(key)
     x, c = normal(kx, (32, 32), scale=5.0), normal(kc, (32, 32), scale=0.1)
     # warm the state so scales are not 1.0
