@@ -310,3 +310,14 @@ def test_layout_and_kernel_fallback_on_cpu():
     assert gr.resolve_backend("auto", layout, 128, 256, jnp.bfloat16) == "reference"
     with pytest.raises(ValueError, match="Pallas kernel cannot run"):
         gr.resolve_backend("pallas", layout, 128, 256, jnp.bfloat16)
+
+
+def test_pinned_kernel_configs_are_found():
+    from fp8jax import _grouped_kernel as gk
+    rows, wgrad = gk.RowsConfig(max_concurrent_steps=2), gk.WgradConfig(max_concurrent_steps=2)
+    gr.set_kernel_configs(jnp.float8_e4m3fn, 7, rows, wgrad)
+    try:
+        assert gr.kernel_configs(jnp.float8_e4m3fn, 7, (1024, 512, 256)) == (rows, wgrad)
+        assert gr.kernel_configs(jnp.float8_e4m3fn, 8, (1024, 512, 256)) != (rows, wgrad)
+    finally:
+        gr._TUNED.clear()

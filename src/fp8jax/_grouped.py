@@ -170,16 +170,23 @@ def _kernel_reason(layout: GroupLayout, k: int, n: int, dtype) -> str:
         return why
     if layout.align % gk.ROW_ALIGN:
         return f"the layout's groups are aligned to {layout.align} rows, the kernel needs {gk.ROW_ALIGN}"
-    rows_cfg, wgrad_cfg = kernel_configs(jnp.dtype(dtype), layout.num_groups)
-    return (gk.rows_supported(layout.num_rows, k, n, rows_cfg) or gk.rows_supported(layout.num_rows, n, k, rows_cfg)
-            or gk.wgrad_supported(layout.num_rows, k, n, wgrad_cfg))
+    m, g = layout.num_rows, layout.num_groups
+    fwd_rows, wgrad_cfg = kernel_configs(dtype, g, (m, k, n))  # the keys `rows_gemm` / `wgrad_gemm` look up
+    dgrad_rows, _ = kernel_configs(dtype, g, (m, n, k))
+    return (gk.rows_supported(m, k, n, fwd_rows) or gk.rows_supported(m, n, k, dgrad_rows)
+            or gk.wgrad_supported(m, k, n, wgrad_cfg))
+
+
+def check_backend(backend: str) -> str:
+    """``backend`` if it is one of `BACKENDS`, else a ValueError."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
 
 
 def resolve_backend(backend: str, layout: GroupLayout, k: int, n: int, dtype) -> str:
     """``"pallas"`` or ``"reference"`` for a GEMM set of sizes ``[M_pad, k] x [G, k, n]``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
+    if check_backend(backend) == "reference":
         return backend
     why = _kernel_reason(layout, k, n, dtype)
     if not why:
@@ -195,10 +202,11 @@ _TUNED: dict[tuple, tuple[gk.RowsConfig, gk.WgradConfig]] = {}
 
 
 def kernel_configs(dtype, num_groups: int, shape: tuple[int, int, int] | None = None):
-    """(rows, wgrad) kernel configs for operands of ``dtype``."""
-    key = (jnp.dtype(dtype).name, num_groups, shape)
-    if key in _TUNED:
-        return _TUNED[key]
+    """(rows, wgrad) kernel configs for operands of ``dtype``: pinned for this shape,
+    else pinned for any shape, else the measured defaults."""
+    for key in ((jnp.dtype(dtype).name, num_groups, shape), (jnp.dtype(dtype).name, num_groups, None)):
+        if key in _TUNED:
+            return _TUNED[key]
     fp8 = jnp.dtype(dtype).itemsize == 1
     tile_k = 128 if fp8 else 64
     rows = gk.RowsConfig(tile_k=tile_k, max_concurrent_steps=3 if fp8 else 4,
@@ -208,8 +216,9 @@ def kernel_configs(dtype, num_groups: int, shape: tuple[int, int, int] | None = 
 
 
 def set_kernel_configs(dtype, num_groups: int, rows: gk.RowsConfig, wgrad: gk.WgradConfig, shape=None) -> None:
-    """Pin the kernel tiles for ``dtype`` and ``num_groups`` (optionally one
-    ``(M_pad, K, N)`` shape); used by `benchmarks.moe --tune`."""
+    """Pin the kernel tiles for ``dtype`` and ``num_groups``: for every shape, or for one
+    ``(M_pad, K, N)`` (K: the contracting size of ``rows_gemm``; for ``wgrad_gemm`` the
+    output ``[K, N]``)."""
     _TUNED[(jnp.dtype(dtype).name, num_groups, shape)] = (rows, wgrad)
 
 
@@ -268,8 +277,7 @@ def _masked(x, layout: GroupLayout):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def grouped_plain(backend: str, x, w, layout: GroupLayout):
     """``y = x . W_e`` per group in the input precision through the same kernels."""
-    return rows_gemm(backend, _masked(x, layout), jnp.swapaxes(w, 1, 2).astype(x.dtype), layout,
-                     jnp.ones((layout.num_groups,), F32), x.dtype)
+    return _plain_fwd(backend, x, w, layout)[0]
 
 
 def _plain_fwd(backend, x, w, layout):
@@ -292,18 +300,6 @@ grouped_plain.defvjp(_plain_fwd, _plain_bwd)
 
 
 # ----------------------------------------------------------------------------- FP8
-STATE_FIELDS = (
-    "input_scale",
-    "kernel_scale",
-    "output_grad_scale",
-    "input_amax_history",
-    "kernel_amax_history",
-    "output_grad_amax_history",
-    "history_index",
-    "nonfinite_count",
-)
-
-
 def link_size(num_experts: int) -> int:
     """[amax_x, amax_g, nonfinite flag, amax_w per expert]."""
     return 3 + num_experts

@@ -26,6 +26,17 @@ class OverwriteWithGradient(eqx.Module):
         return None
 
 
+class Fp8GemmState(OverwriteWithGradient):
+    """Base of the FP8 GEMM states (`Fp8DotGeneral`, `fp8jax.nn.Fp8GroupedState`): the
+    eight fields of `_dot.STATE_FIELDS`, stacked layers along leading dims."""
+
+    def ran_mask(self) -> Array:
+        return self.input_scale > 0  # a scale is never 0
+
+    def state(self) -> tuple[Array, ...]:
+        return tuple(getattr(self, name) for name in _dot.STATE_FIELDS)
+
+
 def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = ()) -> dict[str, Array]:
     # A fresh buffer per field: shared ones could not be donated to a jitted step.
     def ones():
@@ -49,7 +60,7 @@ def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = ()) -> dict[st
     )
 
 
-class Fp8DotGeneral(OverwriteWithGradient):
+class Fp8DotGeneral(Fp8GemmState):
     """Drop-in for ``jax.lax.dot_general`` running forward, dgrad and wgrad as FP8 GEMMs.
 
     ``lhs`` is the input (activations), ``rhs`` the kernel (weights), as in flax and
@@ -76,12 +87,6 @@ class Fp8DotGeneral(OverwriteWithGradient):
         self.config = config
 
     # ------------------------------------------------------------------ inspection
-    def ran_mask(self) -> Array:
-        return self.input_scale > 0  # a scale is never 0
-
-    def state(self) -> tuple[Array, ...]:
-        return tuple(getattr(self, name) for name in _dot.STATE_FIELDS)
-
     def ordered_amax_history(self, which: str = "input") -> Array:
         """``<which>_amax_history`` newest-first (``which``: input, kernel, output_grad)."""
         history = getattr(self, f"{which}_amax_history")

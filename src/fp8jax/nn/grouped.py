@@ -25,13 +25,13 @@ from .. import _quant as q
 from .._grouped import GroupLayout
 from .._grouped_kernel import ROW_ALIGN
 from ..config import Fp8Config, resolve_config
-from ..dot_general import OverwriteWithGradient
+from ..dot_general import Fp8GemmState
 from .mlp import ACTIVATIONS, activate
 
 F32 = jnp.float32
 
 
-class Fp8GroupedState(OverwriteWithGradient):
+class Fp8GroupedState(Fp8GemmState):
     """FP8 scaling state of one grouped projection (``num_experts`` GEMMs).
 
     Inputs and output gradients: one scale per tensor (``[*stack, 1]``, histories
@@ -69,24 +69,12 @@ class Fp8GroupedState(OverwriteWithGradient):
     def num_experts(self) -> int:
         return int(self.kernel_scale.shape[-1])
 
-    def ran_mask(self) -> Array:
-        return self.input_scale > 0  # a scale is never 0
-
-    def state(self) -> tuple[Array, ...]:
-        return tuple(getattr(self, name) for name in gr.STATE_FIELDS)
-
     def ordered_amax_history(self, which: str = "input") -> Array:
         """``<which>_amax_history`` newest-first (kernel: ``[history, experts]``)."""
         history = getattr(self, f"{which}_amax_history")
         if which == "kernel":
             return jax.vmap(q.ordered_history, in_axes=(1, None), out_axes=1)(history, self.history_index)
         return q.ordered_history(history, self.history_index)
-
-
-def _check_backend(backend: str) -> str:
-    if backend not in gr.BACKENDS:
-        raise ValueError(f"backend must be one of {gr.BACKENDS}, got {backend!r}")
-    return backend
 
 
 class GroupedLinear(eqx.Module):
@@ -100,7 +88,7 @@ class GroupedLinear(eqx.Module):
     sizes allow, else the plain-JAX reference), ``"pallas"`` or ``"reference"``.
     """
 
-    weight: Float[Array, experts in out]
+    weight: Float[Array, "experts d_in d_out"]
     fp8_state: Fp8GroupedState | None
     backend: str = eqx.field(static=True)
 
@@ -113,7 +101,7 @@ class GroupedLinear(eqx.Module):
         bound = 1.0 / math.sqrt(in_features)
         self.weight = jax.random.uniform(key, (num_experts, in_features, out_features), dtype, -bound, bound)
         self.fp8_state = Fp8GroupedState(num_experts, config) if fp8 else None
-        self.backend = _check_backend(backend)
+        self.backend = gr.check_backend(backend)
 
     @property
     def num_experts(self) -> int:
@@ -132,7 +120,7 @@ class GroupedLinear(eqx.Module):
         new = object.__new__(type(self))
         for name in ("weight", "fp8_state"):
             object.__setattr__(new, name, getattr(self, name))
-        object.__setattr__(new, "backend", _check_backend(backend))
+        object.__setattr__(new, "backend", gr.check_backend(backend))
         return new
 
     @jax.named_scope("fp8jax.nn.GroupedLinear")
@@ -140,12 +128,7 @@ class GroupedLinear(eqx.Module):
         """``x_sorted [rows, in]`` grouped by expert (``group_sizes[e]`` rows for expert
         ``e``, in order; groups may be empty) -> ``[rows, out]``. Rows past
         ``sum(group_sizes)`` get zeros. Pads to the kernel layout and back."""
-        x_sorted = self._check_input(x_sorted, "x_sorted")
-        gr.check_group_sizes(group_sizes, x_sorted.shape[0], self.num_experts)
-        sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
-        layout = make_layout(sizes, x_sorted.shape[0])
-        y = self.apply_padded(gr.pad_rows(x_sorted, layout), layout)
-        return gr.unpad_rows(y, layout, x_sorted.shape[0])
+        return _apply_sorted(self, self, x_sorted, group_sizes)
 
     def apply_padded(self, x: Float[Array, "rows_pad in"], layout: GroupLayout) -> Array:
         """The grouped GEMM on rows already in ``layout``'s padded layout (what `MoE`
@@ -183,6 +166,17 @@ class GroupedLinear(eqx.Module):
         return x
 
 
+def _apply_sorted(module, first: GroupedLinear, x_sorted, group_sizes):
+    """``module.apply_padded`` on sorted rows: validate against ``first`` (the layer
+    that takes the input), pad to the kernel layout, run, unpad."""
+    x_sorted = first._check_input(x_sorted, "x_sorted")
+    gr.check_group_sizes(group_sizes, x_sorted.shape[0], first.num_experts)
+    sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
+    layout = make_layout(sizes, x_sorted.shape[0])
+    y = module.apply_padded(gr.pad_rows(x_sorted, layout), layout)
+    return gr.unpad_rows(y, layout, x_sorted.shape[0])
+
+
 def make_layout(group_sizes: Int[Array, " experts"], num_rows: int, align: int = ROW_ALIGN) -> GroupLayout:
     """The padded layout for ``num_rows`` real rows split into ``group_sizes``."""
     return gr.layout_from_sizes(group_sizes, gr.padded_rows(num_rows, group_sizes.shape[0], align), align)
@@ -214,12 +208,7 @@ class GroupedMLP(eqx.Module):
 
     def __call__(self, x_sorted: Array, group_sizes: Array) -> Array:
         """Like `GroupedLinear.__call__`: sorted rows and per-expert group sizes."""
-        x_sorted = self.fc1._check_input(x_sorted, "x_sorted")
-        gr.check_group_sizes(group_sizes, x_sorted.shape[0], self.fc1.num_experts)
-        sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
-        layout = make_layout(sizes, x_sorted.shape[0])
-        y = self.apply_padded(gr.pad_rows(x_sorted, layout), layout)
-        return gr.unpad_rows(y, layout, x_sorted.shape[0])
+        return _apply_sorted(self, self.fc1, x_sorted, group_sizes)
 
     @jax.named_scope("fp8jax.nn.GroupedMLP")
     def apply_padded(self, x: Array, layout: GroupLayout) -> Array:
