@@ -255,6 +255,10 @@ BUILDERS: dict[str, Callable[..., Step]] = {
     "fp8jax-delayed": fp8jax_builder(fp8jax.Fp8Config(scaling="delayed", selective=False)),
     "fp8jax-current": fp8jax_builder(fp8jax.Fp8Config(scaling="current", selective=False)),
     "fp8jax-selective": fp8jax_builder(fp8jax.Fp8Config()),
+    # Not recorded variants (for `benchmarks.linear_tuning --variant`): fast FP8
+    # accumulation in all three GEMMs; the one-pass Pallas cast-transpose kernel.
+    "fp8jax-delayed-fastacc": fp8jax_builder(fp8jax.Fp8Config(scaling="delayed", selective=False, fast_accumulation="all")),
+    "fp8jax-delayed-castkernel": fp8jax_builder(fp8jax.Fp8Config(scaling="delayed", selective=False, cast_kernel=True)),
     "flax-direct": build_flax_direct,
     "haliax-qdq": build_haliax_qdq,
 }

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+import fp8jax
 from fp8jax.train import cli
 from fp8jax.train.data import load_corpus
 
@@ -57,6 +58,38 @@ def test_moe_blocks_and_custom_data(tmp_path):
                                 "--precision", "fp8", "--data", str(text), "--out", str(tmp_path / "moe"),
                                 "--no-plot"])
     assert np.isfinite(results["fp8"]["val_loss"])
+
+
+def test_moe_blocks_use_grouped_experts_with_fp8_state():
+    """MoE blocks are `fp8jax.nn.MoE` (grouped experts): FP8 state only in the fp8
+    run, same weights in both, and a positive load-balancing loss in the objective."""
+    import jax.numpy as jnp
+
+    from fp8jax.nn import MoE
+
+    run = cli.run_config(cli.parse_args(SMALL + ["--experts", "4", "--top-k", "2"]))
+    bf16, fp8 = cli.build_model(run, "bf16"), cli.build_model(run, "fp8")
+    assert isinstance(fp8.blocks.mlp.moe, MoE)
+    assert bf16.blocks.mlp.moe.experts.fc1.fp8_state is None
+    state = fp8.blocks.mlp.moe.experts.fc1.fp8_state
+    assert state is not None and state.kernel_scale.shape[-1] == 4
+    np.testing.assert_array_equal(bf16.blocks.mlp.moe.experts.fc1.weight, fp8.blocks.mlp.moe.experts.fc1.weight)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 33)))
+    _, aux = cli.cast_for_compute(fp8, cli.compute_dtype()).forward(tokens[:, :-1])
+    assert float(aux) > 0.0
+    with_aux, without = cli._loss(fp8, tokens), cli._loss(fp8, tokens, with_aux=False)
+    assert float(with_aux) == pytest.approx(float(without) + float(aux), rel=1e-5)
+    dense = cli.build_model(cli.run_config(cli.parse_args(SMALL)), "fp8")
+    assert float(dense.forward(tokens[:, :-1])[1]) == 0.0
+    # fp8_state lists the grouped experts' state beside the linear layers'.
+    from fp8jax import Fp8DotGeneral
+    from fp8jax.nn.grouped import Fp8GroupedState
+
+    kinds = {type(s) for _, s in fp8jax.fp8_state(fp8)}
+    paths = [p for p, s in fp8jax.fp8_state(fp8) if isinstance(s, Fp8GroupedState)]
+    assert kinds == {Fp8DotGeneral, Fp8GroupedState}, kinds
+    assert paths == ["blocks.mlp.moe.experts.fc1.fp8_state", "blocks.mlp.moe.experts.fc2.fp8_state"], paths
+    assert fp8jax.fp8_state(bf16) == []
 
 
 def test_corpus_is_deterministic_and_split():

@@ -27,6 +27,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
+from . import _cast_kernel
 from . import _quant as q
 from .config import Fp8Config
 
@@ -72,27 +73,40 @@ class Spec(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- GEMMs
-def _gemm(a, b, out_dtype):
+def _gemm(a, b, out_dtype, precision=None):
     """[B,P,C] x [B,Q,C] -> [B,P,Q], both operands contracting on their minor dim."""
     if a.shape[0] == 1:
-        out = jax.lax.dot_general(a[0], b[0], (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+        out = jax.lax.dot_general(a[0], b[0], (((1,), (1,)), ((), ())), precision, out_dtype)
         return out[None]
-    return jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=out_dtype)
+    return jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), precision, out_dtype)
 
 
-def _fp8_gemm(a, b, scale, out_dtype):
-    """FP8 GEMM followed by the dequantization ``* scale`` (a scalar)."""
+def _fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
+    """FP8 GEMM of ``a`` and ``b``, dequantized by their (scalar) scales after it.
+
+    ``fast_accumulation=False`` asks for ``Precision.HIGHEST``, which XLA turns into
+    cuBLASLt's promoted ("split") FP8 accumulator; the fast one keeps partial sums
+    in the tensor cores' reduced precision (on H100 at K=4096 with products of one
+    sign: 2.9e-2 relative error against 2.4e-3; the promoted one costs 5-8% more
+    GEMM time; benchmarks/RESULTS.md).
+    """
+    precision = None if fast_accumulation else jax.lax.Precision.HIGHEST
     acc_dtype = F32 if TUNING["f32_gemm_out"] else out_dtype
-    y = _gemm(a, b, acc_dtype)
-    return (y.astype(F32) * scale.reshape(()).astype(F32)).astype(out_dtype)
+    y = _gemm(a, b, acc_dtype, precision)
+    scale = (a_scale * b_scale).reshape(()).astype(F32)
+    return (y.astype(F32) * scale).astype(out_dtype)
 
 
-def _quantize_both(t, scale, dtype):
-    """FP8 copies of ``t: [B, P, C]`` in both layouts: ``[B, P, C]`` and ``[B, C, P]``."""
+def _quantize_both(t, scale, dtype, cast_kernel: bool = False):
+    """FP8 copies of ``t: [B, P, C]`` in both layouts (``[B, P, C]`` and ``[B, C, P]``)
+    and ``max |t|`` (non-finite when ``t`` holds NaN/Inf). ``cast_kernel``: one Pallas
+    pass (`fp8jax._cast_kernel`) where it can run, else XLA's cast + transpose."""
+    if cast_kernel and _cast_kernel.supported(t.shape)[0]:
+        return _cast_kernel.cast_transpose(t, scale, dtype)
     tq = q.quantize(t, scale, dtype)
     if TUNING["cast_transposed"]:
-        return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype)
-    return tq, jnp.swapaxes(tq, 1, 2)
+        return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype), q.amax(t)
+    return tq, jnp.swapaxes(tq, 1, 2), q.amax(t)
 
 
 _WARNED: set[str] = set()
@@ -129,17 +143,19 @@ def _fwd_impl(spec: Spec, x3, w3, state):
         y = _gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
         zero = jnp.zeros((), F32)
         return y, (x3, w3, in_s, k_s, zero, zero)
-    ax, aw = q.amax(x3), q.amax(w3)
-    if cfg.scaling == "delayed":
+    if cfg.scaling == "delayed":  # the scales are known before the cast: amax is its by-product
         sx = q.scale_from_amax(q.amax_from_history(in_h, idx, cfg.amax_compute_algo), in_s, cfg.input_dtype, cfg.margin)
         sw = q.scale_from_amax(q.amax_from_history(k_h, idx, cfg.amax_compute_algo), k_s, cfg.kernel_dtype, cfg.margin)
+        xq, xTq, ax = _quantize_both(x3, sx, cfg.input_dtype, cfg.cast_kernel)
+        wq, wTq, aw = _quantize_both(w3, sw, cfg.kernel_dtype, cfg.cast_kernel)
     else:
+        ax, aw = q.amax(x3), q.amax(w3)
         sx = q.scale_from_amax(ax.reshape(1), in_s, cfg.input_dtype, cfg.margin)
         sw = q.scale_from_amax(aw.reshape(1), k_s, cfg.kernel_dtype, cfg.margin)
-    xq, xTq = _quantize_both(x3, sx, cfg.input_dtype)
-    wq, wTq = _quantize_both(w3, sw, cfg.kernel_dtype)
+        xq, xTq, _ = _quantize_both(x3, sx, cfg.input_dtype, cfg.cast_kernel)
+        wq, wTq, _ = _quantize_both(w3, sw, cfg.kernel_dtype, cfg.cast_kernel)
     w_nk, w_kn = (wTq, wq) if spec.rhs_k_first else (wq, wTq)
-    y = _fp8_gemm(xq, w_nk, sx * sw, out_dtype)
+    y = _fp8_gemm(xq, sx, w_nk, sw, out_dtype, cfg.fast_accumulation in ("forward", "all"))
     return y, (xTq, w_kn, sx, sw, ax, aw)
 
 
@@ -153,17 +169,19 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
         dw = _gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm(gT, xT, wr.dtype)
         return dx, dw, jnp.zeros((), F32), g_scale
     xTq, w_kn = xr, wr
-    ag = q.amax(g3)
     if cfg.scaling == "delayed":
         sg = q.scale_from_amax(q.amax_from_history(g_history, index, cfg.amax_compute_algo), g_scale, cfg.grad_dtype, cfg.margin)
+        gq, gTq, ag = _quantize_both(g3, sg, cfg.grad_dtype, cfg.cast_kernel)
     else:
+        ag = q.amax(g3)
         sg = q.scale_from_amax(ag.reshape(1), g_scale, cfg.grad_dtype, cfg.margin)
-    gq, gTq = _quantize_both(g3, sg, cfg.grad_dtype)
-    dx = _fp8_gemm(gq, w_kn, sg * sw, spec.x_dtype)
+        gq, gTq, _ = _quantize_both(g3, sg, cfg.grad_dtype, cfg.cast_kernel)
+    fast = cfg.fast_accumulation == "all"
+    dx = _fp8_gemm(gq, sg, w_kn, sw, spec.x_dtype, fast)
     if spec.rhs_k_first:
-        dw = _fp8_gemm(xTq, gTq, sg * sx, spec.w_dtype)
+        dw = _fp8_gemm(xTq, sx, gTq, sg, spec.w_dtype, fast)
     else:
-        dw = _fp8_gemm(gTq, xTq, sg * sx, spec.w_dtype)
+        dw = _fp8_gemm(gTq, sg, xTq, sx, spec.w_dtype, fast)
     return dx, dw, ag, sg
 
 

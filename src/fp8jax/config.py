@@ -24,6 +24,18 @@ class Fp8Config:
       amax_history_length: ring-buffer length for delayed scaling.
       amax_compute_algo: ``"max"`` over the history, or ``"most_recent"`` entry.
       margin: scale = amax * 2**margin / fp8_max (headroom in powers of two).
+      fast_accumulation: which FP8 GEMMs may use Hopper's fast FP8 accumulation
+        (partial sums kept in the tensor cores' reduced precision): ``"forward"``
+        (the Transformer Engine / flax recipe: the forward GEMM fast, dgrad and
+        wgrad with the promoted accumulator), ``"all"`` (fastest) or ``"none"``.
+        On H100 at K=4096, with products of one sign, the fast accumulator's error
+        was 12x the promoted one's (2.9e-2 vs 2.4e-3 relative), for 5-8% less GEMM
+        time.
+      cast_kernel: write each tensor's two FP8 layouts and its amax in one Pallas
+        Triton pass (Hopper; elsewhere, or for shapes it cannot tile, XLA's cast
+        and transpose). On H100 it took 2.5% off an isolated linear train step,
+        but it is a custom call XLA cannot fuse the tensor's producer into (a norm
+        or an activation), so it is off by default: measure it in your model.
 
     Selection (used by `fp8_linear_layers`):
       targets: ``None`` (every linear), a regex over the dotted path
@@ -48,6 +60,8 @@ class Fp8Config:
     amax_history_length: int = 1024
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     margin: float = 0.0
+    fast_accumulation: Literal["forward", "all", "none"] = "forward"
+    cast_kernel: bool = False
     targets: Targets = None
     selective: bool = True
     alignment: int = 16
@@ -68,6 +82,10 @@ class Fp8Config:
             bad("fp8_format", self.fp8_format, "'hybrid' or 'e4m3'")
         if self.amax_compute_algo not in ("max", "most_recent"):
             bad("amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
+        if self.fast_accumulation not in ("forward", "all", "none"):
+            bad("fast_accumulation", self.fast_accumulation, "'forward', 'all' or 'none'")
+        if not isinstance(self.cast_kernel, bool):
+            bad("cast_kernel", self.cast_kernel, "True or False")
         if self.on_unsupported not in ("warn", "silent", "raise"):
             bad("on_unsupported", self.on_unsupported, "'warn', 'silent' or 'raise'")
         for name in ("amax_history_length", "alignment"):

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 
 from .config import Fp8Config, resolve_config
-from .dot_general import Fp8DotGeneral
+from .dot_general import Fp8DotGeneral, OverwriteWithGradient
 from .nn.linear import Linear
 
 
@@ -171,7 +171,9 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     return (model, report) if return_report else model
 
 
-def fp8_state(model: Any) -> list[tuple[str, Fp8DotGeneral]]:
-    """Every `Fp8DotGeneral` in ``model`` with its dotted path (for inspection)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
-    return [(_path_str(p), x) for p, x in flat if isinstance(x, Fp8DotGeneral)]
+def fp8_state(model: Any) -> list[tuple[str, OverwriteWithGradient]]:
+    """Every FP8 scaling state in ``model`` with its dotted path (for inspection):
+    linear layers' `Fp8DotGeneral`, grouped experts' ``Fp8GroupedState`` and FP8
+    attention's ``Fp8AttentionState``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient))
+    return [(_path_str(p), x) for p, x in flat if isinstance(x, OverwriteWithGradient)]

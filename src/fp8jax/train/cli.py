@@ -64,18 +64,22 @@ class RunConfig:
     eval_batches: int = 8
     seed: int = 0
     scaling: str = "delayed"
+    fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
     """FP8 for the linears inside the blocks; embedding and LM head stay bf16 (as in TE)."""
-    return Fp8Config(scaling=run.scaling, selective=run.selective, targets=r"blocks\..*", on_unsupported="silent")
+    return Fp8Config(scaling=run.scaling, selective=run.selective, fast_accumulation=run.fast_accumulation,
+                     targets=r"blocks\..*", on_unsupported="silent")
 
 
 def build_model(run: RunConfig, precision: str):
     cfg = run.model
     if precision == "fp8" and run.fp8_attention:
         cfg = dataclasses.replace(cfg, attention="fp8_dpa")  # same weights: the FP8 core has no parameters
+    if precision == "fp8" and cfg.experts:
+        cfg = dataclasses.replace(cfg, moe_fp8=True)  # same weights: FP8 state is extra, keys are unchanged
     model = Transformer(cfg, key=jax.random.PRNGKey(run.seed))
     if precision == "fp8":
         model = fp8_linear_layers(model, fp8_config(run))
@@ -92,9 +96,11 @@ def compute_dtype() -> jnp.dtype:
     return jnp.bfloat16
 
 
-def _loss(model, batch):
-    logits = cast_for_compute(model, compute_dtype())(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+def _loss(model, batch, with_aux: bool = True):
+    """Next-byte cross-entropy, plus the MoE load-balancing loss when training."""
+    logits, aux = cast_for_compute(model, compute_dtype()).forward(batch[:, :-1])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return loss + aux if with_aux else loss
 
 
 class Trainer:
@@ -114,7 +120,7 @@ class Trainer:
             return eqx.filter(model, eqx.is_array), opt_state, loss
 
         self._train = jax.jit(train_step, donate_argnums=(0, 1))
-        self._eval = jax.jit(lambda params, batch: _loss(eqx.combine(params, static), batch))
+        self._eval = jax.jit(lambda params, batch: _loss(eqx.combine(params, static), batch, with_aux=False))
         self.compiled = None
 
     def step(self, batch):
@@ -362,6 +368,8 @@ def parse_args(argv):
     for name in ("dim", "layers", "heads", "kv-heads", "ffn", "seq", "experts", "top-k"):
         p.add_argument(f"--{name}", type=int, default=None, help="model size override")
     p.add_argument("--scaling", choices=["delayed", "current"], default="delayed")
+    p.add_argument("--fast-accumulation", choices=["forward", "all", "none"], default="forward",
+                   help="FP8 GEMMs allowed Hopper's fast accumulation (default: forward only, as TE)")
     p.add_argument("--fp8-everywhere", action="store_true", help="turn the size policy off (FP8 on every block linear)")
     p.add_argument("--fp8-attention", action="store_true",
                    help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays from "
@@ -384,7 +392,8 @@ def run_config(args) -> RunConfig:
             preset[k] = getattr(args, k)
     if args.fp8_everywhere:
         preset["selective"] = False
-    run = RunConfig(model=model, scaling=args.scaling, fp8_attention=args.fp8_attention, **preset)
+    run = RunConfig(model=model, scaling=args.scaling, fast_accumulation=args.fast_accumulation,
+                    fp8_attention=args.fp8_attention, **preset)
     if args.eval_batches is not None:
         run.eval_batches = args.eval_batches
     if args.seed is not None:

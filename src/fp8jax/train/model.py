@@ -1,7 +1,8 @@
 """A decoder-only transformer in plain equinox: RMSNorm, rotary attention (GQA),
-SwiGLU MLP (`fp8jax.nn.FusedMLP`) or a top-k MoE, layers stacked and run with
-``jax.lax.scan``. Byte-level (vocabulary 256). FP8 is applied from outside with
-`fp8jax.fp8_linear_layers`, like a user would."""
+SwiGLU MLP (`fp8jax.nn.FusedMLP`) or a top-k MoE (`fp8jax.nn.MoE`, grouped experts),
+layers stacked and run with ``jax.lax.scan``. Byte-level (vocabulary 256). FP8 is
+applied from outside with `fp8jax.fp8_linear_layers`, like a user would; the MoE's
+grouped experts carry their own FP8 state (``ModelConfig.moe_fp8``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..dot_general import OverwriteWithGradient
 from ..nn.attention import DotProductAttention
+from ..nn.grouped import MoE as GroupedMoE
 from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
 
@@ -31,6 +33,8 @@ class ModelConfig:
     seq: int = 128
     experts: int = 0  # 0: dense SwiGLU MLP; >0: MoE with this many experts
     top_k: int = 2
+    moe_fp8: bool = False  # the MoE's grouped expert GEMMs in FP8 (set for the fp8 run)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch Transformer's default)
     rope_base: float = 10000.0
     attention: str = "bf16"  # or "fp8_dpa": `fp8jax.nn.DotProductAttention` (cuDNN FP8 on Hopper)
 
@@ -113,35 +117,22 @@ def _attention_impl(q) -> str | None:
 
 
 class MoE(eqx.Module):
-    """Top-k MoE (softmax router, renormalized top-k gates) with dense dispatch (every expert sees every token, weighted by its
-    gate; zero gate for unrouted tokens). Simple and exact; O(experts) compute, so for
-    small models. Experts are SwiGLU MLPs stacked with ``eqx.filter_vmap``."""
+    """Pre-norm top-k MoE feed-forward block: RMSNorm, then `fp8jax.nn.MoE` (softmax
+    router, renormalized top-k weights, dropless, SwiGLU experts run as grouped GEMMs)
+    with the residual added. Returns the load-balancing loss beside the output."""
 
     norm: Float[Array, " dim"]
-    router: eqx.nn.Linear
-    experts: FusedMLP
-    cfg: ModelConfig = eqx.field(static=True)
+    moe: GroupedMoE
 
     def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
-        kr, ke = jax.random.split(key)
         self.norm = jnp.ones((cfg.dim,))
-        self.router = eqx.nn.Linear(cfg.dim, cfg.experts, use_bias=False, key=kr)
-        make = lambda k: FusedMLP(cfg.dim, cfg.ffn, activation="swiglu", norm="rmsnorm",  # noqa: E731
-                                  fp8=False, fused=False, key=k)
-        self.experts = eqx.filter_vmap(make)(jax.random.split(ke, cfg.experts))
-        self.cfg = cfg
+        self.moe = GroupedMoE(cfg.dim, cfg.ffn, cfg.experts, top_k=cfg.top_k, activation="swiglu",
+                              fp8=cfg.moe_fp8, key=key)
 
     def __call__(self, x):
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        logits = apply_linear(self.router, h).astype(jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_p, top_i = jax.lax.top_k(probs, self.cfg.top_k)
-        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-        gates = jnp.sum(jax.nn.one_hot(top_i, self.cfg.experts) * top_p[..., None], axis=-2)  # [B, T, E]
-        params, static = eqx.partition(self.experts, eqx.is_array)
-        outs = jax.vmap(lambda p: eqx.combine(p, static)(x))(params)  # [E, B, T, C]; each expert norms x
-        y = jnp.einsum("ebtc,bte->btc", outs.astype(jnp.float32), gates).astype(x.dtype)
-        return x + y
+        y, info = self.moe(h)
+        return x + y.astype(x.dtype), info.load_balancing_loss
 
 
 class Block(eqx.Module):
@@ -159,7 +150,11 @@ class Block(eqx.Module):
             self.mlp = eqx.tree_at(lambda m: m.fc2.weight, mlp, mlp.fc2.weight / math.sqrt(2 * cfg.layers))
 
     def __call__(self, x):
-        return self.mlp(self.attn(x))
+        """``(x_out, auxiliary loss)``: the MoE's load-balancing loss, 0 for a dense MLP."""
+        x = self.attn(x)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x)
+        return self.mlp(x), jnp.zeros((), jnp.float32)
 
 
 class Transformer(eqx.Module):
@@ -178,15 +173,22 @@ class Transformer(eqx.Module):
         self.cfg = cfg
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
+        return self.forward(tokens)[0]
+
+    def forward(self, tokens: Int[Array, "B T"]) -> tuple[Float[Array, "B T vocab"], Float[Array, ""]]:
+        """Logits and the auxiliary loss summed over layers (MoE load balancing,
+        already weighted by ``aux_loss_coef``; 0 without experts)."""
         x = self.embed[tokens]
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
-        def layer(x, p):
-            return eqx.combine(p, static)(x), None
+        def layer(carry, p):
+            x, aux = carry
+            x, layer_aux = eqx.combine(p, static)(x)
+            return (x, aux + layer_aux.astype(jnp.float32)), None
 
-        x, _ = jax.lax.scan(layer, x, params)
+        (x, aux), _ = jax.lax.scan(layer, (x, jnp.zeros((), jnp.float32)), params)
         x = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        return apply_linear(self.head, x).astype(jnp.float32)
+        return apply_linear(self.head, x).astype(jnp.float32), self.cfg.aux_loss_coef * aux
 
 
 def cast_for_compute(model, dtype):

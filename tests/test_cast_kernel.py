@@ -1,0 +1,108 @@
+"""The one-pass cast + transpose + amax kernel and the FP8 GEMM accumulation choice.
+
+The kernel body runs in Pallas interpret mode on CPU (bit-for-bit against the XLA
+cast); `test_gpu.py` checks the compiled Triton kernel on the GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax import _cast_kernel, _dot
+from fp8jax import _quant as q
+from helpers import normal
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", [(1, 64, 96), (3, 128, 32)])
+def test_interpret_kernel_matches_xla_cast_bit_for_bit(key, dtype, shape):
+    x = normal(key, shape, jnp.bfloat16, scale=7.0)
+    scale = jnp.array([0.9 * float(q.amax(x)) / float(jnp.finfo(dtype).max)], jnp.float32)
+    rows, cols, amax = _cast_kernel.cast_transpose(x, scale, dtype, interpret=True)
+    expected = q.quantize(x, scale, dtype)
+    assert rows.shape == shape and cols.shape == (shape[0], shape[2], shape[1])
+    np.testing.assert_array_equal(_bits(rows), _bits(expected))
+    np.testing.assert_array_equal(_bits(cols), _bits(jnp.swapaxes(expected, 1, 2)))
+    assert float(amax) == float(q.amax(x))
+    # The scale leaves headroom only for 90% of the amax: the largest values saturate.
+    assert float(jnp.max(jnp.abs(rows.astype(jnp.float32)))) == float(jnp.finfo(dtype).max)
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_interpret_kernel_amax_is_non_finite_for_bad_values(key, bad):
+    x = normal(key, (1, 64, 64), jnp.float32).at[0, 5, 9].set(bad)
+    _, _, amax = _cast_kernel.cast_transpose(x, jnp.ones((1,), jnp.float32), E4M3, interpret=True)
+    assert not np.isfinite(float(amax))
+    finite, flag = q.sanitize_amax(amax)
+    assert float(finite) == 0.0 and float(flag) == 1.0
+
+
+def test_kernel_rejects_shapes_it_cannot_tile(key):
+    with pytest.raises(ValueError, match=r"\(1, 48, 64\)"):
+        _cast_kernel.cast_transpose(normal(key, (1, 48, 64)), jnp.ones((1,)), E4M3, interpret=True)
+    ok, why = _cast_kernel.supported((1, 48, 64))
+    assert not ok and why
+
+
+def test_cast_kernel_setting_falls_back_where_it_cannot_run(key):
+    """With the kernel asked for, a device or shape it cannot take runs the XLA cast,
+    and a layer with ``Fp8Config(cast_kernel=True)`` trains as with the default."""
+    x = normal(key, (1, 48, 64), jnp.bfloat16)
+    rows, cols, amax = _dot._quantize_both(x, jnp.array([0.01]), E4M3, cast_kernel=True)
+    np.testing.assert_array_equal(_bits(cols), _bits(jnp.swapaxes(rows, 1, 2)))
+    assert float(amax) == float(q.amax(x))
+    xs, w = normal(key, (64, 32), jnp.bfloat16), normal(key, (48, 32), jnp.bfloat16)
+    dn = (((1,), (1,)), ((), ()))
+    grads = [jax.grad(lambda x, w, op=fp8jax.Fp8DotGeneral(fp8jax.Fp8Config(selective=False, cast_kernel=ck)):
+                      jnp.sum(op(x, w, dn).astype(jnp.float32) ** 2), argnums=(0, 1))(xs, w) for ck in (False, True)]
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _dot_precisions(config, key):
+    op = fp8jax.Fp8DotGeneral(config)
+    x, w = normal(key, (64, 32), jnp.bfloat16), normal(key, (48, 32), jnp.bfloat16)
+    dn = (((1,), (1,)), ((), ()))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(op(x, w, dn).astype(jnp.float32)), argnums=(0, 1)))(x, w)
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.dtype.itemsize == 1:
+                found.append(eqn.params["precision"])
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", None)
+                if inner is not None:
+                    walk(getattr(inner, "jaxpr", inner))
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def _is_highest(precision):
+    return precision is not None and all(p == jax.lax.Precision.HIGHEST for p in
+                                         (precision if isinstance(precision, tuple) else (precision,)))
+
+
+@pytest.mark.parametrize("mode, fast_fwd, fast_bwd", [("forward", True, False), ("all", True, True),
+                                                      ("none", False, False)])
+def test_fast_accumulation_sets_the_fp8_gemm_precision(key, mode, fast_fwd, fast_bwd):
+    """Forward first, then dgrad and wgrad: HIGHEST (promoted accumulation) unless fast."""
+    config = fp8jax.Fp8Config(selective=False, fast_accumulation=mode)
+    precisions = _dot_precisions(config, key)
+    assert len(precisions) == 3, precisions
+    assert [not _is_highest(p) for p in precisions] == [fast_fwd, fast_bwd, fast_bwd]
+
+
+def test_new_config_fields_are_validated():
+    with pytest.raises(ValueError, match="fast_accumulation"):
+        fp8jax.Fp8Config(fast_accumulation="sometimes")
+    with pytest.raises(ValueError, match="cast_kernel"):
+        fp8jax.Fp8Config(cast_kernel="yes")
