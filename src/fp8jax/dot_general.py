@@ -37,26 +37,29 @@ class Fp8GemmState(OverwriteWithGradient):
         return tuple(getattr(self, name) for name in _dot.STATE_FIELDS)
 
 
-def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = ()) -> dict[str, Array]:
+def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = (), experts: int | None = None) -> dict[str, Array]:
+    """Fresh values of the eight `_dot.STATE_FIELDS`: scales 1, histories 0. With
+    ``experts``, the kernel's scale and history get a trailing ``[experts]`` dim (one
+    per expert, `fp8jax.nn.Fp8GroupedState`)."""
+    length = config.history_length
+    kernel = () if experts is None else (experts,)
+
     # A fresh buffer per field: shared ones could not be donated to a jitted step.
-    def ones():
-        return jnp.ones(stack_shape + (1,), jnp.float32)
+    def ones(shape):
+        return jnp.ones(stack_shape + shape, jnp.float32)
 
-    def zeros_hist():
-        return jnp.zeros(stack_shape + (config.history_length,), jnp.float32)
-
-    def zero():
-        return jnp.zeros(stack_shape + (1,), jnp.float32)
+    def zeros(shape):
+        return jnp.zeros(stack_shape + shape, jnp.float32)
 
     return dict(
-        input_scale=ones(),
-        kernel_scale=ones(),
-        output_grad_scale=ones(),
-        input_amax_history=zeros_hist(),
-        kernel_amax_history=zeros_hist(),
-        output_grad_amax_history=zeros_hist(),
-        history_index=zero(),
-        nonfinite_count=zero(),
+        input_scale=ones((1,)),
+        kernel_scale=ones(kernel or (1,)),
+        output_grad_scale=ones((1,)),
+        input_amax_history=zeros((length,)),
+        kernel_amax_history=zeros((length,) + kernel),
+        output_grad_amax_history=zeros((length,)),
+        history_index=zeros((1,)),
+        nonfinite_count=zeros((1,)),
     )
 
 

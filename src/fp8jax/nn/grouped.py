@@ -25,7 +25,7 @@ from .. import _quant as q
 from .._grouped import GroupLayout
 from .._grouped_kernel import ROW_ALIGN
 from ..config import Fp8Config, resolve_config
-from ..dot_general import Fp8GemmState
+from ..dot_general import Fp8GemmState, _init_state
 from .mlp import ACTIVATIONS, activate
 
 F32 = jnp.float32
@@ -53,16 +53,8 @@ class Fp8GroupedState(Fp8GemmState):
 
     def __init__(self, num_experts: int, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
         config = resolve_config(config)
-        stack = tuple(stack_shape)
-        length = config.history_length
-        self.input_scale = jnp.ones(stack + (1,), F32)
-        self.kernel_scale = jnp.ones(stack + (num_experts,), F32)
-        self.output_grad_scale = jnp.ones(stack + (1,), F32)
-        self.input_amax_history = jnp.zeros(stack + (length,), F32)
-        self.kernel_amax_history = jnp.zeros(stack + (length, num_experts), F32)
-        self.output_grad_amax_history = jnp.zeros(stack + (length,), F32)
-        self.history_index = jnp.zeros(stack + (1,), F32)
-        self.nonfinite_count = jnp.zeros(stack + (1,), F32)
+        for name, value in _init_state(config, tuple(stack_shape), experts=num_experts).items():
+            setattr(self, name, value)
         self.config = config
 
     @property
