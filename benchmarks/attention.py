@@ -134,18 +134,16 @@ def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, b
 
 
 def markdown_table(rows) -> str:
-    lines = ["| level | seq x batch | direction | variant | ms | TFLOP/s | vs bf16 | FP8 attention | saved act MiB "
-             "| peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    def case(r):
         p = r["params"]
-        case = f"{p['level']} | {p['seq']} x {p['batch']} | {p['direction']}"
-        if r.get("ms") is None:
-            lines.append(f"| {case} | {r['variant']} | error: {r.get('error', '')[:100]} ||||||")
-            continue
-        lines.append(f"| {case} | {r['variant']} | {r['ms']:.3f} | {linear._fmt(r['tflops'], '.0f')} | "
-                     f"{linear._fmt(r['speedup_vs_bf16'], '.2f', 'x')} | {'yes' if r['fp8_attention_kernel'] else 'no'} | "
-                     f"{r['saved_act_mb']:.0f} | {linear._fmt(r['peak_mem_mb'], '.0f')} |")
-    return "\n".join(lines)
+        return f"{p['level']} | {p['seq']} x {p['batch']} | {p['direction']}"
+
+    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: linear._fmt(r["tflops"], ".0f")),
+               ("vs bf16", lambda r: linear._fmt(r["speedup_vs_bf16"], ".2f", "x")),
+               ("FP8 attention", lambda r: "yes" if r["fp8_attention_kernel"] else "no"),
+               ("saved act MiB", lambda r: f"{r['saved_act_mb']:.0f}"),
+               ("peak MiB", lambda r: linear._fmt(r["peak_mem_mb"], ".0f"))]
+    return "\n".join(linear.markdown_rows(rows, "level | seq x batch | direction", case, columns, error_chars=100))
 
 
 def main(argv=None) -> list[dict]:

@@ -383,23 +383,34 @@ def format_shape_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_rows(rows: list[dict], case_header: str, case, columns, error_chars: int | None = None) -> list[str]:
+    """Markdown table lines shared by the harnesses: ``case(r)`` (one or more cells,
+    as ``case_header`` names them: ``"a | b"``) and the variant, then one cell per
+    ``(header, cell(r))`` in ``columns``; a row without a time shows its error (cut
+    to ``error_chars``) instead."""
+    header = f"| {case_header} | variant | " + " | ".join(h for h, _ in columns) + " |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in rows:
+        if r.get("ms") is None:
+            cells = [f"error: {str(r.get('error') or '')[:error_chars]}"] + [""] * (len(columns) - 1)
+        else:
+            cells = [cell(r) for _, cell in columns]
+        lines.append(f"| {case(r)} | {r['variant']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_table(rows: list[dict]) -> str:
     """All results as a markdown table (for ``benchmarks/RESULTS.md``)."""
     if not rows:
         return ""
     meta = rows[0]
-    lines = [f"`{meta['command']}` on {meta['device']}, jax {meta['jax']}, {meta['date']} "
-             "(train step = fwd + dgrad + wgrad; ratios from the same run)", "",
-             "| M x K x N | variant | ms | TFLOP/s | vs bf16 | vs flax-direct | FP8 GEMMs | peak MB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["ms"] is None:
-            lines.append(f"| {_shape_str(r)} | {r['variant']} | {r['error']} | | | | | |")
-            continue
-        lines.append(f"| {_shape_str(r)} | {r['variant']} | {r['ms']:.3f} | {_fmt(r['tflops'], '.0f')} | "
-                     f"{_fmt(r['speedup_vs_bf16'], '.2f', 'x')} | {_fmt(r['speedup_vs_flax'], '.2f', 'x')} | "
-                     f"{_fp8_cell(r)} | {_fmt(r['peak_mem_mb'], '.0f')} |")
-    return "\n".join(lines)
+    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: _fmt(r["tflops"], ".0f")),
+               ("vs bf16", lambda r: _fmt(r["speedup_vs_bf16"], ".2f", "x")),
+               ("vs flax-direct", lambda r: _fmt(r["speedup_vs_flax"], ".2f", "x")),
+               ("FP8 GEMMs", _fp8_cell), ("peak MB", lambda r: _fmt(r["peak_mem_mb"], ".0f"))]
+    return "\n".join([f"`{meta['command']}` on {meta['device']}, jax {meta['jax']}, {meta['date']} "
+                      "(train step = fwd + dgrad + wgrad; ratios from the same run)", "",
+                      *markdown_rows(rows, "M x K x N", _shape_str, columns)])
 
 
 def crossover_grid(rows: list[dict], variant: str = "fp8jax-delayed") -> str:

@@ -111,21 +111,17 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dic
 
 
 def markdown_table(rows) -> str:
-    head = ("| hidden x ffn x tokens (act) | variant | ms | TFLOP/s | vs bf16 | vs fp8 unfused | FP8 GEMMs | "
-            "kernels | saved act MiB | peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
-    for r in rows:
+    def case(r):
         p = r["params"]
-        case = f"{p['hidden']} x {p['ffn']} x {p['tokens']} ({p['activation']})"
-        if r.get("ms") is None:
-            lines.append(f"| {case} | {r['variant']} | error: {r.get('error', '')[:80]} |||||||")
-            continue
-        lines.append(
-            f"| {case} | {r['variant']} | {r['ms']:.3f} | {linear._fmt(r['tflops'], '.0f')} | "
-            f"{linear._fmt(r['speedup_vs_bf16'], '.2f')}x | {linear._fmt(r['speedup_vs_unfused_fp8'], '.2f')}x | "
-            f"{r['fp8_gemm_count']}/{r['gemm_count']} | {r['kernels']} | {r['saved_act_mb']:.1f} | "
-            f"{linear._fmt(r['peak_mem_mb'], '.0f')} |")
-    return "\n".join(lines)
+        return f"{p['hidden']} x {p['ffn']} x {p['tokens']} ({p['activation']})"
+
+    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: linear._fmt(r["tflops"], ".0f")),
+               ("vs bf16", lambda r: f"{linear._fmt(r['speedup_vs_bf16'], '.2f')}x"),
+               ("vs fp8 unfused", lambda r: f"{linear._fmt(r['speedup_vs_unfused_fp8'], '.2f')}x"),
+               ("FP8 GEMMs", lambda r: f"{r['fp8_gemm_count']}/{r['gemm_count']}"),
+               ("kernels", lambda r: f"{r['kernels']}"), ("saved act MiB", lambda r: f"{r['saved_act_mb']:.1f}"),
+               ("peak MiB", lambda r: linear._fmt(r["peak_mem_mb"], ".0f"))]
+    return "\n".join(linear.markdown_rows(rows, "hidden x ffn x tokens (act)", case, columns, error_chars=80))
 
 
 RECORD_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops",

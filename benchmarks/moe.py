@@ -185,16 +185,15 @@ def _ratios(rows, flops, base, key):
 
 
 def table(rows) -> str:
-    lines = ["| bench | case | variant | ms | TFLOP/s | vs bf16 | vs sequential | FP8 |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        case = ", ".join(f"{k}={v}" for k, v in r["params"].items())
-        if r.get("ms") is None:
-            lines.append(f"| {r['bench']} | {case} | {r['variant']} | error: {r.get('error', '')[:100]} |||||")
-            continue
-        lines.append(f"| {r['bench']} | {case} | {r['variant']} | {r['ms']:.3f} | {linear._fmt(r['tflops'], '.0f')} | "
-                     f"{linear._fmt(r.get('speedup_vs_bf16'), '.2f', 'x')} | "
-                     f"{linear._fmt(r.get('speedup_vs_sequential_bf16'), '.2f', 'x')} | {r.get('fp8_gemms')} |")
-    return "\n".join(lines)
+    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: linear._fmt(r["tflops"], ".0f")),
+               ("vs bf16", lambda r: linear._fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
+               ("vs sequential", lambda r: linear._fmt(r.get("speedup_vs_sequential_bf16"), ".2f", "x")),
+               ("FP8", lambda r: f"{r.get('fp8_gemms')}")]
+    return "\n".join(linear.markdown_rows(rows, "bench | case", _case, columns, error_chars=100))
+
+
+def _case(r) -> str:
+    return f"{r['bench']} | " + ", ".join(f"{k}={v}" for k, v in r["params"].items())
 
 
 def main(argv=None) -> list[dict]:
