@@ -13,27 +13,18 @@ Prints one line per measurement; the linear-step comparison runs through
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.linear import time_call
 from fp8jax import _cast_kernel as ck
 from fp8jax import _dot
 from fp8jax import _quant as q
 
 
 def bench(fn, *args, iters=30, reps=5):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times)) * 1e3
+    return time_call(fn, args, iters, reps)
 
 
 def xla_cast(t, s, dtype):

@@ -292,6 +292,20 @@ def time_step(step: Step, xs, g, iters: int, reps: int, warmup: int = 2) -> floa
     return statistics.median(times) * 1e3
 
 
+def time_call(fn: Callable, args, iters: int, reps: int) -> float:
+    """Median over ``reps`` of the mean time (ms) of ``iters`` back-to-back ``fn(*args)``
+    after one warm-up call (for kernels and GEMMs alone; steps use `time_step`)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times) * 1e3
+
+
 def gemm_check(step: Step, x, g) -> tuple[int, int]:
     """(FP8 GEMMs, all GEMMs) in the compiled step (`fp8jax.inspect.parse_gemms`)."""
     gemms = parse_gemms(step.hlo_text(x, g))

@@ -4,6 +4,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, not in src/
     sys.path.insert(0, str(ROOT))
@@ -66,3 +68,29 @@ def test_moe_quick_runs_all_variants():
     assert {r["variant"] for r in rows if r["bench"] == "moe_mlp"} == set(moe.MLP_VARIANTS)
     sizes = moe.group_sizes(64, 4, "random")
     assert sizes.sum() == 64 and len(sizes) == 4
+
+
+def test_linear_bounds_quick_runs_floor_and_stack_memory():
+    from benchmarks import linear_bounds
+
+    floors, stacks = linear_bounds.main(["--quick"])
+    (floor,) = floors
+    assert set(floor["gemms"]) == {"fwd", "dgrad", "wgrad"} and all(t > 0 for t in floor["gemms"].values())
+    assert floor["floor"] == pytest.approx(sum(floor["gemms"].values()) + sum(floor["casts"].values()))
+    assert floor["max_vs_bf16"] > 0 and "| floor ms |" in linear_bounds.floor_table(floors)
+    (rows,) = stacks
+    bf16, fp8 = rows
+    assert fp8["saved_act_mb"] < bf16["saved_act_mb"]  # FP8 residuals: one byte per element instead of two
+
+
+def test_profile_train_quick_runs_and_parses_variants():
+    from benchmarks import profile_train
+
+    assert profile_train.parse_variant("fp8:selective=0:cast_kernel=1") == ("fp8", {"selective": False,
+                                                                                    "cast_kernel": True})
+    with pytest.raises(Exception, match="unknown RunConfig field"):
+        profile_train.parse_variant("fp8:nope=1")
+    results = profile_train.main(["--quick", "--variants", "bf16", "fp8"])
+    assert set(results) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in results.values())
+    line = '  %c = (bf16[4]{0}, s8[8]{0}) custom-call(f8e4m3fn[4]{0} %a), custom_call_target="__cublas$lt$matmul$f8"'
+    assert profile_train.categorize(line, "") == "gemm-fp8"

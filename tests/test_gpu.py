@@ -280,3 +280,29 @@ def test_cast_kernel_config_runs_the_kernel_in_the_train_step(key):
     fp8jax.assert_fp8(_step, model, x, c, expected=3)
     text = jax.jit(_step).lower(model, x, c).compile().as_text()
     assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 3
+
+
+def test_swiglu_mlp_core_runs_its_kernels_with_six_fp8_gemms(key):
+    """`FusedMLP` (SwiGLU, delayed scaling) on Hopper takes `fp8jax._gated`: six FP8
+    GEMMs, the two activation kernels, and the same numbers as its plain-JAX twin."""
+    from fp8jax import _gated
+    from fp8jax.nn import mlp as mlp_module
+
+    mlp = fp8jax.nn.FusedMLP(512, 1024, activation="swiglu", norm="rmsnorm", residual=True, dtype=jnp.bfloat16,
+                             config=ALL, key=key)
+    x = normal(key, (2, 1024, 512), jnp.bfloat16)
+    c = normal(jax.random.fold_in(key, 1), (2, 1024, 512), jnp.float32)
+    assert mlp_module._gated_core_runs(mlp, x)
+    fp8jax.assert_fp8(_step, mlp, x, c, expected=6)
+    text = jax.jit(_step).lower(mlp, x, c).compile().as_text()
+    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') >= 2
+    _, (g_kernel, gx_kernel) = jax.jit(_step)(mlp, x, c)
+    saved = dict(_gated.MODE)
+    try:
+        _gated.MODE["activation"] = "xla"
+        _, (g_xla, gx_xla) = jax.jit(lambda *args: _step(*args))(mlp, x, c)  # a fresh trace
+    finally:
+        _gated.MODE.update(saved)
+    assert sqnr_db(gx_kernel, gx_xla) >= 30.0
+    assert sqnr_db(g_kernel.fc1.weight, g_xla.fc1.weight) >= 30.0
+    assert sqnr_db(g_kernel.fc2.weight, g_xla.fc2.weight) >= 30.0

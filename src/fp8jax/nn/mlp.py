@@ -20,6 +20,7 @@ intermediates for debugging.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable
 
 import equinox as eqx
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .. import _dot
+from .. import _dot, _gated
 from ..config import Fp8Config
 from .linear import Linear, apply_linear
 
@@ -205,6 +206,8 @@ class FusedMLP(eqx.Module):
             return self._unfused(x)
         if not self.fused:
             return self._unfused(x)[0]
+        if _gated_core_runs(self, x):
+            return _gated_call(self, x)
         return _checkpointed_call(self, x)
 
 
@@ -254,6 +257,38 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
 
 
 # ----------------------------------------------------------------------------- fused path
+def _gated_core_runs(mlp: FusedMLP, x) -> bool:
+    """Whether `fp8jax._gated` (one custom VJP, Pallas activation kernels) runs this call:
+    SwiGLU, both linears FP8 without bias, delayed scaling, one unstacked state per
+    linear used once in the step, not under ``jax.vmap``, kernel-friendly sizes."""
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    if mlp.activation != "swiglu" or not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
+        return False
+    if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
+        return False
+    states = (fc1.dot_general, fc2.dot_general)
+    if any(s.input_scale.ndim != 1 or _dot.take_link(s.input_amax_history) is not None for s in states):
+        return False
+    m = x.size // mlp.hidden
+    cfg1, cfg2 = states[0].config, states[1].config
+    if any(c.selective and m < c.min_tokens for c in (cfg1, cfg2)):
+        return False
+    return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features)
+
+
+def _gated_call(mlp: FusedMLP, x):
+    # The norm is recomputed in the backward (one cheap pass) rather than keeping its output.
+    norm = jax.checkpoint(functools.partial(normalize, kind=mlp.norm, eps=mlp.eps,
+                                            zero_centered_gamma=mlp.zero_centered_gamma))
+    normed = norm(x, mlp.norm_weight, mlp.norm_bias)
+    x2 = normed.reshape(-1, mlp.hidden)
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    spec = _gated.Spec(fc1.dot_general.config, fc2.dot_general.config, x2.dtype, fc1.weight.dtype, fc2.weight.dtype)
+    y = _gated.swiglu_mlp(spec, x2, fc1.weight, fc1.dot_general.state(), fc2.weight, fc2.dot_general.state())
+    y = y.reshape(*x.shape[:-1], fc2.out_features)
+    return y + x.astype(y.dtype) if mlp.residual else y
+
+
 def _policy():
     """Save fc1's output and the GEMMs' FP8 weights/scales; recompute the norm, the
     activation and the FP8 input copies (elementwise, fused into passes that run anyway)."""

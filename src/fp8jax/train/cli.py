@@ -65,13 +65,14 @@ class RunConfig:
     seed: int = 0
     scaling: str = "delayed"
     fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
+    cast_kernel: bool = False  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
     """FP8 for the linears inside the blocks; embedding and LM head stay bf16 (as in TE)."""
     return Fp8Config(scaling=run.scaling, selective=run.selective, fast_accumulation=run.fast_accumulation,
-                     targets=r"blocks\..*", on_unsupported="silent")
+                     cast_kernel=run.cast_kernel, targets=r"blocks\..*", on_unsupported="silent")
 
 
 def build_model(run: RunConfig, precision: str):
@@ -370,6 +371,8 @@ def parse_args(argv):
     p.add_argument("--scaling", choices=["delayed", "current"], default="delayed")
     p.add_argument("--fast-accumulation", choices=["forward", "all", "none"], default="forward",
                    help="FP8 GEMMs allowed Hopper's fast accumulation (default: forward only, as TE)")
+    p.add_argument("--cast-kernel", action="store_true",
+                   help="FP8 casts through the one-pass Pallas cast + transpose + amax kernel (Hopper)")
     p.add_argument("--fp8-everywhere", action="store_true", help="turn the size policy off (FP8 on every block linear)")
     p.add_argument("--fp8-attention", action="store_true",
                    help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays from "
@@ -393,7 +396,7 @@ def run_config(args) -> RunConfig:
     if args.fp8_everywhere:
         preset["selective"] = False
     run = RunConfig(model=model, scaling=args.scaling, fast_accumulation=args.fast_accumulation,
-                    fp8_attention=args.fp8_attention, **preset)
+                    cast_kernel=args.cast_kernel, fp8_attention=args.fp8_attention, **preset)
     if args.eval_batches is not None:
         run.eval_batches = args.eval_batches
     if args.seed is not None:

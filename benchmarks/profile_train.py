@@ -1,0 +1,184 @@
+"""Where the trainer's step time goes: GPU kernel time per category, bf16 vs FP8 variants.
+
+Builds the model of a `fp8jax-train` preset, times ``--steps`` train steps (tokens/s),
+then records ``--profile-steps`` more under ``jax.profiler`` and sums the device time of
+every kernel by what it runs, from the compiled HLO instruction the kernel belongs to:
+FP8 GEMMs, other GEMMs, attention (cuDNN), Pallas kernels, elementwise fusions,
+reductions, copies/transposes, and the rest.
+
+    python -m benchmarks.profile_train --preset 1b --variants bf16 fp8 fp8:selective=0
+    python -m benchmarks.profile_train --quick        # CPU smoke run (no device kernels)
+
+A variant is ``bf16`` or ``fp8`` with ``:key=value`` overrides of the trainer's
+`RunConfig` (``selective=0``, ``fp8_attention=1``, ``fast_accumulation=all``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import re
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from fp8jax.train import cli
+
+TOP_OPS = 30
+CATEGORIES = ("gemm-fp8", "gemm", "attention", "pallas", "elementwise", "reduction", "copy/transpose", "other")
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``"fp8:selective=0:fp8_attention=1"`` -> ``("fp8", {"selective": False, ...})``."""
+    precision, *items = text.split(":")
+    if precision not in ("bf16", "fp8"):
+        raise argparse.ArgumentTypeError(f"variant must start with bf16 or fp8, got {text!r}")
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(cli.RunConfig)}
+    convert = {"bool": lambda v: v.lower() in ("1", "true", "yes"), "int": int, "float": float}
+    overrides = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in kinds or key == "model":
+            raise argparse.ArgumentTypeError(f"unknown RunConfig field {key!r} in {text!r}")
+        overrides[key] = convert.get(kinds[key], str)(value)
+    return precision, overrides
+
+
+def _instructions(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> its HLO line (every computation of the module)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+        if m:
+            out[m.group(1)] = line
+    return out
+
+
+def _summary(line: str) -> str:
+    """Shape and op of an HLO line, without operand lists (for the top-ops printout)."""
+    m = re.search(r"=\s*(.*?)\s([\w\-]+)\(", line)
+    extra = re.search(r'(kind=\w+|custom_call_target="[^"]+")', line)
+    return f"{m.group(1)} {m.group(2)} {extra.group(1) if extra else ''}" if m else ""
+
+
+def categorize(line: str | None, kernel: str) -> str:
+    """The category of a kernel from its HLO instruction (or its name when unknown)."""
+    text = line or ""
+    if "custom-call" in text or "custom_call_target" in text:
+        target = (re.search(r'custom_call_target="([^"]+)"', text) or re.search("()", "")).group(1)
+        if "cublas" in target:
+            return "gemm-fp8" if "f8" in target else "gemm"
+        if "cudnn" in target and ("fmha" in target or "attention" in target.lower()):
+            return "attention"
+        if "triton" in target or "mosaic" in target:
+            return "pallas"
+        return "other"
+    if "kind=kCustom" in text and "gemm" in text:
+        return "gemm"
+    if re.search(r"\s(copy|transpose)\(", text) or "transpose" in kernel:
+        return "copy/transpose"
+    if "kind=kInput" in text or "reduce" in kernel:
+        return "reduction"
+    if "fusion" in text or "fusion" in kernel:
+        return "elementwise"
+    if "gemm" in kernel or "nvjet" in kernel:
+        return "gemm"
+    return "other"
+
+
+def device_kernel_ns(trace_dir: str) -> list[tuple[str, str, float]]:
+    """``(kernel name, hlo op, ns)`` of every device kernel in the trace under ``trace_dir``."""
+    out = []
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        data = jax.profiler.ProfileData.from_file(path)
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if "stream" not in line.name.lower():
+                    continue
+                for event in line.events:
+                    stats = dict(s if isinstance(s, tuple) else (s.name, s.value) for s in event.stats)
+                    out.append((event.name, str(stats.get("hlo_op", "")), float(event.duration_ns)))
+    return out
+
+
+def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_steps: int) -> dict:
+    """tokens/s over ``steps`` steps, and device ms per step per category."""
+    model = cli.build_model(run, precision)
+    trainer = cli.Trainer(model, cli.make_optimizer(run))
+    rng = np.random.default_rng(0)
+    batch = jax.numpy.asarray(rng.integers(0, 256, (run.batch, run.model.seq + 1), dtype=np.int32))
+    jax.block_until_ready(trainer.step(batch))
+    jax.block_until_ready(trainer.step(batch))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = trainer.step(batch)
+    jax.block_until_ready(loss)
+    step_s = (time.perf_counter() - t0) / steps
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(profile_steps):
+                loss = trainer.step(batch)
+            jax.block_until_ready(loss)
+        kernels = device_kernel_ns(trace_dir)
+    if kernels and not any(op for _, op, _ in kernels):
+        print(f"  (no hlo_op stat on the kernels; categories from kernel names, e.g. {kernels[:3]})", flush=True)
+    lines = _instructions(trainer.compiled.as_text())
+    by_cat, by_op = collections.Counter(), collections.Counter()
+    for name, op, ns in kernels:
+        cat = categorize(lines.get(op), name)
+        by_cat[cat] += ns / profile_steps / 1e6
+        by_op[(cat, op or name[:60])] += ns / profile_steps / 1e6
+    return dict(step_ms=step_s * 1e3, tokens_per_s=run.batch * run.model.seq / step_s, by_cat=by_cat,
+                top_ops=by_op.most_common(TOP_OPS), peak_mem_mb=trainer.peak_mem_mb(),
+                op_text={op: _summary(lines.get(op, "")) for (_, op), _ in by_op.most_common(TOP_OPS)})
+
+
+def table(results: dict[str, dict]) -> str:
+    names = list(results)
+    base = results[names[0]]["tokens_per_s"]
+    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines.append("| step ms (wall) | " + " | ".join(f"{r['step_ms']:.1f}" for r in results.values()) + " |")
+    lines.append("| tokens/s | " + " | ".join(f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / base:.2f}x)"
+                                               for r in results.values()) + " |")
+    for cat in CATEGORIES:
+        lines.append(f"| {cat} ms | " + " | ".join(f"{r['by_cat'].get(cat, 0.0):.1f}" for r in results.values()) + " |")
+    lines.append("| device total ms | " + " | ".join(f"{sum(r['by_cat'].values()):.1f}" for r in results.values()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="1b", choices=sorted(cli.PRESETS))
+    p.add_argument("--variants", nargs="+", type=parse_variant, default=[("bf16", {}), ("fp8", {})])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="tiny preset, 2 steps (CPU smoke run)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.steps, args.profile_steps = "tiny", 2, 1
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, preset {args.preset}", flush=True)
+    results = {}
+    for precision, overrides in args.variants:
+        preset = dict(cli.PRESETS[args.preset])
+        run = cli.RunConfig(**preset)
+        run = dataclasses.replace(run, **overrides, **({"batch": args.batch} if args.batch else {}))
+        name = precision + "".join(f":{k}={v}" for k, v in overrides.items())
+        results[name] = profile_variant(run, precision, args.steps, args.profile_steps)
+        r = results[name]
+        print(f"{name}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mem_mb'] or 0:.0f} MiB",
+              flush=True)
+        for (cat, op), ms in r["top_ops"]:
+            print(f"    {ms:8.2f} ms  {cat:<14} {op}  {r['op_text'].get(op, '')[:150]}", flush=True)
+    print(table(results), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

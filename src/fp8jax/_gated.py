@@ -1,0 +1,297 @@
+"""FP8 SwiGLU MLP core (fc1 -> swiglu -> fc2) as one custom VJP with one-pass activation kernels.
+
+Through XLA, the FP8 MLP spends as much time in memory passes over fc1's output as it
+saves in the GEMMs (`benchmarks/RESULTS.md`, the trainer profile): the dequantize of
+fc1's output, the activation and fc2's input cast, a separate amax pass, a separate FP8
+transpose, and in the backward the gated gradient written as two halves and
+concatenated. Here fc1's GEMM output stays unscaled bf16 (it is the saved residual),
+and two Pallas Triton kernels do the rest, each in one read:
+
+* forward: ``h -> a = silu(h_gate) * h_up`` -> ``a`` in FP8 in both layouts + amax;
+* backward: ``(h, da) -> dh = [da * h_up * silu'(h_gate), da * silu(h_gate)]`` -> ``dh``
+  in FP8 in both layouts + amax, and ``a``'s FP8 transposed copy again for fc2's wgrad
+  (so the forward keeps only ``h``, the FP8 ``x^T`` and the FP8 weights).
+
+To let one tile hold matching gate and up columns, fc1's weight rows are interleaved
+in blocks of `BLOCK` (``[g0 u0 g1 u1 ...]``) when cast to FP8; its gradient is put back
+in the natural ``[gate | up]`` order (Megatron's convention) in the dequantize pass.
+Delayed scaling only (the activation's scale must be known before the pass). The
+same math runs in plain JAX where the kernels cannot (CPU, other GPUs), and the
+kernels run in interpret mode on CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _cast_kernel
+from . import _dot
+from . import _quant as q
+from .config import Fp8Config
+
+try:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+except Exception:  # noqa: BLE001  # pragma: no cover
+    pl = pltriton = None
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+BLOCK = 64  # tile width of the kernels in features, and the interleaving block of fc1's rows
+TILE = {"rows": 64, "num_warps": 4}  # token rows per tile and warps (module-level for the tuning probe)
+# "auto": kernels where `_cast_kernel.supported` says Pallas Triton runs (Hopper), else
+# the plain-JAX activation; "interpret": kernels in interpret mode (CPU tests); "xla".
+MODE = {"activation": "auto"}
+
+
+# ----------------------------------------------------------------------------- layout
+def interleave(w1, block: int = BLOCK):
+    """fc1 rows ``[gate | up]`` (``[2F, C]``) -> ``[g0 u0 g1 u1 ...]`` in blocks of ``block``."""
+    two_f, c = w1.shape
+    f = two_f // 2
+    return w1.reshape(2, f // block, block, c).swapaxes(0, 1).reshape(two_f, c)
+
+
+def deinterleave(w1i, block: int = BLOCK):
+    """Inverse of `interleave`."""
+    two_f, c = w1i.shape
+    f = two_f // 2
+    return w1i.reshape(f // block, 2, block, c).swapaxes(0, 1).reshape(two_f, c)
+
+
+def _halves(h, block: int = BLOCK):
+    """Gate and up parts ``[M, F]`` of an interleaved ``[M, 2F]``."""
+    m, two_f = h.shape
+    h4 = h.reshape(m, two_f // (2 * block), 2, block)
+    return h4[:, :, 0, :].reshape(m, -1), h4[:, :, 1, :].reshape(m, -1)
+
+
+def _join(gate, up, block: int = BLOCK):
+    """Inverse of `_halves`."""
+    m, f = gate.shape
+    return jnp.stack([gate.reshape(m, f // block, block), up.reshape(m, f // block, block)], axis=2).reshape(m, 2 * f)
+
+
+# ----------------------------------------------------------------------------- math
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _swiglu(gate, up):
+    return gate * _sigmoid(gate) * up
+
+
+def _swiglu_grad(gate, up, da):
+    sig = _sigmoid(gate)
+    silu = gate * sig
+    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * silu
+
+
+def _abs_max(t):
+    """max |t| of a tile, inf when it holds a NaN (so sanitize keeps it out of the state)."""
+    magnitude = jnp.abs(t)
+    return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude))
+
+
+def _cast(t, inv_scale, dtype):
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(t * inv_scale, -limit, limit).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+def _fwd_kernel(h_ref, scalars_ref, aq_ref, at_ref, amax_ref, *, block):
+    h_scale, inv_a_scale = scalars_ref[0], scalars_ref[1]
+    gate = h_ref[:, :block].astype(F32) * h_scale
+    up = h_ref[:, block:].astype(F32) * h_scale
+    a = _swiglu(gate, up)
+    amax_ref[...] = _abs_max(a).reshape(1, 1)
+    aq = _cast(a, inv_a_scale, aq_ref.dtype)
+    aq_ref[...] = aq
+    at_ref[...] = aq.T
+
+
+def _bwd_kernel(h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *, block):
+    h_scale, da_scale, inv_dh_scale, inv_a_scale = scalars_ref[0], scalars_ref[1], scalars_ref[2], scalars_ref[3]
+    gate = h_ref[:, :block].astype(F32) * h_scale
+    up = h_ref[:, block:].astype(F32) * h_scale
+    at_ref[...] = _cast(_swiglu(gate, up), inv_a_scale, at_ref.dtype).T  # fc2's wgrad operand, recomputed
+    d_gate, d_up = _swiglu_grad(gate, up, da_ref[...].astype(F32) * da_scale)
+    amax_ref[...] = jnp.maximum(_abs_max(d_gate), _abs_max(d_up)).reshape(1, 1)
+    gq = _cast(d_gate, inv_dh_scale, dh_ref.dtype)
+    uq = _cast(d_up, inv_dh_scale, dh_ref.dtype)
+    dh_ref[:, :block] = gq
+    dh_ref[:, block:] = uq
+    dht_ref[:block, :] = gq.T
+    dht_ref[block:, :] = uq.T
+
+
+def _rows(m: int) -> int:
+    """Token rows per tile: `TILE` where it divides ``m``, else `BLOCK`."""
+    return TILE["rows"] if m % TILE["rows"] == 0 else BLOCK
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, num_warps, *args):
+    extra = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=1)}
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=interpret, **extra)(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows", "num_warps"))
+def _fwd_pallas(h, h_scale, a_scale, dtype, interpret=False, rows=BLOCK, num_warps=4):
+    m, two_f = h.shape
+    f, b, r = two_f // 2, BLOCK, rows
+    grid = (m // r, f // b)
+    scalars = jnp.stack([h_scale.reshape(()), 1.0 / a_scale.reshape(())]).astype(F32)
+    aq, at, tile_amax = _call(
+        functools.partial(_fwd_kernel, block=b), grid,
+        [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2,), lambda i, j: (0,))],
+        [pl.BlockSpec((r, b), lambda i, j: (i, j)), pl.BlockSpec((b, r), lambda i, j: (j, i)),
+         pl.BlockSpec((1, 1), lambda i, j: (i, j))],
+        [jax.ShapeDtypeStruct((m, f), dtype), jax.ShapeDtypeStruct((f, m), dtype), jax.ShapeDtypeStruct(grid, F32)],
+        interpret, num_warps, h, scalars)
+    return aq, at, jnp.max(tile_amax)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "a_dtype", "interpret", "rows", "num_warps"))
+def _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, interpret=False, rows=BLOCK,
+                num_warps=4):
+    m, two_f = h.shape
+    f, b, r = two_f // 2, BLOCK, rows
+    grid = (m // r, f // b)
+    scalars = jnp.stack([h_scale.reshape(()), da_scale.reshape(()), 1.0 / dh_scale.reshape(()),
+                         1.0 / a_scale.reshape(())]).astype(F32)
+    dh, dht, tile_amax, at = _call(
+        functools.partial(_bwd_kernel, block=b), grid,
+        [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((r, b), lambda i, j: (i, j)),
+         pl.BlockSpec((4,), lambda i, j: (0,))],
+        [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2 * b, r), lambda i, j: (j, i)),
+         pl.BlockSpec((1, 1), lambda i, j: (i, j)), pl.BlockSpec((b, r), lambda i, j: (j, i))],
+        [jax.ShapeDtypeStruct((m, two_f), dtype), jax.ShapeDtypeStruct((two_f, m), dtype),
+         jax.ShapeDtypeStruct(grid, F32), jax.ShapeDtypeStruct((f, m), a_dtype)],
+        interpret, num_warps, h, da, scalars)
+    return dh, dht, jnp.max(tile_amax), at
+
+
+def _mode(shape) -> str:
+    mode = MODE["activation"]
+    if mode == "auto":
+        return "kernel" if _cast_kernel.supported((1, *shape))[0] else "xla"
+    return mode
+
+
+def activation_fp8(h, h_scale, a_scale, dtype):
+    """``swiglu(h * h_scale)`` (``h`` interleaved ``[M, 2F]``) cast to ``dtype`` with the
+    dequantization scale ``a_scale``: ``(aq [M, F], aq^T [F, M], amax)``."""
+    mode = _mode(h.shape)
+    if mode != "xla":
+        return _fwd_pallas(h, h_scale, a_scale, dtype, interpret=mode == "interpret", rows=_rows(h.shape[0]),
+                           num_warps=TILE["num_warps"])
+    gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
+    a = _swiglu(gate, up)
+    aq = _cast(a, 1.0 / a_scale.reshape(()), dtype)
+    return aq, aq.T, _abs_max(a)
+
+
+def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype):
+    """Gradient of `activation_fp8` w.r.t. ``h`` for the output gradient ``da * da_scale``,
+    cast to ``dtype`` (scale ``dh_scale``): ``(dhq [M, 2F], dhq^T [2F, M], amax, aq^T)``,
+    interleaved; ``aq^T`` is the forward's FP8 activation (scale ``a_scale``) recomputed in
+    the same pass, so the forward need not keep it."""
+    mode = _mode(h.shape)
+    if mode != "xla":
+        return _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, interpret=mode == "interpret",
+                           rows=_rows(h.shape[0]), num_warps=TILE["num_warps"])
+    gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
+    d_gate, d_up = _swiglu_grad(gate, up, da.astype(F32) * da_scale.reshape(()))
+    inv = 1.0 / dh_scale.reshape(())
+    dhq = _join(_cast(d_gate, inv, dtype), _cast(d_up, inv, dtype))
+    aq = _cast(_swiglu(gate, up), 1.0 / a_scale.reshape(()), a_dtype)
+    return dhq, dhq.T, jnp.maximum(_abs_max(d_gate), _abs_max(d_up)), aq.T
+
+
+# ----------------------------------------------------------------------------- custom VJP
+class Spec(NamedTuple):
+    """Static description of one call (a custom_vjp nondiff arg)."""
+
+    config1: Fp8Config
+    config2: Fp8Config
+    x_dtype: np.dtype
+    w1_dtype: np.dtype
+    w2_dtype: np.dtype
+
+
+def usable(config1: Fp8Config, config2: Fp8Config, m: int, hidden: int, ffn: int, out: int) -> bool:
+    """Whether the core can run this MLP (else `FusedMLP` takes its XLA path)."""
+    if MODE["activation"] == "auto" and not _cast_kernel.supported((1, m, 2 * ffn))[0]:
+        return False  # the plain-JAX activation is no faster than XLA's own fusions
+    aligned = m % BLOCK == 0 and ffn % BLOCK == 0 and hidden % 16 == 0 and out % 16 == 0
+    return aligned and config1.scaling == "delayed" and config2.scaling == "delayed"
+
+
+def _scale(history, index, old, dtype, cfg: Fp8Config):
+    return q.scale_from_amax(q.amax_from_history(history, index, cfg.amax_compute_algo), old, dtype, cfg.margin)
+
+
+def _forward(spec: Spec, x, w1, state1, w2, state2):
+    c1, c2 = spec.config1, spec.config2
+    in1, k1, _, in1_h, k1_h, _, idx1, _ = state1
+    in2, k2, _, in2_h, k2_h, _, idx2, _ = state2
+    sx = _scale(in1_h, idx1, in1, c1.input_dtype, c1)
+    sw1 = _scale(k1_h, idx1, k1, c1.kernel_dtype, c1)
+    sa = _scale(in2_h, idx2, in2, c2.input_dtype, c2)
+    sw2 = _scale(k2_h, idx2, k2, c2.kernel_dtype, c2)
+    xq, xTq, ax = _dot._quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
+    w1q, w1Tq, aw1 = _dot._quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
+    fc1_precision = None if c1.fast_accumulation in ("forward", "all") else jax.lax.Precision.HIGHEST
+    h = _dot._gemm(xq, w1q, BF16, fc1_precision)[0]  # [M, 2F] interleaved, not dequantized
+    h_scale = (sx * sw1).reshape(())
+    aq, aTq, aa = activation_fp8(h, h_scale, sa, c2.input_dtype)
+    w2q, w2Tq, aw2 = _dot._quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
+    y = _dot._fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_accumulation in ("forward", "all"))[0]
+    del aTq  # the backward kernel recomputes it from h (one FP8 byte per token x ffn less to keep)
+    residuals = (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2)
+    return y, residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def swiglu_mlp(spec: Spec, x, w1, state1, w2, state2):
+    """``fc2(swiglu(fc1(x)))`` with FP8 GEMMs: ``x [M, C]``, ``w1 [2F, C]`` (rows
+    ``[gate | up]``), ``w2 [N, F]``; ``state1``/``state2`` the fc1/fc2 `_dot.STATE_FIELDS`
+    tuples, whose new values come back as their gradients."""
+    return _forward(spec, x, w1, state1, w2, state2)[0]
+
+
+def _fwd(spec, x, w1, state1, w2, state2):
+    y, residuals = _forward(spec, x, w1, state1, w2, state2)
+    return y, (residuals, state1, state2)
+
+
+def _bwd(spec, saved, g):
+    (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2), state1, state2 = saved
+    c1, c2 = spec.config1, spec.config2
+    sg = _scale(state2[5], state2[6], state2[2], c2.grad_dtype, c2)
+    gq, gTq, ag = _dot._quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
+    promoted = None if c2.fast_accumulation == "all" else jax.lax.Precision.HIGHEST
+    da = _dot._gemm(gq, w2Tq, BF16, promoted)[0]  # [M, F], not dequantized
+    sdh = _scale(state1[5], state1[6], state1[2], c1.grad_dtype, c1)
+    dhq, dhTq, adh, aTq = activation_grad_fp8(h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh,
+                                              c1.grad_dtype, sa, c2.input_dtype)
+    dw2 = _dot._fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_accumulation == "all")[0]
+    fast1 = c1.fast_accumulation == "all"
+    dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, fast1)[0]
+    dw1 = deinterleave(_dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, fast1)[0])
+
+    def new_state(cfg, state, s_in, s_k, s_g, amaxes):
+        observed, bad = q.sanitize_amax(jnp.stack(amaxes))
+        return _dot._new_state(cfg, state, s_in, s_k, s_g, jnp.concatenate([observed, jnp.max(bad).reshape(1)]))
+
+    state1_ct = new_state(c1, state1, sx, sw1, sdh, [ax, aw1, adh])
+    state2_ct = new_state(c2, state2, sa, sw2, sg, [aa, aw2, ag])
+    return dx, dw1, state1_ct, dw2, state2_ct
+
+
+swiglu_mlp.defvjp(_fwd, _bwd)
