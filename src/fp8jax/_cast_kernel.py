@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import _quant as q
+
 try:  # Pallas moves between JAX releases: import lazily and guard.
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
@@ -55,13 +57,17 @@ def supported(shape: tuple[int, ...], device=None) -> tuple[bool, str]:
     return True, ""
 
 
-def _kernel(t_ref, inv_scale_ref, q_ref, qt_ref, amax_ref, *, limit: float):
-    t = t_ref[...].astype(F32)
-    magnitude = jnp.abs(t)
-    # NaN -> inf: the tile's amax must come out non-finite (`_quant.sanitize_amax`
-    # then keeps it out of the history) whatever max's NaN convention is.
-    amax_ref[...] = jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)).reshape(1, 1)
-    quantized = jnp.clip(t * inv_scale_ref[0], -limit, limit).astype(q_ref.dtype)
+def triton_params(interpret: bool, num_warps: int) -> dict:
+    """``pallas_call`` keyword arguments for a Triton kernel (none in interpret mode)."""
+    if interpret:
+        return {}
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=1)}
+
+
+def _kernel(t_ref, inv_scale_ref, q_ref, qt_ref, amax_ref):
+    t = t_ref[...]
+    amax_ref[...] = q.tile_amax(t).reshape(1, 1)
+    quantized = q.saturate(t, inv_scale_ref[0], q_ref.dtype)
     q_ref[...] = quantized
     qt_ref[...] = quantized.T
 
@@ -80,11 +86,8 @@ def cast_transpose(t3, scale, dtype, interpret: bool = False, block: int | None 
         raise ValueError(f"cast_transpose: shape {t3.shape} needs P and C multiples of {block or BLOCK_SIZES[-1]}")
     grid = (batch, rows // block_rows, cols // block_cols)
     inv_scale = (1.0 / scale.astype(F32)).reshape(1)
-    limit = float(jnp.finfo(dtype).max)
-    params = {"num_warps": num_warps or NUM_WARPS, "num_stages": 1}
-    extra = {} if interpret else {"compiler_params": pltriton.CompilerParams(**params)}
     quantized, transposed, tile_amax = pl.pallas_call(
-        functools.partial(_kernel, limit=limit),
+        _kernel,
         grid=grid,
         in_specs=[
             pl.BlockSpec((None, block_rows, block_cols), lambda b, i, j: (b, i, j)),
@@ -101,6 +104,6 @@ def cast_transpose(t3, scale, dtype, interpret: bool = False, block: int | None 
             jax.ShapeDtypeStruct(grid, F32),
         ],
         interpret=interpret,
-        **extra,
+        **triton_params(interpret, num_warps or NUM_WARPS),
     )(t3, inv_scale)
     return quantized, transposed, jnp.max(tile_amax)

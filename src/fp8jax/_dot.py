@@ -144,8 +144,8 @@ def _fwd_impl(spec: Spec, x3, w3, state):
         zero = jnp.zeros((), F32)
         return y, (x3, w3, in_s, k_s, zero, zero)
     if cfg.scaling == "delayed":  # the scales are known before the cast: amax is its by-product
-        sx = q.scale_from_amax(q.amax_from_history(in_h, idx, cfg.amax_compute_algo), in_s, cfg.input_dtype, cfg.margin)
-        sw = q.scale_from_amax(q.amax_from_history(k_h, idx, cfg.amax_compute_algo), k_s, cfg.kernel_dtype, cfg.margin)
+        sx = q.delayed_scale(in_h, idx, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
+        sw = q.delayed_scale(k_h, idx, k_s, cfg.kernel_dtype, cfg.amax_compute_algo, cfg.margin)
         xq, xTq, ax = _quantize_both(x3, sx, cfg.input_dtype, cfg.cast_kernel)
         wq, wTq, aw = _quantize_both(w3, sw, cfg.kernel_dtype, cfg.cast_kernel)
     else:
@@ -170,7 +170,7 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
         return dx, dw, jnp.zeros((), F32), g_scale
     xTq, w_kn = xr, wr
     if cfg.scaling == "delayed":
-        sg = q.scale_from_amax(q.amax_from_history(g_history, index, cfg.amax_compute_algo), g_scale, cfg.grad_dtype, cfg.margin)
+        sg = q.delayed_scale(g_history, index, g_scale, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
         gq, gTq, ag = _quantize_both(g3, sg, cfg.grad_dtype, cfg.cast_kernel)
     else:
         ag = q.amax(g3)
@@ -280,6 +280,13 @@ def bwd_fn(spec: Spec):
 
 
 # ----------------------------------------------------------------------------- custom VJP
+def observed_amaxes(ax, aw, ag):
+    """The link-shaped record of one use: ``[amax_x, amax_w, amax_g, nonfinite flag]``,
+    non-finite amaxes zeroed and flagged."""
+    observed, bad = q.sanitize_amax(jnp.stack([ax, aw, ag]))
+    return jnp.concatenate([observed, jnp.max(bad).reshape(1)])
+
+
 def _new_state(cfg: Fp8Config, state, sx, sw, sg, combined):
     in_s, k_s, g_s, in_h, k_h, g_h, idx, nonfinite = state
     ax, aw, ag, flag = combined[0], combined[1], combined[2], combined[3]
@@ -317,9 +324,7 @@ def _fp8_dot3_bwd(spec, residuals, cotangents):
     _, _, g_s, _, _, g_h, idx, _ = state
     dx, dw, ag, sg = bwd_fn(spec)(res, g_s, g_h, idx, g3)
     _, _, sx, sw, ax, aw = res
-    observed, bad = q.sanitize_amax(jnp.stack([ax, aw, ag]))
-    mine = jnp.concatenate([observed, jnp.max(bad).reshape(1)])
-    combined = jnp.maximum(mine, link_ct.astype(F32))
+    combined = jnp.maximum(observed_amaxes(ax, aw, ag), link_ct.astype(F32))
     if spec.emit_state:
         state_ct = _new_state(spec.config, state, sx, sw, sg, combined)
         link_out = jnp.zeros((LINK_SIZE,), F32)

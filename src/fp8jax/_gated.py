@@ -34,11 +34,7 @@ from . import _dot
 from . import _quant as q
 from .config import Fp8Config
 
-try:
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltriton
-except Exception:  # noqa: BLE001  # pragma: no cover
-    pl = pltriton = None
+pl = _cast_kernel.pl  # the guarded Pallas import (None where it does not import)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 BLOCK = 64  # tile width of the kernels in features, and the interleaving block of fc1's rows
@@ -91,25 +87,14 @@ def _swiglu_grad(gate, up, da):
     return da * up * sig * (1.0 + gate * (1.0 - sig)), da * silu
 
 
-def _abs_max(t):
-    """max |t| of a tile, inf when it holds a NaN (so sanitize keeps it out of the state)."""
-    magnitude = jnp.abs(t)
-    return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude))
-
-
-def _cast(t, inv_scale, dtype):
-    limit = float(jnp.finfo(dtype).max)
-    return jnp.clip(t * inv_scale, -limit, limit).astype(dtype)
-
-
 # ----------------------------------------------------------------------------- kernels
 def _fwd_kernel(h_ref, scalars_ref, aq_ref, at_ref, amax_ref, *, block):
     h_scale, inv_a_scale = scalars_ref[0], scalars_ref[1]
     gate = h_ref[:, :block].astype(F32) * h_scale
     up = h_ref[:, block:].astype(F32) * h_scale
     a = _swiglu(gate, up)
-    amax_ref[...] = _abs_max(a).reshape(1, 1)
-    aq = _cast(a, inv_a_scale, aq_ref.dtype)
+    amax_ref[...] = q.tile_amax(a).reshape(1, 1)
+    aq = q.saturate(a, inv_a_scale, aq_ref.dtype)
     aq_ref[...] = aq
     at_ref[...] = aq.T
 
@@ -118,11 +103,11 @@ def _bwd_kernel(h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *
     h_scale, da_scale, inv_dh_scale, inv_a_scale = scalars_ref[0], scalars_ref[1], scalars_ref[2], scalars_ref[3]
     gate = h_ref[:, :block].astype(F32) * h_scale
     up = h_ref[:, block:].astype(F32) * h_scale
-    at_ref[...] = _cast(_swiglu(gate, up), inv_a_scale, at_ref.dtype).T  # fc2's wgrad operand, recomputed
+    at_ref[...] = q.saturate(_swiglu(gate, up), inv_a_scale, at_ref.dtype).T  # fc2's wgrad operand, recomputed
     d_gate, d_up = _swiglu_grad(gate, up, da_ref[...].astype(F32) * da_scale)
-    amax_ref[...] = jnp.maximum(_abs_max(d_gate), _abs_max(d_up)).reshape(1, 1)
-    gq = _cast(d_gate, inv_dh_scale, dh_ref.dtype)
-    uq = _cast(d_up, inv_dh_scale, dh_ref.dtype)
+    amax_ref[...] = jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)).reshape(1, 1)
+    gq = q.saturate(d_gate, inv_dh_scale, dh_ref.dtype)
+    uq = q.saturate(d_up, inv_dh_scale, dh_ref.dtype)
     dh_ref[:, :block] = gq
     dh_ref[:, block:] = uq
     dht_ref[:block, :] = gq.T
@@ -135,9 +120,8 @@ def _rows(m: int) -> int:
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, num_warps, *args):
-    extra = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=1)}
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=interpret, **extra)(*args)
+                          interpret=interpret, **_cast_kernel.triton_params(interpret, num_warps))(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows", "num_warps"))
@@ -192,8 +176,8 @@ def activation_fp8(h, h_scale, a_scale, dtype):
                            num_warps=TILE["num_warps"])
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     a = _swiglu(gate, up)
-    aq = _cast(a, 1.0 / a_scale.reshape(()), dtype)
-    return aq, aq.T, _abs_max(a)
+    aq = q.saturate(a, 1.0 / a_scale.reshape(()), dtype)
+    return aq, aq.T, q.tile_amax(a)
 
 
 def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype):
@@ -208,9 +192,9 @@ def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dt
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     d_gate, d_up = _swiglu_grad(gate, up, da.astype(F32) * da_scale.reshape(()))
     inv = 1.0 / dh_scale.reshape(())
-    dhq = _join(_cast(d_gate, inv, dtype), _cast(d_up, inv, dtype))
-    aq = _cast(_swiglu(gate, up), 1.0 / a_scale.reshape(()), a_dtype)
-    return dhq, dhq.T, jnp.maximum(_abs_max(d_gate), _abs_max(d_up)), aq.T
+    dhq = _join(q.saturate(d_gate, inv, dtype), q.saturate(d_up, inv, dtype))
+    aq = q.saturate(_swiglu(gate, up), 1.0 / a_scale.reshape(()), a_dtype)
+    return dhq, dhq.T, jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)), aq.T
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -233,7 +217,7 @@ def usable(config1: Fp8Config, config2: Fp8Config, m: int, hidden: int, ffn: int
 
 
 def _scale(history, index, old, dtype, cfg: Fp8Config):
-    return q.scale_from_amax(q.amax_from_history(history, index, cfg.amax_compute_algo), old, dtype, cfg.margin)
+    return q.delayed_scale(history, index, old, dtype, cfg.amax_compute_algo, cfg.margin)
 
 
 def _forward(spec: Spec, x, w1, state1, w2, state2):
@@ -285,12 +269,8 @@ def _bwd(spec, saved, g):
     dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, fast1)[0]
     dw1 = deinterleave(_dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, fast1)[0])
 
-    def new_state(cfg, state, s_in, s_k, s_g, amaxes):
-        observed, bad = q.sanitize_amax(jnp.stack(amaxes))
-        return _dot._new_state(cfg, state, s_in, s_k, s_g, jnp.concatenate([observed, jnp.max(bad).reshape(1)]))
-
-    state1_ct = new_state(c1, state1, sx, sw1, sdh, [ax, aw1, adh])
-    state2_ct = new_state(c2, state2, sa, sw2, sg, [aa, aw2, ag])
+    state1_ct = _dot._new_state(c1, state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
+    state2_ct = _dot._new_state(c2, state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))
     return dx, dw1, state1_ct, dw2, state2_ct
 
 

@@ -349,7 +349,7 @@ def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     xm = _masked(x, layout)
     ax, aw = q.amax(xm), _per_expert_amax(w)
     if cfg.scaling == "delayed":
-        sx = q.scale_from_amax(q.amax_from_history(in_h, idx, cfg.amax_compute_algo), in_s, cfg.input_dtype, cfg.margin)
+        sx = q.delayed_scale(in_h, idx, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
         sw = q.scale_from_amax(_expert_history_amax(k_h, idx, cfg.amax_compute_algo), k_s, cfg.kernel_dtype, cfg.margin)
     else:
         sx = q.scale_from_amax(ax.reshape(1), in_s, cfg.input_dtype, cfg.margin)
@@ -374,7 +374,7 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
     dym = _masked(dy, layout)
     ag = q.amax(dym)
     if cfg.scaling == "delayed":
-        sg = q.scale_from_amax(q.amax_from_history(g_h, idx, cfg.amax_compute_algo), g_s, cfg.grad_dtype, cfg.margin)
+        sg = q.delayed_scale(g_h, idx, g_s, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
     else:
         sg = q.scale_from_amax(ag.reshape(1), g_s, cfg.grad_dtype, cfg.margin)
     dyq = q.quantize(dym, sg, cfg.grad_dtype)

@@ -17,17 +17,29 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+def saturate(x: Array, inv_scale, dtype) -> Array:
+    """Cast ``x * inv_scale`` to ``dtype`` with saturation (no inf from overflow); the
+    one cast of XLA's path and of the Pallas kernels (their FP8 bits must agree)."""
+    limit = fp8_max(dtype)
+    return jnp.clip(x.astype(F32) * inv_scale, -limit, limit).astype(dtype)
+
+
 def quantize(x: Array, scale: Float[Array, "1"], dtype) -> Array:
     """Cast ``x / scale`` to ``dtype`` with saturation (no inf from overflow)."""
-    limit = fp8_max(dtype)
-    inv = (1.0 / scale.astype(F32)).reshape(())
-    scaled = x.astype(F32) * inv
-    return jnp.clip(scaled, -limit, limit).astype(dtype)
+    return saturate(x, (1.0 / scale.astype(F32)).reshape(()), dtype)
 
 
 def amax(x: Array) -> Float[Array, ""]:
     """max |x| as float32 (NaN if x holds a NaN)."""
     return jnp.max(jnp.abs(x)).astype(F32)
+
+
+def tile_amax(x: Array) -> Array:
+    """max |x| as float32, inf where ``x`` holds a NaN: a kernel tile's amax must come
+    out non-finite (`sanitize_amax` then keeps it out of the history) whatever max's
+    NaN convention is on the backend."""
+    magnitude = jnp.abs(x.astype(F32))
+    return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude))
 
 
 def sanitize_amax(value: Float[Array, "..."]) -> tuple[Array, Array]:
@@ -46,6 +58,12 @@ def scale_from_amax(amax_value: Array, old_scale: Array, dtype, margin: float) -
     sf = jnp.where(jnp.isfinite(amax_value), sf, 1.0 / old_scale)
     new = 1.0 / sf
     return jnp.where(jnp.isfinite(new) & (new > 0.0), new, old_scale)
+
+
+def delayed_scale(history: Float[Array, " L"], index: Float[Array, "1"], old_scale: Array, dtype, algo: str,
+                  margin: float) -> Array:
+    """The delayed-scaling scale of a tensor: `scale_from_amax` of `amax_from_history`."""
+    return scale_from_amax(amax_from_history(history, index, algo), old_scale, dtype, margin)
 
 
 def amax_from_history(history: Float[Array, " L"], index: Float[Array, "1"], algo: str) -> Array:
