@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -89,8 +90,10 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dic
     for name in variants:
         row = dict(meta, params=dict(hidden=hidden, ffn=ffn, tokens=tokens, activation=activation), variant=name)
         try:
+            t0 = time.perf_counter()
             block = build(name, case, km, config)
             step = make_step(block, xs[0], g)
+            row["compile_s"] = time.perf_counter() - t0  # build + compile + one calibration step
             row["ms"] = linear.time_step(step, xs, g, iters, reps, warmup=1 if iters <= 2 else 2)
             n_fp8, n_gemms = linear.gemm_check(step, xs[0], g)
             row.update(fp8_gemms=n_fp8 >= 6, fp8_gemm_count=n_fp8, gemm_count=n_gemms,
@@ -100,6 +103,8 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dic
             del step
         except Exception as e:  # report and go on with the other variants
             row.update(ms=None, error=f"{type(e).__name__}: {e}"[:300])
+        print(f"  {case} {name}: " + ", ".join(f"{k}={row[k]:.3f}" if isinstance(row[k], float) else f"{k}={row[k]}"
+                                               for k in ("ms", "compile_s", "kernels", "error") if k in row), flush=True)
         rows.append(row)
     ref = {r["variant"]: r.get("ms") for r in rows}
     for r in rows:

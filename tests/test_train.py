@@ -35,6 +35,41 @@ def test_resume_is_bit_for_bit_and_ctrl_c_checkpoints(tmp_path):
     assert len(set(_losses(full))) > 1 and _losses(full)[-1] < _losses(full)[0]
 
 
+def test_history_has_every_step_once_with_evals_where_scheduled(tmp_path):
+    """The loop reads step N's loss after dispatching step N+1: the history must still hold
+    each step once, in order, with the val loss on the eval steps (the last one included)."""
+    r = cli.main(SMALL + ["--precision", "fp8", "--steps", "7", "--eval-every", "3", "--checkpoint-every", "0",
+                          "--no-plot", "--out", str(tmp_path / "h")])["fp8"]
+    assert [h["step"] for h in r["history"]] == list(range(1, 8))
+    assert [h["step"] for h in r["history"] if "val_loss" in h] == [3, 6, 7]
+    assert all(np.isfinite(h["loss"]) for h in r["history"])
+    assert r["tokens_per_s"] > 0  # steps 4-7 minus the one after the step-6 eval
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_unrolled_layer_scan_is_the_same_model(precision):
+    """``scan_unroll`` only changes how XLA runs the layer loop: same loss and gradients,
+    and with every layer unrolled the compiled step has no loop left (no residual stacking)."""
+    base = cli.RunConfig(**cli.PRESETS["tiny"])
+    batch = jax.numpy.asarray(np.random.default_rng(0).integers(0, 256, (2, base.model.seq + 1), dtype=np.int32))
+
+    def loss_and_grad(unroll):
+        import dataclasses
+
+        import equinox as eqx
+        run = dataclasses.replace(base, scan_unroll=unroll)
+        params, static = eqx.partition(cli.build_model(run, precision), eqx.is_array)
+        fn = jax.jit(jax.value_and_grad(lambda p: cli._loss(eqx.combine(p, static), batch)))
+        return fn(params), fn.lower(params).compile().as_text()
+
+    (loss1, grads1), hlo1 = loss_and_grad(1)
+    (loss2, grads2), hlo2 = loss_and_grad(base.model.layers)
+    assert " while(" in hlo1 and " while(" not in hlo2
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+    for g1, g2 in zip(jax.tree_util.tree_leaves(grads1), jax.tree_util.tree_leaves(grads2), strict=True):
+        np.testing.assert_allclose(np.asarray(g2, np.float32), np.asarray(g1, np.float32), rtol=2e-2, atol=1e-5)
+
+
 def test_compare_writes_table_plot_and_records(tmp_path):
     out, record = tmp_path / "cmp", tmp_path / "train.jsonl"
     results = cli.main(SMALL + ["--steps", "6", "--eval-every", "3", "--out", str(out), "--record", str(record)])

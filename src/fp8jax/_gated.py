@@ -1,4 +1,4 @@
-"""FP8 SwiGLU MLP core (fc1 -> swiglu -> fc2) as one custom VJP with one-pass activation kernels.
+"""FP8 gated MLP core (fc1 -> swiglu/geglu/reglu/... -> fc2) as one custom VJP with one-pass activation kernels.
 
 Through XLA, the FP8 MLP spends as much time in memory passes over fc1's output as it
 saves in the GEMMs (`benchmarks/RESULTS.md`, the trainer profile): the dequantize of
@@ -7,8 +7,8 @@ transpose, and in the backward the gated gradient written as two halves and
 concatenated. Here fc1's GEMM output stays unscaled bf16 (it is the saved residual),
 and two Pallas Triton kernels do the rest, each in one read:
 
-* forward: ``h -> a = silu(h_gate) * h_up`` -> ``a`` in FP8 in both layouts + amax;
-* backward: ``(h, da) -> dh = [da * h_up * silu'(h_gate), da * silu(h_gate)]`` -> ``dh``
+* forward: ``h -> a = act(h_gate) * h_up`` -> ``a`` in FP8 in both layouts + amax;
+* backward: ``(h, da) -> dh = [da * h_up * act'(h_gate), da * act(h_gate)]`` -> ``dh``
   in FP8 in both layouts + amax, and ``a``'s FP8 transposed copy again for fc2's wgrad
   (so the forward keeps only ``h``, the FP8 ``x^T`` and the FP8 weights).
 
@@ -17,12 +17,15 @@ in blocks of `BLOCK` (``[g0 u0 g1 u1 ...]``) when cast to FP8; its gradient is p
 in the natural ``[gate | up]`` order (Megatron's convention) in the dequantize pass.
 Delayed scaling only (the activation's scale must be known before the pass). The
 same math runs in plain JAX where the kernels cannot (CPU, other GPUs), and the
-kernels run in interpret mode on CPU for the tests.
+kernels run in interpret mode on CPU for the tests. ``act`` is one of `ACTIVATIONS`
+(silu, tanh-gelu, quick-gelu, relu, squared relu), written with ``exp`` and arithmetic
+only so that every one lowers to Triton as silu does.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -40,7 +43,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 BLOCK = 64  # tile width of the kernels in features, and the interleaving block of fc1's rows
 TILE = {"rows": 64, "num_warps": 4}  # token rows per tile and warps (module-level for the tuning probe)
 # "auto": kernels where `_cast_kernel.supported` says Pallas Triton runs (Hopper), else
-# the plain-JAX activation; "interpret": kernels in interpret mode (CPU tests); "xla".
+# the plain-JAX activation; "kernel": the kernels (compiled); "interpret": kernels in
+# interpret mode (CPU tests); "xla": the plain-JAX activation.
 MODE = {"activation": "auto"}
 
 
@@ -77,34 +81,62 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _swiglu(gate, up):
-    return gate * _sigmoid(gate) * up
+_GELU_K = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_K * (x + 0.044715 x^3))
+# The gated activations the core runs (`fp8jax.nn.ACTIVATIONS` names; gelu is the tanh form).
+ACTIVATIONS = ("swiglu", "geglu", "qgeglu", "reglu", "sreglu")
+# Those whose kernels have run on a Hopper GPU (tests/test_gpu.py) and are taken in "auto"
+# mode. The others match the plain-JAX path bit for bit in interpret mode; until their GPU
+# test has run, `FusedMLP` keeps them on its XLA path (``MODE["activation"] = "kernel"``
+# forces the kernels).
+GPU_TESTED = ("swiglu",)
 
 
-def _swiglu_grad(gate, up, da):
-    sig = _sigmoid(gate)
-    silu = gate * sig
-    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * silu
+def _gate(activation: str, x):
+    """``(act(x), act'(x))`` in f32 for the gate half."""
+    if activation == "swiglu":
+        sig = _sigmoid(x)
+        return x * sig, sig * (1.0 + x * (1.0 - sig))
+    if activation == "qgeglu":
+        sig = _sigmoid(1.702 * x)
+        return x * sig, sig * (1.0 + 1.702 * x * (1.0 - sig))
+    if activation == "geglu":
+        sig = _sigmoid(_GELU_K * (x + 0.044715 * x * x * x))
+        return x * sig, sig + x * sig * (1.0 - sig) * _GELU_K * (1.0 + 3 * 0.044715 * x * x)
+    relu = jnp.maximum(x, 0.0)
+    if activation == "reglu":
+        return relu, (x > 0).astype(F32)
+    if activation == "sreglu":
+        return relu * relu, 2.0 * relu
+    raise ValueError(f"the gated core runs {ACTIVATIONS}, not {activation!r}")
+
+
+def _glu(activation: str, gate, up):
+    return _gate(activation, gate)[0] * up
+
+
+def _glu_grad(activation: str, gate, up, da):
+    act, dact = _gate(activation, gate)
+    return da * up * dact, da * act
 
 
 # ----------------------------------------------------------------------------- kernels
-def _fwd_kernel(h_ref, scalars_ref, aq_ref, at_ref, amax_ref, *, block):
+def _fwd_kernel(h_ref, scalars_ref, aq_ref, at_ref, amax_ref, *, block, activation):
     h_scale, inv_a_scale = scalars_ref[0], scalars_ref[1]
     gate = h_ref[:, :block].astype(F32) * h_scale
     up = h_ref[:, block:].astype(F32) * h_scale
-    a = _swiglu(gate, up)
+    a = _glu(activation, gate, up)
     amax_ref[...] = q.tile_amax(a).reshape(1, 1)
     aq = q.saturate(a, inv_a_scale, aq_ref.dtype)
     aq_ref[...] = aq
     at_ref[...] = aq.T
 
 
-def _bwd_kernel(h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *, block):
+def _bwd_kernel(h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *, block, activation):
     h_scale, da_scale, inv_dh_scale, inv_a_scale = scalars_ref[0], scalars_ref[1], scalars_ref[2], scalars_ref[3]
     gate = h_ref[:, :block].astype(F32) * h_scale
     up = h_ref[:, block:].astype(F32) * h_scale
-    at_ref[...] = q.saturate(_swiglu(gate, up), inv_a_scale, at_ref.dtype).T  # fc2's wgrad operand, recomputed
-    d_gate, d_up = _swiglu_grad(gate, up, da_ref[...].astype(F32) * da_scale)
+    at_ref[...] = q.saturate(_glu(activation, gate, up), inv_a_scale, at_ref.dtype).T  # fc2's wgrad operand
+    d_gate, d_up = _glu_grad(activation, gate, up, da_ref[...].astype(F32) * da_scale)
     amax_ref[...] = jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)).reshape(1, 1)
     gq = q.saturate(d_gate, inv_dh_scale, dh_ref.dtype)
     uq = q.saturate(d_up, inv_dh_scale, dh_ref.dtype)
@@ -124,14 +156,14 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, num_warps, *a
                           interpret=interpret, **_cast_kernel.triton_params(interpret, num_warps))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows", "num_warps"))
-def _fwd_pallas(h, h_scale, a_scale, dtype, interpret=False, rows=BLOCK, num_warps=4):
+@functools.partial(jax.jit, static_argnames=("dtype", "activation", "interpret", "rows", "num_warps"))
+def _fwd_pallas(h, h_scale, a_scale, dtype, activation="swiglu", interpret=False, rows=BLOCK, num_warps=4):
     m, two_f = h.shape
     f, b, r = two_f // 2, BLOCK, rows
     grid = (m // r, f // b)
     scalars = jnp.stack([h_scale.reshape(()), 1.0 / a_scale.reshape(())]).astype(F32)
     aq, at, tile_amax = _call(
-        functools.partial(_fwd_kernel, block=b), grid,
+        functools.partial(_fwd_kernel, block=b, activation=activation), grid,
         [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2,), lambda i, j: (0,))],
         [pl.BlockSpec((r, b), lambda i, j: (i, j)), pl.BlockSpec((b, r), lambda i, j: (j, i)),
          pl.BlockSpec((1, 1), lambda i, j: (i, j))],
@@ -140,16 +172,16 @@ def _fwd_pallas(h, h_scale, a_scale, dtype, interpret=False, rows=BLOCK, num_war
     return aq, at, jnp.max(tile_amax)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "a_dtype", "interpret", "rows", "num_warps"))
-def _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, interpret=False, rows=BLOCK,
-                num_warps=4):
+@functools.partial(jax.jit, static_argnames=("dtype", "a_dtype", "activation", "interpret", "rows", "num_warps"))
+def _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, activation="swiglu", interpret=False,
+                rows=BLOCK, num_warps=4):
     m, two_f = h.shape
     f, b, r = two_f // 2, BLOCK, rows
     grid = (m // r, f // b)
     scalars = jnp.stack([h_scale.reshape(()), da_scale.reshape(()), 1.0 / dh_scale.reshape(()),
                          1.0 / a_scale.reshape(())]).astype(F32)
     dh, dht, tile_amax, at = _call(
-        functools.partial(_bwd_kernel, block=b), grid,
+        functools.partial(_bwd_kernel, block=b, activation=activation), grid,
         [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((r, b), lambda i, j: (i, j)),
          pl.BlockSpec((4,), lambda i, j: (0,))],
         [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2 * b, r), lambda i, j: (j, i)),
@@ -167,33 +199,33 @@ def _mode(shape) -> str:
     return mode
 
 
-def activation_fp8(h, h_scale, a_scale, dtype):
-    """``swiglu(h * h_scale)`` (``h`` interleaved ``[M, 2F]``) cast to ``dtype`` with the
+def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu"):
+    """``activation(h * h_scale)`` (``h`` interleaved ``[M, 2F]``) cast to ``dtype`` with the
     dequantization scale ``a_scale``: ``(aq [M, F], aq^T [F, M], amax)``."""
     mode = _mode(h.shape)
     if mode != "xla":
-        return _fwd_pallas(h, h_scale, a_scale, dtype, interpret=mode == "interpret", rows=_rows(h.shape[0]),
-                           num_warps=TILE["num_warps"])
+        return _fwd_pallas(h, h_scale, a_scale, dtype, activation, interpret=mode == "interpret",
+                           rows=_rows(h.shape[0]), num_warps=TILE["num_warps"])
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
-    a = _swiglu(gate, up)
+    a = _glu(activation, gate, up)
     aq = q.saturate(a, 1.0 / a_scale.reshape(()), dtype)
     return aq, aq.T, q.tile_amax(a)
 
 
-def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype):
+def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu"):
     """Gradient of `activation_fp8` w.r.t. ``h`` for the output gradient ``da * da_scale``,
     cast to ``dtype`` (scale ``dh_scale``): ``(dhq [M, 2F], dhq^T [2F, M], amax, aq^T)``,
     interleaved; ``aq^T`` is the forward's FP8 activation (scale ``a_scale``) recomputed in
     the same pass, so the forward need not keep it."""
     mode = _mode(h.shape)
     if mode != "xla":
-        return _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, interpret=mode == "interpret",
-                           rows=_rows(h.shape[0]), num_warps=TILE["num_warps"])
+        return _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, activation,
+                           interpret=mode == "interpret", rows=_rows(h.shape[0]), num_warps=TILE["num_warps"])
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
-    d_gate, d_up = _swiglu_grad(gate, up, da.astype(F32) * da_scale.reshape(()))
+    d_gate, d_up = _glu_grad(activation, gate, up, da.astype(F32) * da_scale.reshape(()))
     inv = 1.0 / dh_scale.reshape(())
     dhq = _join(q.saturate(d_gate, inv, dtype), q.saturate(d_up, inv, dtype))
-    aq = q.saturate(_swiglu(gate, up), 1.0 / a_scale.reshape(()), a_dtype)
+    aq = q.saturate(_glu(activation, gate, up), 1.0 / a_scale.reshape(()), a_dtype)
     return dhq, dhq.T, jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)), aq.T
 
 
@@ -206,11 +238,16 @@ class Spec(NamedTuple):
     x_dtype: np.dtype
     w1_dtype: np.dtype
     w2_dtype: np.dtype
+    activation: str = "swiglu"  # one of `ACTIVATIONS`
 
 
-def usable(config1: Fp8Config, config2: Fp8Config, m: int, hidden: int, ffn: int, out: int) -> bool:
+def usable(config1: Fp8Config, config2: Fp8Config, m: int, hidden: int, ffn: int, out: int,
+           activation: str = "swiglu") -> bool:
     """Whether the core can run this MLP (else `FusedMLP` takes its XLA path)."""
-    if MODE["activation"] == "auto" and not _cast_kernel.supported((1, m, 2 * ffn))[0]:
+    if activation not in ACTIVATIONS:
+        return False
+    if MODE["activation"] == "auto" and (activation not in GPU_TESTED
+                                         or not _cast_kernel.supported((1, m, 2 * ffn))[0]):
         return False  # the plain-JAX activation is no faster than XLA's own fusions
     aligned = m % BLOCK == 0 and ffn % BLOCK == 0 and hidden % 16 == 0 and out % 16 == 0
     return aligned and config1.scaling == "delayed" and config2.scaling == "delayed"
@@ -233,7 +270,7 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     fc1_precision = None if c1.fast_accumulation in ("forward", "all") else jax.lax.Precision.HIGHEST
     h = _dot._gemm(xq, w1q, BF16, fc1_precision)[0]  # [M, 2F] interleaved, not dequantized
     h_scale = (sx * sw1).reshape(())
-    aq, aTq, aa = activation_fp8(h, h_scale, sa, c2.input_dtype)
+    aq, aTq, aa = activation_fp8(h, h_scale, sa, c2.input_dtype, spec.activation)
     w2q, w2Tq, aw2 = _dot._quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
     y = _dot._fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_accumulation in ("forward", "all"))[0]
     del aTq  # the backward kernel recomputes it from h (one FP8 byte per token x ffn less to keep)
@@ -242,8 +279,8 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def swiglu_mlp(spec: Spec, x, w1, state1, w2, state2):
-    """``fc2(swiglu(fc1(x)))`` with FP8 GEMMs: ``x [M, C]``, ``w1 [2F, C]`` (rows
+def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
+    """``fc2(act(fc1(x)_gate) * fc1(x)_up)`` (``act`` from ``spec.activation``) with FP8 GEMMs: ``x [M, C]``, ``w1 [2F, C]`` (rows
     ``[gate | up]``), ``w2 [N, F]``; ``state1``/``state2`` the fc1/fc2 `_dot.STATE_FIELDS`
     tuples, whose new values come back as their gradients."""
     return _forward(spec, x, w1, state1, w2, state2)[0]
@@ -263,7 +300,7 @@ def _bwd(spec, saved, g):
     da = _dot._gemm(gq, w2Tq, BF16, promoted)[0]  # [M, F], not dequantized
     sdh = _scale(state1[5], state1[6], state1[2], c1.grad_dtype, c1)
     dhq, dhTq, adh, aTq = activation_grad_fp8(h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh,
-                                              c1.grad_dtype, sa, c2.input_dtype)
+                                              c1.grad_dtype, sa, c2.input_dtype, spec.activation)
     dw2 = _dot._fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_accumulation == "all")[0]
     fast1 = c1.fast_accumulation == "all"
     dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, fast1)[0]
@@ -274,4 +311,4 @@ def _bwd(spec, saved, g):
     return dx, dw1, state1_ct, dw2, state2_ct
 
 
-swiglu_mlp.defvjp(_fwd, _bwd)
+gated_mlp.defvjp(_fwd, _bwd)

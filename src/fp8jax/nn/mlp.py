@@ -101,6 +101,11 @@ class FusedMLP(eqx.Module):
     ``qgeglu``, ``sreglu`` -- make fc1 ``2 * ffn`` wide; its first half is activated
     and gates the second, as in Megatron). ``fc1``/``fc2`` are `fp8jax.nn.Linear`
     (``eqx.nn.Linear`` with ``fp8=False``); inputs may have any leading dims.
+
+    On Hopper, SwiGLU (the gated activations in `_gated.GPU_TESTED`) with both linears FP8 (delayed scaling, no biases, tokens
+    and ffn multiples of 64) runs `fp8jax._gated`: one custom VJP whose Pallas kernels write
+    the activation and its gradient straight to FP8, in both layouts, with their amax.
+    Everything else runs as one checkpoint region through XLA's fusions.
     """
 
     norm_weight: Float[Array, " hidden"] | None
@@ -259,10 +264,10 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
 # ----------------------------------------------------------------------------- fused path
 def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     """Whether `fp8jax._gated` (one custom VJP, Pallas activation kernels) runs this call:
-    SwiGLU, both linears FP8 without bias, delayed scaling, one unstacked state per
+    a gated activation of `_gated.ACTIVATIONS`, both linears FP8 without bias, delayed scaling, one unstacked state per
     linear used once in the step, not under ``jax.vmap``, kernel-friendly sizes."""
     fc1, fc2 = mlp.fc1, mlp.fc2
-    if mlp.activation != "swiglu" or not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
+    if mlp.activation not in _gated.ACTIVATIONS or not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
         return False
     if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
         return False
@@ -273,7 +278,7 @@ def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     cfg1, cfg2 = states[0].config, states[1].config
     if any(c.selective and m < c.min_tokens for c in (cfg1, cfg2)):
         return False
-    return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features)
+    return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation)
 
 
 def _gated_call(mlp: FusedMLP, x):
@@ -283,8 +288,9 @@ def _gated_call(mlp: FusedMLP, x):
     normed = norm(x, mlp.norm_weight, mlp.norm_bias)
     x2 = normed.reshape(-1, mlp.hidden)
     fc1, fc2 = mlp.fc1, mlp.fc2
-    spec = _gated.Spec(fc1.dot_general.config, fc2.dot_general.config, x2.dtype, fc1.weight.dtype, fc2.weight.dtype)
-    y = _gated.swiglu_mlp(spec, x2, fc1.weight, fc1.dot_general.state(), fc2.weight, fc2.dot_general.state())
+    spec = _gated.Spec(fc1.dot_general.config, fc2.dot_general.config, x2.dtype, fc1.weight.dtype, fc2.weight.dtype,
+                       mlp.activation)
+    y = _gated.gated_mlp(spec, x2, fc1.weight, fc1.dot_general.state(), fc2.weight, fc2.dot_general.state())
     y = y.reshape(*x.shape[:-1], fc2.out_features)
     return y + x.astype(y.dtype) if mlp.residual else y
 

@@ -42,9 +42,15 @@ PRESETS = {
     "tiny": dict(model=ModelConfig(dim=128, layers=2, heads=4, kv_heads=4, ffn=384, seq=128), batch=16,
                  steps=300, lr=3e-3, warmup=30, eval_every=50, checkpoint_every=100, selective=False),
     "350m": dict(model=ModelConfig(dim=1024, layers=24, heads=8, kv_heads=8, ffn=3072, seq=2048), batch=8,
-                 steps=1000, lr=6e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=True),
+                 steps=1000, lr=6e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=True,
+                 scan_unroll=24),
+    # GPU presets unroll the layer scan fully: on the H100 this removes the scan's residual
+    # stacking (1b: bf16 241 -> 205 ms/step, fp8 189 -> 153 ms/step; benchmarks/RESULTS.md).
+    # 1b runs FP8 on every block linear: at 16384 tokens per step the 2048-wide attention
+    # projections gain in FP8 too (fp8 193 -> 189 ms/step with the policy off).
     "1b": dict(model=ModelConfig(dim=2048, layers=16, heads=16, kv_heads=8, ffn=8192, seq=2048), batch=8,
-               steps=1000, lr=3e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=True),
+               steps=1000, lr=3e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=False,
+               scan_unroll=16),
 }
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
 RECORD_COMMAND = "fp8jax-train"
@@ -67,6 +73,7 @@ class RunConfig:
     fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
     cast_kernel: bool = False  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
+    scan_unroll: int = 1  # ModelConfig.scan_unroll (both precisions)
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
@@ -76,7 +83,7 @@ def fp8_config(run: RunConfig) -> Fp8Config:
 
 
 def build_model(run: RunConfig, precision: str):
-    cfg = run.model
+    cfg = dataclasses.replace(run.model, scan_unroll=run.scan_unroll) if run.scan_unroll != 1 else run.model
     if precision == "fp8" and run.fp8_attention:
         cfg = dataclasses.replace(cfg, attention="fp8_dpa")  # same weights: the FP8 core has no parameters
     if precision == "fp8" and cfg.experts:
@@ -231,30 +238,54 @@ def train(run: RunConfig, precision: str, corpus, out: Path, *, resume: bool = F
     progress = Progress(run.steps, precision, quiet)
     timed_tokens, timed_s, interrupted = 0, 0.0, False
     step = start
+    # Step N+1 is dispatched before step N's loss is read, so the host's work (the batch,
+    # the launch) overlaps the GPU's and no step waits on the previous one's readback.
+    # A step's time is the time between two loss readbacks; steps right after a sync
+    # (compile, eval, checkpoint) are not timed.
+    pending: tuple[int, jax.Array] | None = None
+    last_ready: float | None = None
+
+    def record(done_step: int, loss_array: jax.Array, timed: bool) -> None:
+        nonlocal timed_tokens, timed_s, last_ready
+        loss = float(loss_array)
+        now = time.perf_counter()
+        if timed and last_ready is not None and done_step - start > 2:  # the first steps compile
+            timed_tokens, timed_s = timed_tokens + tokens, timed_s + (now - last_ready)
+        last_ready = now
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{precision}: loss is {loss} at step {done_step}")
+        tps = timed_tokens / timed_s if timed_s else None
+        mfu = tps * run.model.flops_per_token() / peak if (tps and peak) else None
+        history.append(dict(step=done_step, loss=loss, tokens_per_s=tps, mfu=mfu))
+        if done_step % run.eval_every and done_step != run.steps:  # eval steps print with their val loss
+            progress.update(done_step, loss, tps, mfu, None)
+
     try:
         while step < run.steps:
             if interrupt_at is not None and step == interrupt_at:
                 raise KeyboardInterrupt
             batch = jnp.asarray(corpus.batch(run.seed, step, run.batch, run.model.seq))
-            t0 = time.perf_counter()
-            loss = float(trainer.step(batch))
-            dt = time.perf_counter() - t0
+            loss_array = trainer.step(batch)
             step += 1
-            if step - start > 2:  # the first steps compile and warm up
-                timed_tokens, timed_s = timed_tokens + tokens, timed_s + dt
-            tps = timed_tokens / timed_s if timed_s else None
-            mfu = tps * run.model.flops_per_token() / peak if (tps and peak) else None
-            entry = dict(step=step, loss=loss, tokens_per_s=tps, mfu=mfu)
-            if step % run.eval_every == 0 or step == run.steps:
-                entry["val_loss"] = trainer.eval(val_batches)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"{precision}: loss is {loss} at step {step}")
-            history.append(entry)
-            progress.update(step, loss, tps, mfu, entry.get("val_loss"))
-            if run.checkpoint_every and step % run.checkpoint_every == 0 and step < run.steps:
-                save_checkpoint(out, precision, step, trainer, history)
+            if pending is not None:
+                record(*pending, timed=True)
+            pending = (step, loss_array)
+            evaluate = step % run.eval_every == 0 or step == run.steps
+            save = run.checkpoint_every and step % run.checkpoint_every == 0 and step < run.steps
+            if evaluate or save:
+                record(*pending, timed=True)
+                pending = None
+                if evaluate:
+                    history[-1]["val_loss"] = trainer.eval(val_batches)
+                    progress.update(step, history[-1]["loss"], history[-1]["tokens_per_s"], history[-1]["mfu"],
+                                    history[-1]["val_loss"])
+                if save:
+                    save_checkpoint(out, precision, step, trainer, history)
+                last_ready = None  # the next step's time would include the eval / the save
     except KeyboardInterrupt:
         interrupted = True
+        if pending is not None and not (history and history[-1]["step"] == pending[0]):
+            record(*pending, timed=False)
         if trainer.compiled is not None or step > start:
             save_checkpoint(out, precision, step, trainer, history)
             print(f"\ninterrupted: checkpoint of step {step} written to {out / f'ckpt-{precision}'}; "
@@ -373,6 +404,8 @@ def parse_args(argv):
                    help="FP8 GEMMs allowed Hopper's fast accumulation (default: forward only, as TE)")
     p.add_argument("--cast-kernel", action="store_true",
                    help="FP8 casts through the one-pass Pallas cast + transpose + amax kernel (Hopper)")
+    p.add_argument("--scan-unroll", type=int, default=None,
+                   help="layers per scan iteration; = --layers unrolls fully (no residual stacking, longer compile)")
     p.add_argument("--fp8-everywhere", action="store_true", help="turn the size policy off (FP8 on every block linear)")
     p.add_argument("--fp8-attention", action="store_true",
                    help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays from "
@@ -390,7 +423,7 @@ def run_config(args) -> RunConfig:
     overrides = {k: getattr(args, k) for k in ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts",
                                                "top_k") if getattr(args, k) is not None}
     model = dataclasses.replace(model, **overrides)
-    for k in ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every"):
+    for k in ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every", "scan_unroll"):
         if getattr(args, k) is not None:
             preset[k] = getattr(args, k)
     if args.fp8_everywhere:

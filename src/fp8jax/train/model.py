@@ -37,6 +37,7 @@ class ModelConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch Transformer's default)
     rope_base: float = 10000.0
     attention: str = "bf16"  # or "fp8_dpa": `fp8jax.nn.DotProductAttention` (cuDNN FP8 on Hopper)
+    scan_unroll: int = 1  # layers per scan iteration (`jax.lax.scan(unroll=...)`); same math
 
     def __post_init__(self):
         if self.dim % self.heads or self.heads % self.kv_heads:
@@ -186,7 +187,7 @@ class Transformer(eqx.Module):
             x, layer_aux = eqx.combine(p, static)(x)
             return (x, aux + layer_aux.astype(jnp.float32)), None
 
-        (x, aux), _ = jax.lax.scan(layer, (x, jnp.zeros((), jnp.float32)), params)
+        (x, aux), _ = jax.lax.scan(layer, (x, jnp.zeros((), jnp.float32)), params, unroll=self.cfg.scan_unroll)
         x = normalize(x, self.norm, None, "rmsnorm", 1e-5)
         return apply_linear(self.head, x).astype(jnp.float32), self.cfg.aux_loss_coef * aux
 
