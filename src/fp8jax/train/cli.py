@@ -405,7 +405,7 @@ def parse_args(argv):
     p.add_argument("--cast-kernel", action="store_true",
                    help="FP8 casts through the one-pass Pallas cast + transpose + amax kernel (Hopper)")
     p.add_argument("--scan-unroll", type=int, default=None,
-                   help="layers per scan iteration; = --layers unrolls fully (no residual stacking, longer compile)")
+                   help="layers per scan iteration; = --layers unrolls fully (no residual stacking between layers)")
     p.add_argument("--fp8-everywhere", action="store_true", help="turn the size policy off (FP8 on every block linear)")
     p.add_argument("--fp8-attention", action="store_true",
                    help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays from "
