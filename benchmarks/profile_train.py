@@ -10,7 +10,7 @@ reductions, copies/transposes, and the rest.
     python -m benchmarks.profile_train --quick        # CPU smoke run (no device kernels)
 
 A variant is ``bf16`` or ``fp8`` with ``:key=value`` overrides of the trainer's
-`RunConfig` (``selective=0``, ``fp8_attention=1``, ``fast_accumulation=all``, ...).
+`RunConfig` or `ModelConfig` (``selective=0``, ``fp8_attention=1``, ``scan_unroll=16``, ...).
 """
 
 from __future__ import annotations
@@ -33,19 +33,28 @@ CATEGORIES = ("gemm-fp8", "gemm", "attention", "pallas", "elementwise", "reducti
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``"fp8:selective=0:fp8_attention=1"`` -> ``("fp8", {"selective": False, ...})``."""
+    """``"fp8:selective=0:scan_unroll=16"`` -> ``("fp8", {"selective": False, "scan_unroll": 16})``:
+    fields of the trainer's `RunConfig` or of its `ModelConfig`."""
     precision, *items = text.split(":")
     if precision not in ("bf16", "fp8"):
         raise argparse.ArgumentTypeError(f"variant must start with bf16 or fp8, got {text!r}")
-    kinds = {f.name: str(f.type) for f in dataclasses.fields(cli.RunConfig)}
+    kinds = {f.name: str(f.type) for config in (cli.RunConfig, cli.ModelConfig) for f in dataclasses.fields(config)}
     convert = {"bool": lambda v: v.lower() in ("1", "true", "yes"), "int": int, "float": float}
     overrides = {}
     for item in items:
         key, _, value = item.partition("=")
         if key not in kinds or key == "model":
-            raise argparse.ArgumentTypeError(f"unknown RunConfig field {key!r} in {text!r}")
+            raise argparse.ArgumentTypeError(f"unknown RunConfig field {key!r} in {text!r} (nor a ModelConfig one)")
         overrides[key] = convert.get(kinds[key], str)(value)
     return precision, overrides
+
+
+def apply_overrides(run: cli.RunConfig, overrides: dict) -> cli.RunConfig:
+    """``run`` with `parse_variant`'s overrides, each on the config that has the field."""
+    model_fields = {f.name for f in dataclasses.fields(cli.ModelConfig)}
+    model = {k: v for k, v in overrides.items() if k in model_fields}
+    rest = {k: v for k, v in overrides.items() if k not in model_fields}
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, **model), **rest)
 
 
 def _instructions(hlo_text: str) -> dict[str, str]:
@@ -168,7 +177,7 @@ def main(argv=None):
     for precision, overrides in args.variants:
         preset = dict(cli.PRESETS[args.preset])
         run = cli.RunConfig(**preset)
-        run = dataclasses.replace(run, **overrides, **({"batch": args.batch} if args.batch else {}))
+        run = apply_overrides(run, dict(overrides, **({"batch": args.batch} if args.batch else {})))
         name = precision + "".join(f":{k}={v}" for k, v in overrides.items())
         results[name] = profile_variant(run, precision, args.steps, args.profile_steps)
         r = results[name]

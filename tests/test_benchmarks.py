@@ -11,6 +11,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, not 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import linear, mlp  # noqa: E402
+from fp8jax.train import cli
 
 
 def test_linear_quick_runs_all_variants(capsys, tmp_path):
@@ -90,6 +91,9 @@ def test_profile_train_quick_runs_and_parses_variants():
                                                                                     "cast_kernel": True})
     with pytest.raises(Exception, match="unknown RunConfig field"):
         profile_train.parse_variant("fp8:nope=1")
+    precision, overrides = profile_train.parse_variant("bf16:scan_unroll=2:selective=0")  # a ModelConfig field too
+    run = profile_train.apply_overrides(cli.RunConfig(**cli.PRESETS["tiny"]), overrides)
+    assert precision == "bf16" and run.model.scan_unroll == 2 and run.selective is False
     results = profile_train.main(["--quick", "--variants", "bf16", "fp8"])
     assert set(results) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in results.values())
     line = '  %c = (bf16[4]{0}, s8[8]{0}) custom-call(f8e4m3fn[4]{0} %a), custom_call_target="__cublas$lt$matmul$f8"'

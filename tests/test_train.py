@@ -57,7 +57,7 @@ def test_unrolled_layer_scan_is_the_same_model(precision):
         import dataclasses
 
         import equinox as eqx
-        run = dataclasses.replace(base, scan_unroll=unroll)
+        run = dataclasses.replace(base, model=dataclasses.replace(base.model, scan_unroll=unroll))
         params, static = eqx.partition(cli.build_model(run, precision), eqx.is_array)
         fn = jax.jit(jax.value_and_grad(lambda p: cli._loss(eqx.combine(p, static), batch)))
         return fn(params), fn.lower(params).compile().as_text()

@@ -81,6 +81,12 @@ def _gemm(a, b, out_dtype, precision=None):
     return jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), precision, out_dtype)
 
 
+def gemm_precision(fast_accumulation: bool):
+    """The ``dot_general`` precision of an FP8 GEMM: ``None`` lets cuBLASLt keep fast
+    partial sums, ``Precision.HIGHEST`` asks for its promoted accumulator."""
+    return None if fast_accumulation else jax.lax.Precision.HIGHEST
+
+
 def _fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
     """FP8 GEMM of ``a`` and ``b``, dequantized by their (scalar) scales after it.
 
@@ -90,9 +96,8 @@ def _fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
     sign: 2.9e-2 relative error against 2.4e-3; the promoted one costs 5-8% more
     GEMM time; benchmarks/RESULTS.md).
     """
-    precision = None if fast_accumulation else jax.lax.Precision.HIGHEST
     acc_dtype = F32 if TUNING["f32_gemm_out"] else out_dtype
-    y = _gemm(a, b, acc_dtype, precision)
+    y = _gemm(a, b, acc_dtype, gemm_precision(fast_accumulation))
     scale = (a_scale * b_scale).reshape(()).astype(F32)
     return (y.astype(F32) * scale).astype(out_dtype)
 
@@ -155,7 +160,7 @@ def _fwd_impl(spec: Spec, x3, w3, state):
         xq, xTq, _ = _quantize_both(x3, sx, cfg.input_dtype, cfg.cast_kernel)
         wq, wTq, _ = _quantize_both(w3, sw, cfg.kernel_dtype, cfg.cast_kernel)
     w_nk, w_kn = (wTq, wq) if spec.rhs_k_first else (wq, wTq)
-    y = _fp8_gemm(xq, sx, w_nk, sw, out_dtype, cfg.fast_accumulation in ("forward", "all"))
+    y = _fp8_gemm(xq, sx, w_nk, sw, out_dtype, cfg.fast_forward)
     return y, (xTq, w_kn, sx, sw, ax, aw)
 
 
@@ -176,7 +181,7 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
         ag = q.amax(g3)
         sg = q.scale_from_amax(ag.reshape(1), g_scale, cfg.grad_dtype, cfg.margin)
         gq, gTq, _ = _quantize_both(g3, sg, cfg.grad_dtype, cfg.cast_kernel)
-    fast = cfg.fast_accumulation == "all"
+    fast = cfg.fast_backward
     dx = _fp8_gemm(gq, sg, w_kn, sw, spec.x_dtype, fast)
     if spec.rhs_k_first:
         dw = _fp8_gemm(xTq, sx, gTq, sg, spec.w_dtype, fast)

@@ -267,12 +267,11 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     sw2 = _scale(k2_h, idx2, k2, c2.kernel_dtype, c2)
     xq, xTq, ax = _dot._quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
     w1q, w1Tq, aw1 = _dot._quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
-    fc1_precision = None if c1.fast_accumulation in ("forward", "all") else jax.lax.Precision.HIGHEST
-    h = _dot._gemm(xq, w1q, BF16, fc1_precision)[0]  # [M, 2F] interleaved, not dequantized
+    h = _dot._gemm(xq, w1q, BF16, _dot.gemm_precision(c1.fast_forward))[0]  # [M, 2F] interleaved, not dequantized
     h_scale = (sx * sw1).reshape(())
     aq, aTq, aa = activation_fp8(h, h_scale, sa, c2.input_dtype, spec.activation)
     w2q, w2Tq, aw2 = _dot._quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
-    y = _dot._fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_accumulation in ("forward", "all"))[0]
+    y = _dot._fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward)[0]
     del aTq  # the backward kernel recomputes it from h (one FP8 byte per token x ffn less to keep)
     residuals = (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2)
     return y, residuals
@@ -280,9 +279,9 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
-    """``fc2(act(fc1(x)_gate) * fc1(x)_up)`` (``act`` from ``spec.activation``) with FP8 GEMMs: ``x [M, C]``, ``w1 [2F, C]`` (rows
-    ``[gate | up]``), ``w2 [N, F]``; ``state1``/``state2`` the fc1/fc2 `_dot.STATE_FIELDS`
-    tuples, whose new values come back as their gradients."""
+    """``fc2(act(fc1(x)_gate) * fc1(x)_up)`` with FP8 GEMMs (``act`` from ``spec.activation``):
+    ``x [M, C]``, ``w1 [2F, C]`` (rows ``[gate | up]``), ``w2 [N, F]``; ``state1``/``state2``
+    the fc1/fc2 `_dot.STATE_FIELDS` tuples, whose new values come back as their gradients."""
     return _forward(spec, x, w1, state1, w2, state2)[0]
 
 
@@ -294,17 +293,17 @@ def _fwd(spec, x, w1, state1, w2, state2):
 def _bwd(spec, saved, g):
     (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2), state1, state2 = saved
     c1, c2 = spec.config1, spec.config2
-    sg = _scale(state2[5], state2[6], state2[2], c2.grad_dtype, c2)
+    _, _, dh_s, _, _, dh_h, idx1, _ = state1
+    _, _, g_s, _, _, g_h, idx2, _ = state2
+    sg = _scale(g_h, idx2, g_s, c2.grad_dtype, c2)
     gq, gTq, ag = _dot._quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
-    promoted = None if c2.fast_accumulation == "all" else jax.lax.Precision.HIGHEST
-    da = _dot._gemm(gq, w2Tq, BF16, promoted)[0]  # [M, F], not dequantized
-    sdh = _scale(state1[5], state1[6], state1[2], c1.grad_dtype, c1)
+    da = _dot._gemm(gq, w2Tq, BF16, _dot.gemm_precision(c2.fast_backward))[0]  # [M, F], not dequantized
+    sdh = _scale(dh_h, idx1, dh_s, c1.grad_dtype, c1)
     dhq, dhTq, adh, aTq = activation_grad_fp8(h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh,
                                               c1.grad_dtype, sa, c2.input_dtype, spec.activation)
-    dw2 = _dot._fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_accumulation == "all")[0]
-    fast1 = c1.fast_accumulation == "all"
-    dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, fast1)[0]
-    dw1 = deinterleave(_dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, fast1)[0])
+    dw2 = _dot._fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
+    dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
+    dw1 = deinterleave(_dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0])
 
     state1_ct = _dot._new_state(c1, state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
     state2_ct = _dot._new_state(c2, state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))

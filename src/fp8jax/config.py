@@ -120,6 +120,16 @@ class Fp8Config:
         return self.amax_history_length if self.scaling == "delayed" else 1
 
     @property
+    def fast_forward(self) -> bool:
+        """Whether the forward GEMM may use fast FP8 accumulation (`fast_accumulation`)."""
+        return self.fast_accumulation in ("forward", "all")
+
+    @property
+    def fast_backward(self) -> bool:
+        """Whether the dgrad and wgrad GEMMs may use fast FP8 accumulation."""
+        return self.fast_accumulation == "all"
+
+    @property
     def input_dtype(self):
         return jnp.float8_e4m3fn
 

@@ -102,9 +102,10 @@ class FusedMLP(eqx.Module):
     and gates the second, as in Megatron). ``fc1``/``fc2`` are `fp8jax.nn.Linear`
     (``eqx.nn.Linear`` with ``fp8=False``); inputs may have any leading dims.
 
-    On Hopper, SwiGLU (the gated activations in `_gated.GPU_TESTED`) with both linears FP8 (delayed scaling, no biases, tokens
-    and ffn multiples of 64) runs `fp8jax._gated`: one custom VJP whose Pallas kernels write
-    the activation and its gradient straight to FP8, in both layouts, with their amax.
+    On Hopper, SwiGLU (the gated activations in `_gated.GPU_TESTED`) with both linears FP8
+    (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax._gated`: one
+    custom VJP whose Pallas kernels write the activation and its gradient straight to FP8,
+    in both layouts, with their amax.
     Everything else runs as one checkpoint region through XLA's fusions.
     """
 
@@ -264,10 +265,10 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
 # ----------------------------------------------------------------------------- fused path
 def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     """Whether `fp8jax._gated` (one custom VJP, Pallas activation kernels) runs this call:
-    a gated activation of `_gated.ACTIVATIONS`, both linears FP8 without bias, delayed scaling, one unstacked state per
-    linear used once in the step, not under ``jax.vmap``, kernel-friendly sizes."""
+    both linears FP8 without bias, one unstacked state per linear used once in the step,
+    not under ``jax.vmap``; the activation, scaling and sizes as `_gated.usable` says."""
     fc1, fc2 = mlp.fc1, mlp.fc2
-    if mlp.activation not in _gated.ACTIVATIONS or not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
+    if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
         return False
     if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
         return False

@@ -41,16 +41,14 @@ PRESETS = {
     # policy would skip layers this small, leaving nothing to compare).
     "tiny": dict(model=ModelConfig(dim=128, layers=2, heads=4, kv_heads=4, ffn=384, seq=128), batch=16,
                  steps=300, lr=3e-3, warmup=30, eval_every=50, checkpoint_every=100, selective=False),
-    "350m": dict(model=ModelConfig(dim=1024, layers=24, heads=8, kv_heads=8, ffn=3072, seq=2048), batch=8,
-                 steps=1000, lr=6e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=True,
-                 scan_unroll=24),
+    "350m": dict(model=ModelConfig(dim=1024, layers=24, heads=8, kv_heads=8, ffn=3072, seq=2048, scan_unroll=24),
+                 batch=8, steps=1000, lr=6e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=True),
     # GPU presets unroll the layer scan fully: on the H100 this removes the scan's residual
     # stacking (1b: bf16 241 -> 205 ms/step, fp8 189 -> 153 ms/step; benchmarks/RESULTS.md).
     # 1b runs FP8 on every block linear: at 16384 tokens per step the 2048-wide attention
     # projections gain in FP8 too (fp8 193 -> 189 ms/step with the policy off).
-    "1b": dict(model=ModelConfig(dim=2048, layers=16, heads=16, kv_heads=8, ffn=8192, seq=2048), batch=8,
-               steps=1000, lr=3e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=False,
-               scan_unroll=16),
+    "1b": dict(model=ModelConfig(dim=2048, layers=16, heads=16, kv_heads=8, ffn=8192, seq=2048, scan_unroll=16),
+               batch=8, steps=1000, lr=3e-4, warmup=100, eval_every=100, checkpoint_every=500, selective=False),
 }
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
 RECORD_COMMAND = "fp8jax-train"
@@ -73,7 +71,6 @@ class RunConfig:
     fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
     cast_kernel: bool = False  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
-    scan_unroll: int = 1  # ModelConfig.scan_unroll (both precisions)
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
@@ -83,7 +80,7 @@ def fp8_config(run: RunConfig) -> Fp8Config:
 
 
 def build_model(run: RunConfig, precision: str):
-    cfg = dataclasses.replace(run.model, scan_unroll=run.scan_unroll) if run.scan_unroll != 1 else run.model
+    cfg = run.model
     if precision == "fp8" and run.fp8_attention:
         cfg = dataclasses.replace(cfg, attention="fp8_dpa")  # same weights: the FP8 core has no parameters
     if precision == "fp8" and cfg.experts:
@@ -421,9 +418,9 @@ def run_config(args) -> RunConfig:
     preset = dict(PRESETS[args.preset])
     model = preset.pop("model")
     overrides = {k: getattr(args, k) for k in ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts",
-                                               "top_k") if getattr(args, k) is not None}
+                                               "top_k", "scan_unroll") if getattr(args, k) is not None}
     model = dataclasses.replace(model, **overrides)
-    for k in ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every", "scan_unroll"):
+    for k in ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every"):
         if getattr(args, k) is not None:
             preset[k] = getattr(args, k)
     if args.fp8_everywhere:
