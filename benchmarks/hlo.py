@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import re
 
 import jax
@@ -38,6 +39,28 @@ def kernel_summary(hlo_text: str) -> collections.Counter:
             op += ":" + (kind.group(1) if kind else "?")
         counts[op] += 1
     return counts
+
+
+_ARRAY = re.compile(r"(f8e4m3fn|f8e5m2|bf16|f16|f32)\[([\d,]*)\]")
+
+
+def big_writes(hlo_text: str, min_elements: int) -> list[tuple[str, str, list[str]]]:
+    """``(name, op, ["dtype[elements]", ...])`` for each top-level instruction of the
+    entry computation that writes an array of at least ``min_elements`` elements:
+    the memory passes over activation-sized data, and the dtype each one writes."""
+    entry = hlo_text[hlo_text.index("ENTRY"):] if "ENTRY" in hlo_text else hlo_text
+    entry = entry.split("\n}\n")[0]
+    out = []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\(", line)
+        if not m or m.group(3) in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant"):
+            continue
+        sizes = [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(m.group(2))]
+        big = [f"{dtype}[{n}]" for dtype, n in sizes if n >= min_elements]
+        if big:
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            out.append((m.group(1), m.group(3) + (":" + target.group(1) if target else ""), big))
+    return out
 
 
 def main(argv=None):

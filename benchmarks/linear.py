@@ -280,12 +280,17 @@ def time_step(step: Step, xs, g, iters: int, reps: int, warmup: int = 2) -> floa
     rotating among the inputs ``xs`` (so no operand stays in L2)."""
     out = None
     for i in range(warmup):
+        out = None
         out = step.jitted(step.params, xs[i % len(xs)], g)
     jax.block_until_ready(out)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for i in range(iters):
+            # Drop the previous outputs first: XLA can then reuse their memory for this
+            # call (a step whose gradients are as big as its weights, e.g. 64 experts,
+            # otherwise holds two sets of gradients at once).
+            out = None
             out = step.jitted(step.params, xs[i % len(xs)], g)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / iters)

@@ -98,3 +98,21 @@ def test_profile_train_quick_runs_and_parses_variants():
     assert set(results) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in results.values())
     line = '  %c = (bf16[4]{0}, s8[8]{0}) custom-call(f8e4m3fn[4]{0} %a), custom_call_target="__cublas$lt$matmul$f8"'
     assert profile_train.categorize(line, "") == "gemm-fp8"
+
+
+def test_big_writes_lists_activation_sized_passes_with_their_dtypes():
+    from benchmarks.hlo import big_writes
+
+    text = """HloModule m
+
+ENTRY %main (p0: bf16[64,32]) -> f8e4m3fn[64,32] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %act = (f8e4m3fn[64,32]{1,0}, bf16[64,32]{1,0}, bf16[8]{0}) fusion(%p0), kind=kInput, calls=%f
+  %gte = f8e4m3fn[64,32]{1,0} get-tuple-element(%act), index=0
+  %small = f32[4]{0} fusion(%p0), kind=kLoop, calls=%g
+  ROOT %gemm = (bf16[64,32]{1,0}, s8[16]{0}) custom-call(%gte), custom_call_target="__cublas$lt$matmul$f8"
+}
+"""
+    rows = big_writes(text, 64 * 32)
+    assert rows == [("act", "fusion", ["f8e4m3fn[2048]", "bf16[2048]"]),
+                    ("gemm", "custom-call:__cublas$lt$matmul$f8", ["bf16[2048]"])]

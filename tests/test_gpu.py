@@ -81,6 +81,28 @@ def test_fused_mlp_matches_reference_on_gpu(key):
     assert sqnr_db(mlp(x), expected) >= 23.0
 
 
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu"])
+def test_ungated_activation_and_its_gradient_are_written_in_fp8_directly(key, activation):
+    """Ungated activations stay on XLA's fusions. The pass that applies the activation
+    writes fc2's e4m3 input (and its amax), and the backward pass that applies its
+    derivative writes the e5m2 gradient at fc1's output: no bf16 copy of either for a
+    second pass to cast. The one bf16 activation-sized array a fusion may write is fc1's
+    output, kept for the backward."""
+    from benchmarks.hlo import big_writes
+
+    tokens, hidden, ffn = 8192, 1024, 4096
+    mlp = fp8jax.nn.FusedMLP(hidden, ffn, activation=activation, dtype=jnp.bfloat16, config=ALL, key=key)
+    x = normal(key, (tokens, hidden), jnp.bfloat16)
+    c = normal(jax.random.fold_in(key, 1), (tokens, hidden), jnp.float32)
+    fp8jax.assert_fp8(_step, mlp, x, c, expected=6)
+    text = jax.jit(_step).lower(mlp, x, c).compile().as_text()
+    passes = [(name, arrays) for name, op, arrays in big_writes(text, tokens * ffn) if op == "fusion"]
+    wide = [(name, arrays) for name, arrays in passes if any(a.startswith(("bf16", "f32")) for a in arrays)]
+    assert len(wide) <= 1, passes
+    assert any(a.startswith("f8e4m3fn") for _, arrays in wide for a in arrays), passes  # act written with it
+    assert any(a.startswith("f8e5m2") for _, arrays in passes for a in arrays), passes
+
+
 # ----------------------------------------------------------------------------- attention
 def _attn_inputs(key, b, t, n, nk, h=128):
     kq, kk, kv, kg = jax.random.split(key, 4)

@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import normal, sqnr_db, take_state
 
 import fp8jax
 from fp8jax.nn import ACTIVATIONS, FusedMLP
-from helpers import normal, sqnr_db, take_state
+from fp8jax.nn.mlp import activate
 
 ALL = fp8jax.Fp8Config(selective=False, scaling="current")
 DELAYED = fp8jax.Fp8Config(selective=False)
@@ -82,6 +83,25 @@ def _grads(mlp, x, c):
 
 
 # ----------------------------------------------------------------------------- numerics
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_activation_functions_and_derivatives_match_float64(activation):
+    """Each activation in float32 (gelu as x * sigmoid(...), the form XLA fuses with the
+    FP8 cast) against the float64 oracle, and its autodiff derivative against the
+    oracle's central differences (away from relu's kink)."""
+    h = np.linspace(-8.0, 8.0, 4001)
+    h = h[np.abs(h) > 1e-3]
+    gated = ACTIVATIONS[activation][1]
+    x = np.concatenate([h, np.full_like(h, 0.75)]) if gated else h  # up half = 0.75
+    np.testing.assert_allclose(activate(jnp.asarray(x, jnp.float32), activation), _np_act(activation, x),
+                               rtol=2e-5, atol=2e-6)
+    grad = jax.vmap(jax.grad(lambda v: activate(jnp.concatenate([v[None], jnp.full(1, 0.75)]) if gated else v[None],
+                                                activation)[0]))(jnp.asarray(h, jnp.float32))
+    eps = 1e-4
+    up = lambda v: np.concatenate([v, np.full_like(v, 0.75)], axis=-1) if gated else v  # noqa: E731
+    central = (_np_act(activation, up(h[:, None] + eps)) - _np_act(activation, up(h[:, None] - eps)))[:, 0] / (2 * eps)
+    np.testing.assert_allclose(grad, central, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_forward_and_grads_match_reference(key, activation, norm):

@@ -110,9 +110,11 @@ def _bwd_call(q8, k8, v8, o8, do8, stats, scales: dict, softmax_scale: float, ca
     return out[:3], jnp.stack([a.reshape(()) for a in out[3:7]])
 
 
-def backward_chunks(batch: int, heads: int, kv_heads: int, limit: int = BWD_MAX_BATCH_HEADS):
+def backward_chunks(batch: int, heads: int, kv_heads: int, limit: int | None = None):
     """``(batch_chunk, kv_heads_chunk)``: the largest chunk sizes dividing ``batch`` and
-    ``kv_heads`` with ``batch_chunk * query_heads_chunk <= limit`` (whole problem if it fits)."""
+    ``kv_heads`` with ``batch_chunk * query_heads_chunk <= limit`` (default
+    `BWD_MAX_BATCH_HEADS`, read at trace time; whole problem if it fits)."""
+    limit = BWD_MAX_BATCH_HEADS if limit is None else limit
     group = heads // kv_heads
     kv_chunk = max([d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and d * group <= limit] or [1])
     per_batch = kv_chunk * group

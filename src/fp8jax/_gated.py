@@ -84,11 +84,11 @@ def _sigmoid(x):
 _GELU_K = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_K * (x + 0.044715 x^3))
 # The gated activations the core runs (`fp8jax.nn.ACTIVATIONS` names; gelu is the tanh form).
 ACTIVATIONS = ("swiglu", "geglu", "qgeglu", "reglu", "sreglu")
-# Those whose kernels have run on a Hopper GPU (tests/test_gpu.py) and are taken in "auto"
-# mode. The others match the plain-JAX path bit for bit in interpret mode; until their GPU
-# test has run, `FusedMLP` keeps them on its XLA path (``MODE["activation"] = "kernel"``
-# forces the kernels).
-GPU_TESTED = ("swiglu",)
+# Those whose kernels have passed tests/test_gpu.py on a Hopper GPU (all five: H100, jax
+# 0.11.2, 2026-11-23) and are taken in "auto" mode. An activation added to ACTIVATIONS stays
+# on `FusedMLP`'s XLA path until it is listed here (``MODE["activation"] = "kernel"`` forces
+# the kernels, as the GPU test does).
+GPU_TESTED = ("swiglu", "geglu", "qgeglu", "reglu", "sreglu")
 
 
 def _gate(activation: str, x):

@@ -9,11 +9,11 @@ Modes (Transformer Engine's names):
   the model's precision; the cast of Q, K, V to e4m3 and the dequantization of O
   are elementwise passes that XLA fuses into their neighbours.
 * ``"fp8_mha"`` (`MultiHeadAttention` only; the same core as ``fp8_dpa`` for the bare
-  function): the QKV and output projections are FP8 GEMMs too, and the tensors
-  passed between the projections and the core stay FP8 in the compiled step: the
-  QKV projection's epilogue (+ rotary) writes Q, K, V in e4m3 and the output
-  projection reads O's e4m3 copy (the dequantize/requantize pair fuses into one
-  pass over FP8 data).
+  function): the QKV and output projections are FP8 GEMMs too. The QKV GEMM writes
+  bf16 (cuBLAS has no per-slice output scales); one pass then applies rotary and writes
+  Q and K in e4m3 with their amax, and V's cast is a pass of its own (H100 profile in
+  benchmarks/RESULTS.md). The output projection reads O's e4m3 copy (the
+  dequantize/requantize pair fuses into one pass over FP8 data).
 
 FP8 tensors are e4m3 with per-tensor scales kept in an `Fp8AttentionState` (see
 `fp8jax._attention` for the ten tensors and which scaling each uses). Softmax and
@@ -235,10 +235,16 @@ def rotary(x: Float[Array, "*B T N H"], base: float = 10000.0, positions=None) -
         raise ValueError(f"rotary embedding needs an even head_dim, got {h}")
     positions = jnp.arange(t, dtype=jnp.float32) if positions is None else jnp.asarray(positions, jnp.float32)
     inv = 1.0 / (base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    angles = positions[:, None] * inv[None, :]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+    angles = positions[:, None] * inv[None, :]  # [T, H/2]
+    cos = jnp.cos(angles)[:, None, None, :]  # [T, 1, 1, H/2]: over heads and both halves
+    signed_sin = jnp.stack([-jnp.sin(angles), jnp.sin(angles)], axis=1)[:, None]  # [T, 1, 2, H/2]
+    # out = (x1 cos - x2 sin, x2 cos + x1 sin), with the halves swapped by a reverse
+    # rather than split and concatenated: elementwise ops and a reverse fuse with what
+    # reads the result (the FP8 cast of q and k and its amax) into one pass, a concatenate
+    # does not (H100, jax 0.11.2).
+    halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, h // 2)
+    out = halves * cos + jnp.flip(halves, axis=-2) * signed_sin
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 class MultiHeadAttention(eqx.Module):
