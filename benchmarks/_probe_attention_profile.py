@@ -14,7 +14,6 @@ per category and the top kernels with the HLO instruction they run. Run it with
 from __future__ import annotations
 
 import argparse
-import collections
 import tempfile
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from benchmarks import attention, linear
 from benchmarks.profile_train import (
     _instructions,
     _summary,
-    categorize,
     device_kernel_ns,
+    kernel_ms,
 )
 from fp8jax import _cudnn_attention
 
@@ -72,11 +71,7 @@ def profile(level: str, variant: str, seq: int, steps: int = 2, top: int = 14, d
             jax.block_until_ready(out)
         kernels = device_kernel_ns(trace_dir)
     lines = _instructions(step.compiled.as_text())
-    by_cat, by_op = collections.Counter(), collections.Counter()
-    for name, op, ns in kernels:
-        cat = categorize(lines.get(op), name)
-        by_cat[cat] += ns / steps / 1e6
-        by_op[(cat, op or name[:70])] += ns / steps / 1e6
+    by_cat, by_op = kernel_ms(kernels, lines, steps)
     total = sum(by_cat.values())
     print(f"\n== {level} {variant} seq {seq} batch {p['batch']}: step {ms:.3f} ms, kernels {total:.3f} ms, "
           f"{sum(1 for _ in kernels) // steps} launches", flush=True)

@@ -116,6 +116,17 @@ def device_kernel_ns(trace_dir: str) -> list[tuple[str, str, float]]:
     return out
 
 
+def kernel_ms(kernels, lines: dict[str, str], steps: int) -> tuple[collections.Counter, collections.Counter]:
+    """Device ms per step by category and by ``(category, hlo op)``, from `device_kernel_ns`'s
+    kernels of ``steps`` steps and the compiled program's `_instructions`."""
+    by_cat, by_op = collections.Counter(), collections.Counter()
+    for name, op, ns in kernels:
+        cat = categorize(lines.get(op), name)
+        by_cat[cat] += ns / steps / 1e6
+        by_op[(cat, op or name[:60])] += ns / steps / 1e6
+    return by_cat, by_op
+
+
 def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_steps: int) -> dict:
     """tokens/s over ``steps`` steps, and device ms per step per category."""
     model = cli.build_model(run, precision)
@@ -138,11 +149,7 @@ def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_step
     if kernels and not any(op for _, op, _ in kernels):
         print(f"  (no hlo_op stat on the kernels; categories from kernel names, e.g. {kernels[:3]})", flush=True)
     lines = _instructions(trainer.compiled.as_text())
-    by_cat, by_op = collections.Counter(), collections.Counter()
-    for name, op, ns in kernels:
-        cat = categorize(lines.get(op), name)
-        by_cat[cat] += ns / profile_steps / 1e6
-        by_op[(cat, op or name[:60])] += ns / profile_steps / 1e6
+    by_cat, by_op = kernel_ms(kernels, lines, profile_steps)
     return dict(step_ms=step_s * 1e3, tokens_per_s=run.batch * run.model.seq / step_s, by_cat=by_cat,
                 top_ops=by_op.most_common(TOP_OPS), peak_mem_mb=trainer.peak_mem_mb(),
                 op_text={op: _summary(lines.get(op, "")) for (_, op), _ in by_op.most_common(TOP_OPS)})

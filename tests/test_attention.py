@@ -178,11 +178,15 @@ def test_mha_projection_types(key):
     assert isinstance(converted.attention.state, Fp8AttentionState)
 
 
-def test_rotary_matches_trainer_rope(key):
-    from fp8jax.train.model import _rope
-
-    x = normal(key, (16, 2, 8))
-    np.testing.assert_allclose(fp8jax.nn.rotary(x[None])[0], _rope(x, 10000.0), rtol=1e-6, atol=1e-6)
+def test_rotary_matches_float64_half_split_rope(key):
+    """`rotary` (also the trainer's) against GPT-NeoX's half-split RoPE written out in numpy."""
+    x = normal(key, (2, 16, 3, 8))
+    t, h = x.shape[1], x.shape[-1]
+    angles = np.arange(t)[:, None] * 10000.0 ** (-np.arange(0, h, 2) / h)[None, :]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    expected = np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    np.testing.assert_allclose(fp8jax.nn.rotary(x), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_clear_errors(key):

@@ -88,11 +88,11 @@ ACTIVATIONS = ("swiglu", "geglu", "qgeglu", "reglu", "sreglu")
 # 0.11.2, 2026-11-23) and are taken in "auto" mode. An activation added to ACTIVATIONS stays
 # on `FusedMLP`'s XLA path until it is listed here (``MODE["activation"] = "kernel"`` forces
 # the kernels, as the GPU test does).
-GPU_TESTED = ("swiglu", "geglu", "qgeglu", "reglu", "sreglu")
+GPU_TESTED = ACTIVATIONS
 
 
 def _gate(activation: str, x):
-    """``(act(x), act'(x))`` in f32 for the gate half."""
+    """``(act(x), act'(x))`` for the gate half, in ``x``'s dtype (the kernels pass f32)."""
     if activation == "swiglu":
         sig = _sigmoid(x)
         return x * sig, sig * (1.0 + x * (1.0 - sig))

@@ -43,8 +43,8 @@ def _gelu(x):
     ``x * sigmoid(2k(x + 0.044715 x^3))`` with its derivative in closed form: with
     ``tanh`` XLA writes the activation in bf16 in a pass of its own and casts it to FP8
     in a second one; in this form it fuses the activation with its cast as it does for
-    silu (H100, jax 0.11.2). The closed-form derivative is `_gated._gate`'s."""
-    return x * jax.nn.sigmoid(_gated._GELU_K * (x + 0.044715 * x * x * x))
+    silu (H100, jax 0.11.2). Value and derivative are `_gated._gate`'s, the Pallas core's."""
+    return _gated._gate("geglu", x)[0].astype(x.dtype)
 
 
 @_gelu.defjvp

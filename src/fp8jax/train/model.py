@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..dot_general import OverwriteWithGradient
-from ..nn.attention import DotProductAttention
+from ..nn.attention import DotProductAttention, rotary
 from ..nn.grouped import MoE as GroupedMoE
 from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
@@ -68,15 +68,6 @@ class ModelConfig:
         return 6 * dense + 12 * self.layers * self.dim * self.seq
 
 
-def _rope(x: Float[Array, "T H D"], base: float) -> Float[Array, "T H D"]:
-    t, _, d = x.shape
-    inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
-
-
 class Attention(eqx.Module):
     norm: Float[Array, " dim"]
     q: eqx.nn.Linear
@@ -102,8 +93,7 @@ class Attention(eqx.Module):
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
         q = apply_linear(self.q, h).reshape(b, t, cfg.heads, cfg.head_dim)
         k, v = jnp.split(apply_linear(self.kv, h).reshape(b, t, 2 * cfg.kv_heads, cfg.head_dim), 2, axis=2)
-        q, k = jax.vmap(_rope, in_axes=(0, None))(q, cfg.rope_base), jax.vmap(_rope, in_axes=(0, None))(
-            k, cfg.rope_base)
+        q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
         if self.core is not None:
             attn = self.core(q, k, v)
         else:
