@@ -19,6 +19,7 @@ import argparse
 import collections
 import dataclasses
 import glob
+import os
 import re
 import tempfile
 import time
@@ -127,19 +128,31 @@ def kernel_ms(kernels, lines: dict[str, str], steps: int) -> tuple[collections.C
     return by_cat, by_op
 
 
-def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_steps: int) -> dict:
-    """tokens/s over ``steps`` steps, and device ms per step per category."""
+def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_steps: int,
+                    dump_hlo: str | None = None, top: int = TOP_OPS) -> dict:
+    """tokens/s and joules per step over ``steps`` steps, and device ms per step per category
+    and per group of like ops (one per layer when the scan is unrolled); the compiled step's
+    HLO text is written to ``dump_hlo`` and its kernels' times next to it when given."""
     model = cli.build_model(run, precision)
     trainer = cli.Trainer(model, cli.make_optimizer(run))
     rng = np.random.default_rng(0)
     batch = jax.numpy.asarray(rng.integers(0, 256, (run.batch, run.model.seq + 1), dtype=np.int32))
+    t0 = time.perf_counter()
+    lowered = trainer._train.lower(trainer.params, trainer.opt_state, batch)
+    t1 = time.perf_counter()
+    trainer.compiled = lowered.compile()  # XLA's passes and its GEMM autotuning
+    t2 = time.perf_counter()
+    jax.block_until_ready(trainer.step(batch))  # the first run loads the kernels
+    compile_times = dict(lower_s=t1 - t0, compile_s=t2 - t1, first_run_s=time.perf_counter() - t2)
     jax.block_until_ready(trainer.step(batch))
-    jax.block_until_ready(trainer.step(batch))
+    energy = cli.energy_counter()
+    e0 = energy() if energy else None
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = trainer.step(batch)
     jax.block_until_ready(loss)
     step_s = (time.perf_counter() - t0) / steps
+    joules = (energy() - e0) / 1e3 / steps if energy else None
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(profile_steps):
@@ -148,11 +161,25 @@ def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_step
         kernels = device_kernel_ns(trace_dir)
     if kernels and not any(op for _, op, _ in kernels):
         print(f"  (no hlo_op stat on the kernels; categories from kernel names, e.g. {kernels[:3]})", flush=True)
-    lines = _instructions(trainer.compiled.as_text())
+    hlo_text = trainer.compiled.as_text()
+    lines = _instructions(hlo_text)
     by_cat, by_op = kernel_ms(kernels, lines, profile_steps)
-    return dict(step_ms=step_s * 1e3, tokens_per_s=run.batch * run.model.seq / step_s, by_cat=by_cat,
-                top_ops=by_op.most_common(TOP_OPS), peak_mem_mb=trainer.peak_mem_mb(),
-                op_text={op: _summary(lines.get(op, "")) for (_, op), _ in by_op.most_common(TOP_OPS)})
+    op_text = {op: _summary(lines.get(op, "")) for (_, op) in by_op}
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for (cat, op), ms in by_op.items():
+        group = groups[(cat, op_text[op] or op)]
+        group[0] += 1
+        group[1] += ms
+    if dump_hlo:
+        with open(dump_hlo + ".hlo.txt", "w") as f:
+            f.write(hlo_text)
+        with open(dump_hlo + ".ops.tsv", "w") as f:
+            for (cat, op), ms in by_op.most_common():
+                f.write(f"{ms:.4f}\t{cat}\t{op}\t{op_text[op]}\n")
+    return dict(step_ms=step_s * 1e3, tokens_per_s=run.batch * run.model.seq / step_s, joules_per_step=joules,
+                **compile_times,
+                by_cat=by_cat, top_groups=sorted(groups.items(), key=lambda kv: -kv[1][1])[:top],
+                peak_mem_mb=trainer.peak_mem_mb())
 
 
 def table(results: dict[str, dict]) -> str:
@@ -165,6 +192,8 @@ def table(results: dict[str, dict]) -> str:
     for cat in CATEGORIES:
         lines.append(f"| {cat} ms | " + " | ".join(f"{r['by_cat'].get(cat, 0.0):.1f}" for r in results.values()) + " |")
     lines.append("| device total ms | " + " | ".join(f"{sum(r['by_cat'].values()):.1f}" for r in results.values()) + " |")
+    if all(r["joules_per_step"] for r in results.values()):
+        lines.append("| J/step | " + " | ".join(f"{r['joules_per_step']:.1f}" for r in results.values()) + " |")
     return "\n".join(lines)
 
 
@@ -175,6 +204,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--top", type=int, default=TOP_OPS, help="how many of the costliest op groups to list")
+    p.add_argument("--dump-hlo", default=None, help="directory for each variant's compiled HLO text and kernel times")
     p.add_argument("--quick", action="store_true", help="tiny preset, 2 steps (CPU smoke run)")
     args = p.parse_args(argv)
     if args.quick:
@@ -186,12 +217,18 @@ def main(argv=None):
         run = cli.RunConfig(**preset)
         run = apply_overrides(run, dict(overrides, **({"batch": args.batch} if args.batch else {})))
         name = precision + "".join(f":{k}={v}" for k, v in overrides.items())
-        results[name] = profile_variant(run, precision, args.steps, args.profile_steps)
+        dump = None
+        if args.dump_hlo:
+            os.makedirs(args.dump_hlo, exist_ok=True)
+            dump = os.path.join(args.dump_hlo, re.sub(r"[^\w.-]+", "_", name))
+        results[name] = profile_variant(run, precision, args.steps, args.profile_steps, dump, args.top)
         r = results[name]
-        print(f"{name}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mem_mb'] or 0:.0f} MiB",
-              flush=True)
-        for (cat, op), ms in r["top_ops"]:
-            print(f"    {ms:8.2f} ms  {cat:<14} {op}  {r['op_text'].get(op, '')[:150]}", flush=True)
+        energy = f", {r['joules_per_step']:.1f} J/step" if r["joules_per_step"] else ""
+        print(f"{name}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s{energy}, "
+              f"peak {r['peak_mem_mb'] or 0:.0f} MiB; lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s, "
+              f"first run {r['first_run_s']:.1f} s", flush=True)
+        for (cat, text), (count, ms) in r["top_groups"]:
+            print(f"    {ms:8.2f} ms  x{count:<3} {cat:<14} {text[:150]}", flush=True)
     print(table(results), flush=True)
     return results
 

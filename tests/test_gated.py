@@ -86,13 +86,19 @@ def test_kernels_in_interpret_mode_equal_the_plain_jax_path(key, mode, activatio
         mode(m)
         out[m] = (_gated.activation_fp8(h, h_scale, a_scale, E4M3, activation),
                   _gated.activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, E5M2, a_scale, E4M3, activation))
+        aq_only, no_transpose, amax_only = _gated.activation_fp8(h, h_scale, a_scale, E4M3, activation, transposed=False)
+        assert no_transpose is None
+        np.testing.assert_array_equal(_bits(aq_only), _bits(out[m][0][0]))
+        np.testing.assert_array_equal(np.asarray(amax_only), np.asarray(out[m][0][2]))
     # the backward's recomputed FP8 activation is the forward's, bit for bit
     np.testing.assert_array_equal(_bits(out["interpret"][1][3]), _bits(out["interpret"][0][1]))
     np.testing.assert_array_equal(_bits(out["xla"][1][3]), _bits(out["xla"][0][1]))
-    for (aq, at, aa, *_), (kq, kt, ka, *_) in zip(out["xla"], out["interpret"]):
+    # the forward's transposed copy is in h's interleaved order, the backward's in natural order
+    for reorder, (aq, at, aa, *_), (kq, kt, ka, *_) in zip((lambda t: t, _gated.deinterleave), out["xla"],
+                                                          out["interpret"]):
         np.testing.assert_array_equal(_bits(kq), _bits(aq))
         np.testing.assert_array_equal(_bits(kt), _bits(at))
-        np.testing.assert_array_equal(_bits(kt), _bits(jnp.swapaxes(kq, 0, 1)))
+        np.testing.assert_array_equal(_bits(kt), _bits(reorder(jnp.swapaxes(kq, 0, 1))))
         if poison is None:
             assert np.isfinite(float(ka)) and float(ka) > 0
             np.testing.assert_allclose(float(ka), float(aa), rtol=1e-6)

@@ -35,6 +35,44 @@ def test_resume_is_bit_for_bit_and_ctrl_c_checkpoints(tmp_path):
     assert len(set(_losses(full))) > 1 and _losses(full)[-1] < _losses(full)[0]
 
 
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="bit-for-bit comparisons are checked on CPU")
+def test_interleaved_compare_trains_the_same_runs_and_resumes(tmp_path):
+    """``--interleave K`` only changes when each precision's steps run (K of each in turn, both
+    models resident): every loss and val loss equals the sequential compare's, and Ctrl-C
+    in either mode followed by ``--resume`` continues bit for bit, also when the
+    interruption came before the second precision had started."""
+    args = SMALL + ["--steps", "6", "--eval-every", "3", "--checkpoint-every", "0", "--no-plot"]
+    full = cli.main(args + ["--out", str(tmp_path / "seq")])
+    record = tmp_path / "train.jsonl"
+    inter = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "inter"), "--record", str(record)])
+    cut = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "cut")], interrupt_at=3)
+    assert cut["bf16"]["steps"] == 3 and cut["fp8"]["steps"] == 2  # bf16 was in its second chunk
+    assert cut["bf16"]["interrupted"] and cut["fp8"]["interrupted"]
+    resumed = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "cut"), "--resume"])
+    seq_cut = cli.main(args + ["--out", str(tmp_path / "seq_cut")], interrupt_at=3)
+    assert set(seq_cut) == {"bf16"} and not (tmp_path / "seq_cut" / "ckpt-fp8").exists()
+    seq_resumed = cli.main(args + ["--out", str(tmp_path / "seq_cut"), "--resume"])
+    for precision in ("bf16", "fp8"):
+        want = _losses(full[precision])
+        assert len(set(want)) > 1
+        for other in (inter, resumed, seq_resumed):
+            assert [h["step"] for h in other[precision]["history"]] == list(range(1, 7))
+            assert _losses(other[precision]) == want, precision
+            assert other[precision]["val_loss"] == full[precision]["val_loss"]
+        assert inter[precision]["tokens_per_s"] > 0 and inter[precision]["compile_s"] > 0
+        assert inter[precision]["joules_per_step"] is None  # no NVML on CPU
+        assert inter[precision]["gemms"] > 0  # from the compiled step (CPU runs FP8 dots upcast)
+    recs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert {r["variant"]: r["interleave"] for r in recs} == {"bf16": 2, "fp8": 2}
+
+
+def test_bad_interleave_raises(tmp_path):
+    with pytest.raises(ValueError, match="--interleave -1"):
+        cli.main(SMALL + ["--interleave", "-1", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="both precisions"):
+        cli.main(SMALL + ["--precision", "fp8", "--interleave", "2", "--out", str(tmp_path)])
+
+
 def test_history_has_every_step_once_with_evals_where_scheduled(tmp_path):
     """The loop reads step N's loss after dispatching step N+1: the history must still hold
     each step once, in order, with the val loss on the eval steps (the last one included)."""
@@ -145,7 +183,7 @@ def test_bad_arguments_raise(tmp_path):
 
 
 def test_fp8_attention_option_trains_and_updates_its_state(tmp_path):
-    args = SMALL + ["--precision", "fp8", "--fp8-attention", "--steps", "4", "--eval-every", "2", "--no-plot",
+    args = SMALL + ["--precision", "fp8", "--fp8-attention", "--steps", "8", "--eval-every", "4", "--no-plot",
                     "--checkpoint-every", "0", "--out", str(tmp_path)]
     result = cli.main(args)["fp8"]
     losses = _losses(result)
@@ -154,3 +192,20 @@ def test_fp8_attention_option_trains_and_updates_its_state(tmp_path):
     model = cli.build_model(run, "fp8")
     assert model.blocks.attn.core.state.scales.shape == (2, 10)  # one state per layer
     assert cli.build_model(run, "bf16").blocks.attn.core is None
+
+
+def test_console_script_exits_zero_after_training(tmp_path):
+    """``fp8jax-train`` as installed: trains, writes its outputs and exits with status 0
+    (it used to hand main's results to sys.exit: a dump of them and status 1)."""
+    import shutil
+    import subprocess
+
+    script = shutil.which("fp8jax-train")
+    if script is None:
+        pytest.skip("fp8jax-train is not installed (pip install -e .)")
+    args = SMALL + ["--dim", "32", "--layers", "1", "--ffn", "32", "--seq", "16", "--steps", "3", "--eval-every", "3",
+                    "--checkpoint-every", "0", "--no-plot", "--out", str(tmp_path)]
+    out = subprocess.run([script, *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| fp8 |" in out.stdout and "'history'" not in out.stdout + out.stderr
+    assert (tmp_path / "summary.md").exists()

@@ -12,6 +12,7 @@ from .grad_overwrite import (
     scale_grads,
     trainable,
 )
+from ._xla_flags import skip_triton_gemm_autotuning
 from .inspect import GemmReport, assert_fp8, fp8_gemm_report, saved_activation_bytes
 
 __version__ = "0.1.0"
@@ -33,5 +34,6 @@ __all__ = [
     "partition_for_grad_overwrite",
     "saved_activation_bytes",
     "scale_grads",
+    "skip_triton_gemm_autotuning",
     "trainable",
 ]

@@ -7,14 +7,16 @@ transpose, and in the backward the gated gradient written as two halves and
 concatenated. Here fc1's GEMM output stays unscaled bf16 (it is the saved residual),
 and two Pallas Triton kernels do the rest, each in one read:
 
-* forward: ``h -> a = act(h_gate) * h_up`` -> ``a`` in FP8 in both layouts + amax;
+* forward: ``h -> a = act(h_gate) * h_up`` -> ``a`` in FP8 + amax (the transposed copy
+  only on request: the core does not keep it);
 * backward: ``(h, da) -> dh = [da * h_up * act'(h_gate), da * act(h_gate)]`` -> ``dh``
   in FP8 in both layouts + amax, and ``a``'s FP8 transposed copy again for fc2's wgrad
   (so the forward keeps only ``h``, the FP8 ``x^T`` and the FP8 weights).
 
 To let one tile hold matching gate and up columns, fc1's weight rows are interleaved
-in blocks of `BLOCK` (``[g0 u0 g1 u1 ...]``) when cast to FP8; its gradient is put back
-in the natural ``[gate | up]`` order (Megatron's convention) in the dequantize pass.
+in blocks of `BLOCK` (``[g0 u0 g1 u1 ...]``) when cast to FP8; the backward kernel writes
+the transposed gradient in the natural ``[gate | up]`` order (Megatron's convention), so
+fc1's wgrad comes out in the weight's own order.
 Delayed scaling only (the activation's scale must be known before the pass). The
 same math runs in plain JAX where the kernels cannot (CPU, other GPUs), and the
 kernels run in interpret mode on CPU for the tests. ``act`` is one of `ACTIVATIONS`
@@ -120,7 +122,8 @@ def _glu_grad(activation: str, gate, up, da):
 
 
 # ----------------------------------------------------------------------------- kernels
-def _fwd_kernel(h_ref, scalars_ref, aq_ref, at_ref, amax_ref, *, block, activation):
+def _fwd_kernel(h_ref, scalars_ref, aq_ref, *out_refs, block, activation):
+    *at_ref, amax_ref = out_refs  # ``at_ref`` only when the transposed copy is asked for
     h_scale, inv_a_scale = scalars_ref[0], scalars_ref[1]
     gate = h_ref[:, :block].astype(F32) * h_scale
     up = h_ref[:, block:].astype(F32) * h_scale
@@ -128,7 +131,8 @@ def _fwd_kernel(h_ref, scalars_ref, aq_ref, at_ref, amax_ref, *, block, activati
     amax_ref[...] = q.tile_amax(a).reshape(1, 1)
     aq = q.saturate(a, inv_a_scale, aq_ref.dtype)
     aq_ref[...] = aq
-    at_ref[...] = aq.T
+    if at_ref:
+        at_ref[0][...] = aq.T
 
 
 def _bwd_kernel(h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *, block, activation):
@@ -142,8 +146,8 @@ def _bwd_kernel(h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *
     uq = q.saturate(d_up, inv_dh_scale, dh_ref.dtype)
     dh_ref[:, :block] = gq
     dh_ref[:, block:] = uq
-    dht_ref[:block, :] = gq.T
-    dht_ref[block:, :] = uq.T
+    dht_ref[0] = gq.T  # [2, F, M]: the transposed copy in natural [gate | up] order
+    dht_ref[1] = uq.T
 
 
 def _rows(m: int) -> int:
@@ -156,20 +160,21 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, num_warps, *a
                           interpret=interpret, **_cast_kernel.triton_params(interpret, num_warps))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "activation", "interpret", "rows", "num_warps"))
-def _fwd_pallas(h, h_scale, a_scale, dtype, activation="swiglu", interpret=False, rows=BLOCK, num_warps=4):
+@functools.partial(jax.jit, static_argnames=("dtype", "activation", "interpret", "rows", "num_warps", "transposed"))
+def _fwd_pallas(h, h_scale, a_scale, dtype, activation="swiglu", interpret=False, rows=BLOCK, num_warps=4,
+                transposed=True):
     m, two_f = h.shape
     f, b, r = two_f // 2, BLOCK, rows
     grid = (m // r, f // b)
     scalars = jnp.stack([h_scale.reshape(()), 1.0 / a_scale.reshape(())]).astype(F32)
-    aq, at, tile_amax = _call(
+    t_spec, t_shape = [pl.BlockSpec((b, r), lambda i, j: (j, i))], [jax.ShapeDtypeStruct((f, m), dtype)]
+    aq, *at, tile_amax = _call(
         functools.partial(_fwd_kernel, block=b, activation=activation), grid,
         [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2,), lambda i, j: (0,))],
-        [pl.BlockSpec((r, b), lambda i, j: (i, j)), pl.BlockSpec((b, r), lambda i, j: (j, i)),
-         pl.BlockSpec((1, 1), lambda i, j: (i, j))],
-        [jax.ShapeDtypeStruct((m, f), dtype), jax.ShapeDtypeStruct((f, m), dtype), jax.ShapeDtypeStruct(grid, F32)],
+        [pl.BlockSpec((r, b), lambda i, j: (i, j)), *t_spec[:transposed], pl.BlockSpec((1, 1), lambda i, j: (i, j))],
+        [jax.ShapeDtypeStruct((m, f), dtype), *t_shape[:transposed], jax.ShapeDtypeStruct(grid, F32)],
         interpret, num_warps, h, scalars)
-    return aq, at, jnp.max(tile_amax)
+    return aq, (at[0] if transposed else None), jnp.max(tile_amax)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "a_dtype", "activation", "interpret", "rows", "num_warps"))
@@ -184,12 +189,12 @@ def _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, act
         functools.partial(_bwd_kernel, block=b, activation=activation), grid,
         [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((r, b), lambda i, j: (i, j)),
          pl.BlockSpec((4,), lambda i, j: (0,))],
-        [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2 * b, r), lambda i, j: (j, i)),
+        [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2, b, r), lambda i, j: (0, j, i)),
          pl.BlockSpec((1, 1), lambda i, j: (i, j)), pl.BlockSpec((b, r), lambda i, j: (j, i))],
-        [jax.ShapeDtypeStruct((m, two_f), dtype), jax.ShapeDtypeStruct((two_f, m), dtype),
+        [jax.ShapeDtypeStruct((m, two_f), dtype), jax.ShapeDtypeStruct((2, f, m), dtype),
          jax.ShapeDtypeStruct(grid, F32), jax.ShapeDtypeStruct((f, m), a_dtype)],
         interpret, num_warps, h, da, scalars)
-    return dh, dht, jnp.max(tile_amax), at
+    return dh, dht.reshape(two_f, m), jnp.max(tile_amax), at
 
 
 def _mode(shape) -> str:
@@ -199,24 +204,28 @@ def _mode(shape) -> str:
     return mode
 
 
-def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu"):
+def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu", transposed=True):
     """``activation(h * h_scale)`` (``h`` interleaved ``[M, 2F]``) cast to ``dtype`` with the
-    dequantization scale ``a_scale``: ``(aq [M, F], aq^T [F, M], amax)``."""
+    dequantization scale ``a_scale``: ``(aq [M, F], aq^T [F, M], amax)``; ``aq^T`` is None
+    unless ``transposed`` (the MLP core's backward recomputes it, so its forward skips it)."""
     mode = _mode(h.shape)
     if mode != "xla":
         return _fwd_pallas(h, h_scale, a_scale, dtype, activation, interpret=mode == "interpret",
-                           rows=_rows(h.shape[0]), num_warps=TILE["num_warps"])
+                           rows=_rows(h.shape[0]), num_warps=TILE["num_warps"], transposed=transposed)
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     a = _glu(activation, gate, up)
     aq = q.saturate(a, 1.0 / a_scale.reshape(()), dtype)
-    return aq, aq.T, q.tile_amax(a)
+    return aq, (aq.T if transposed else None), q.tile_amax(a)
 
 
 def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu"):
     """Gradient of `activation_fp8` w.r.t. ``h`` for the output gradient ``da * da_scale``,
-    cast to ``dtype`` (scale ``dh_scale``): ``(dhq [M, 2F], dhq^T [2F, M], amax, aq^T)``,
-    interleaved; ``aq^T`` is the forward's FP8 activation (scale ``a_scale``) recomputed in
-    the same pass, so the forward need not keep it."""
+    cast to ``dtype`` (scale ``dh_scale``): ``(dhq [M, 2F], dhq^T [2F, M], amax, aq^T)``.
+    ``dhq`` is interleaved like ``h`` (fc1's dgrad contracts it with the interleaved weight);
+    ``dhq^T`` is in natural ``[gate | up]`` order, so fc1's wgrad comes out in the weight's
+    own order (a row permutation of it kept XLA from fusing the optimizer's update).
+    ``aq^T`` is the forward's FP8 activation (scale ``a_scale``) recomputed in the same
+    pass, so the forward need not keep it."""
     mode = _mode(h.shape)
     if mode != "xla":
         return _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, activation,
@@ -224,9 +233,10 @@ def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dt
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     d_gate, d_up = _glu_grad(activation, gate, up, da.astype(F32) * da_scale.reshape(()))
     inv = 1.0 / dh_scale.reshape(())
-    dhq = _join(q.saturate(d_gate, inv, dtype), q.saturate(d_up, inv, dtype))
+    gate_q, up_q = q.saturate(d_gate, inv, dtype), q.saturate(d_up, inv, dtype)
     aq = q.saturate(_glu(activation, gate, up), 1.0 / a_scale.reshape(()), a_dtype)
-    return dhq, dhq.T, jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)), aq.T
+    return (_join(gate_q, up_q), jnp.concatenate([gate_q.T, up_q.T]),
+            jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)), aq.T)
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -269,10 +279,10 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     w1q, w1Tq, aw1 = _dot._quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
     h = _dot._gemm(xq, w1q, BF16, _dot.gemm_precision(c1.fast_forward))[0]  # [M, 2F] interleaved, not dequantized
     h_scale = (sx * sw1).reshape(())
-    aq, aTq, aa = activation_fp8(h, h_scale, sa, c2.input_dtype, spec.activation)
+    aq, _, aa = activation_fp8(h, h_scale, sa, c2.input_dtype, spec.activation, transposed=False)
     w2q, w2Tq, aw2 = _dot._quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
     y = _dot._fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward)[0]
-    del aTq  # the backward kernel recomputes it from h (one FP8 byte per token x ffn less to keep)
+    # fc2's wgrad operand aq^T is not kept: the backward kernel recomputes it from h
     residuals = (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2)
     return y, residuals
 
@@ -303,7 +313,7 @@ def _bwd(spec, saved, g):
                                               c1.grad_dtype, sa, c2.input_dtype, spec.activation)
     dw2 = _dot._fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
-    dw1 = deinterleave(_dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0])
+    dw1 = _dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]  # natural row order
 
     state1_ct = _dot._new_state(c1, state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
     state2_ct = _dot._new_state(c2, state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))

@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import shlex
 import shutil
 import sys
@@ -33,6 +34,8 @@ import optax
 from ..config import Fp8Config
 from ..convert import fp8_linear_layers
 from ..grad_overwrite import optax_step, trainable
+from .._xla_flags import skip_triton_gemm_autotuning
+from ..inspect import parse_gemms
 from .data import load_corpus
 from .model import ModelConfig, Transformer, cast_for_compute
 
@@ -164,6 +167,11 @@ def save_checkpoint(out: Path, precision: str, step: int, trainer: Trainer, hist
     (out / f"history-{precision}.json").write_text(json.dumps(history))
 
 
+def _has_checkpoint(out: Path, precision: str) -> bool:
+    path = out / f"ckpt-{precision}"
+    return path.is_dir() and any(child.name.isdigit() for child in path.iterdir())
+
+
 def restore_checkpoint(out: Path, precision: str, trainer: Trainer) -> tuple[int, list[dict]]:
     """Restore the newest checkpoint into ``trainer``; returns (step, metric history)."""
     import orbax.checkpoint as ocp
@@ -220,89 +228,185 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- training
-def train(run: RunConfig, precision: str, corpus, out: Path, *, resume: bool = False, quiet: bool = False,
-          interrupt_at: int | None = None) -> dict:
-    """Train one precision; returns its result dict (``history`` holds per-step metrics).
-    ``interrupt_at`` simulates Ctrl-C at that step (for tests)."""
-    if not resume:  # a fresh run: older checkpoints of this precision would mix runs
-        shutil.rmtree(out / f"ckpt-{precision}", ignore_errors=True)
-    model = build_model(run, precision)
-    trainer = Trainer(model, make_optimizer(run))
-    start, history = (restore_checkpoint(out, precision, trainer) if resume else (0, []))
-    val_batches = corpus.val_batches(run.batch, run.model.seq, run.eval_batches)
-    tokens = run.batch * run.model.seq
-    peak = _peak_flops()
-    progress = Progress(run.steps, precision, quiet)
-    timed_tokens, timed_s, interrupted = 0, 0.0, False
-    step = start
-    # Step N+1 is dispatched before step N's loss is read, so the host's work (the batch,
-    # the launch) overlaps the GPU's and no step waits on the previous one's readback.
-    # A step's time is the time between two loss readbacks; steps right after a sync
-    # (compile, eval, checkpoint) are not timed.
-    pending: tuple[int, jax.Array] | None = None
-    last_ready: float | None = None
-
-    def record(done_step: int, loss_array: jax.Array, timed: bool) -> None:
-        nonlocal timed_tokens, timed_s, last_ready
-        loss = float(loss_array)
-        now = time.perf_counter()
-        if timed and last_ready is not None and done_step - start > 2:  # the first steps compile
-            timed_tokens, timed_s = timed_tokens + tokens, timed_s + (now - last_ready)
-        last_ready = now
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"{precision}: loss is {loss} at step {done_step}")
-        tps = timed_tokens / timed_s if timed_s else None
-        mfu = tps * run.model.flops_per_token() / peak if (tps and peak) else None
-        history.append(dict(step=done_step, loss=loss, tokens_per_s=tps, mfu=mfu))
-        if done_step % run.eval_every and done_step != run.steps:  # eval steps print with their val loss
-            progress.update(done_step, loss, tps, mfu, None)
+def energy_counter():
+    """A function returning GPU 0's energy counter in mJ (NVML, through ctypes), or None
+    where NVML is missing (CPU, other vendors): on a power-capped GPU the joules a step
+    takes, not its time on a cool chip, set its sustained speed."""
+    import ctypes
 
     try:
-        while step < run.steps:
-            if interrupt_at is not None and step == interrupt_at:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        handle = ctypes.c_void_p()
+        if nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+
+    def read() -> float | None:
+        value = ctypes.c_ulonglong()
+        ok = nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(value)) == 0
+        return float(value.value) if ok else None
+
+    return read if read() is not None else None
+
+
+class TrainRun:
+    """One precision's training run, advanced in chunks: `train` runs it to the end, and
+    ``--compare --interleave K`` alternates the precisions every K steps in one process, so
+    both are timed on the same GPU state (clock, temperature, power cap) instead of one
+    after the other on a GPU that heats up."""
+
+    def __init__(self, run: RunConfig, precision: str, corpus, out: Path, *, resume: bool = False,
+                 quiet: bool = False):
+        if not resume:  # a fresh run: older checkpoints of this precision would mix runs
+            shutil.rmtree(out / f"ckpt-{precision}", ignore_errors=True)
+        self.run, self.precision, self.corpus, self.out = run, precision, corpus, out
+        self.trainer = Trainer(build_model(run, precision), make_optimizer(run))
+        self.start, self.history = restore_checkpoint(out, precision, self.trainer) if resume else (0, [])
+        self.step = self.start
+        self.val_batches = corpus.val_batches(run.batch, run.model.seq, run.eval_batches)
+        self.tokens = run.batch * run.model.seq
+        self.peak = _peak_flops()
+        self.progress = Progress(run.steps, precision, quiet)
+        self.timed_tokens, self.timed_s, self.compile_s = 0, 0.0, None
+        self.energy, self.timed_mj, self.energy_at = energy_counter(), 0.0, None
+        self.interrupted = False
+        # Step N+1 is dispatched before step N's loss is read, so the host's work (the batch,
+        # the launch) overlaps the GPU's and no step waits on the previous one's readback.
+        # A step's time is the time between two loss readbacks; steps right after a sync
+        # (compile, eval, checkpoint, the other precision's chunk) are not timed.
+        self.pending: tuple[int, jax.Array] | None = None
+        self.last_ready: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.interrupted or self.step >= self.run.steps
+
+    def _record(self, done_step: int, loss_array: jax.Array, timed: bool) -> None:
+        run = self.run
+        loss = float(loss_array)
+        now = time.perf_counter()
+        mj = self.energy() if self.energy else None
+        step_s = None
+        if timed and self.last_ready is not None and done_step - self.start > 2:  # the first steps compile
+            step_s = now - self.last_ready
+            self.timed_tokens, self.timed_s = self.timed_tokens + self.tokens, self.timed_s + step_s
+            if mj is not None and self.energy_at is not None:
+                self.timed_mj += mj - self.energy_at
+        self.last_ready, self.energy_at = now, mj
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{self.precision}: loss is {loss} at step {done_step}")
+        tps = self.timed_tokens / self.timed_s if self.timed_s else None
+        mfu = tps * run.model.flops_per_token() / self.peak if (tps and self.peak) else None
+        self.history.append(dict(step=done_step, loss=loss, tokens_per_s=tps, mfu=mfu, step_s=step_s))
+        if done_step % run.eval_every and done_step != run.steps:  # eval steps print with their val loss
+            self.progress.update(done_step, loss, tps, mfu, None)
+
+    def _flush(self) -> None:
+        """Read the pending step's loss; the next step is then not timed (it follows a sync)."""
+        if self.pending is not None:
+            self._record(*self.pending, timed=True)
+            self.pending = None
+        self.last_ready = None
+
+    def advance(self, until: int, interrupt_at: int | None = None) -> None:
+        """Train up to step ``until`` (at most ``run.steps``), then sync. Raises KeyboardInterrupt
+        (real or simulated at ``interrupt_at``, for tests); `interrupt` then checkpoints."""
+        run = self.run
+        until = min(until, run.steps)
+        while self.step < until:
+            if interrupt_at is not None and self.step == interrupt_at:
                 raise KeyboardInterrupt
-            batch = jnp.asarray(corpus.batch(run.seed, step, run.batch, run.model.seq))
-            loss_array = trainer.step(batch)
-            step += 1
-            if pending is not None:
-                record(*pending, timed=True)
-            pending = (step, loss_array)
-            evaluate = step % run.eval_every == 0 or step == run.steps
-            save = run.checkpoint_every and step % run.checkpoint_every == 0 and step < run.steps
+            batch = jnp.asarray(self.corpus.batch(run.seed, self.step, run.batch, run.model.seq))
+            first = self.trainer.compiled is None
+            t0 = time.perf_counter()
+            loss_array = self.trainer.step(batch)
+            if first:
+                self.compile_s = time.perf_counter() - t0  # lowering + compile (+ one async launch)
+            self.step += 1
+            if self.pending is not None:
+                self._record(*self.pending, timed=True)
+            self.pending = (self.step, loss_array)
+            evaluate = self.step % run.eval_every == 0 or self.step == run.steps
+            save = run.checkpoint_every and self.step % run.checkpoint_every == 0 and self.step < run.steps
             if evaluate or save:
-                record(*pending, timed=True)
-                pending = None
+                self._flush()
                 if evaluate:
-                    history[-1]["val_loss"] = trainer.eval(val_batches)
-                    progress.update(step, history[-1]["loss"], history[-1]["tokens_per_s"], history[-1]["mfu"],
-                                    history[-1]["val_loss"])
+                    last = self.history[-1]
+                    last["val_loss"] = self.trainer.eval(self.val_batches)
+                    self.progress.update(self.step, last["loss"], last["tokens_per_s"], last["mfu"], last["val_loss"])
                 if save:
-                    save_checkpoint(out, precision, step, trainer, history)
-                last_ready = None  # the next step's time would include the eval / the save
-    except KeyboardInterrupt:
-        interrupted = True
-        if pending is not None and not (history and history[-1]["step"] == pending[0]):
-            record(*pending, timed=False)
-        if trainer.compiled is not None or step > start:
-            save_checkpoint(out, precision, step, trainer, history)
-            print(f"\ninterrupted: checkpoint of step {step} written to {out / f'ckpt-{precision}'}; "
+                    save_checkpoint(self.out, self.precision, self.step, self.trainer, self.history)
+                self.last_ready = None  # the next step's time would include the eval / the save
+        self._flush()
+
+    def interrupt(self) -> None:
+        """Ctrl-C: keep what ran and checkpoint it, so ``--resume`` continues from here."""
+        self.interrupted = True
+        if self.pending is not None and not (self.history and self.history[-1]["step"] == self.pending[0]):
+            self._record(*self.pending, timed=False)
+        self.pending = None
+        if self.trainer.compiled is not None or self.step > self.start:
+            save_checkpoint(self.out, self.precision, self.step, self.trainer, self.history)
+            print(f"\ninterrupted: checkpoint of step {self.step} written to {self.out / f'ckpt-{self.precision}'}; "
                   f"continue with --resume", file=sys.stderr)
-    if not interrupted and run.checkpoint_every:  # --checkpoint-every 0: no checkpoints (benchmarks)
-        save_checkpoint(out, precision, step, trainer, history)
-    vals = [h["val_loss"] for h in history if "val_loss" in h]
-    tps = timed_tokens / timed_s if timed_s else None
-    return dict(precision=precision, steps=step, interrupted=interrupted, history=history,
-                final_loss=history[-1]["loss"] if history else None, val_loss=vals[-1] if vals else None,
-                tokens_per_s=tps, mfu=(tps * run.model.flops_per_token() / peak) if (tps and peak) else None,
-                peak_mem_mb=trainer.peak_mem_mb() if trainer.compiled is not None else None)
+
+    def result(self) -> dict:
+        if not self.interrupted and self.run.checkpoint_every:  # --checkpoint-every 0: none (benchmarks)
+            save_checkpoint(self.out, self.precision, self.step, self.trainer, self.history)
+        vals = [h["val_loss"] for h in self.history if "val_loss" in h]
+        tps = self.timed_tokens / self.timed_s if self.timed_s else None
+        steps_timed = self.timed_tokens / self.tokens
+        joules = self.timed_mj / 1e3 / steps_timed if (self.energy and steps_timed) else None
+        # What the compiled step runs: FP8 GEMMs / all GEMM calls (cuDNN attention counts as one).
+        gemms = parse_gemms(self.trainer.compiled.as_text()) if self.trainer.compiled is not None else []
+        return dict(precision=self.precision, steps=self.step, interrupted=self.interrupted, history=self.history,
+                    final_loss=self.history[-1]["loss"] if self.history else None,
+                    val_loss=vals[-1] if vals else None, tokens_per_s=tps,
+                    mfu=(tps * self.run.model.flops_per_token() / self.peak) if (tps and self.peak) else None,
+                    joules_per_step=joules, mean_power_w=(joules * tps / self.tokens) if (joules and tps) else None,
+                    compile_s=self.compile_s, gemms=len(gemms), fp8_gemms=sum(g.is_fp8 for g in gemms),
+                    peak_mem_mb=self.trainer.peak_mem_mb() if self.trainer.compiled is not None else None)
+
+
+def train(run: RunConfig, precision: str, corpus, out: Path, *, resume: bool = False, quiet: bool = False,
+          interrupt_at: int | None = None) -> dict:
+    """Train one precision to the end; returns its result dict (``history`` holds per-step
+    metrics). ``interrupt_at`` simulates Ctrl-C at that step (for tests)."""
+    return train_interleaved(run, [precision], corpus, out, chunk=0, resume={precision: resume}, quiet=quiet,
+                             interrupt_at=interrupt_at)[precision]
+
+
+def train_interleaved(run: RunConfig, precisions: list[str], corpus, out: Path, *, chunk: int,
+                      resume: dict[str, bool] | None = None, quiet: bool = False,
+                      interrupt_at: int | None = None) -> dict[str, dict]:
+    """Train the precisions together, ``chunk`` steps of each in turn (0: each to the end in
+    one go), same seed and data order; the models and optimizer states of all of them stay
+    on the device. ``resume[p]`` continues precision ``p`` from its newest checkpoint."""
+    resume = resume or {}
+    runs = [TrainRun(run, p, corpus, out, resume=resume.get(p, False), quiet=quiet) for p in precisions]
+    chunk = chunk or run.steps
+    try:
+        while not all(r.done for r in runs):
+            for r in runs:
+                if not r.done:
+                    r.advance(r.step + chunk, interrupt_at)
+    except KeyboardInterrupt:
+        for r in runs:
+            r.interrupt()
+    return {r.precision: r.result() for r in runs}
 
 
 # ----------------------------------------------------------------------------- reporting
 def summarize(results: dict[str, dict]) -> str:
     """The markdown summary table (bf16 first; speedup and val-loss gap vs bf16)."""
     base = results.get("bf16")
-    lines = ["| precision | steps | train loss | val loss | val gap vs bf16 | tokens/s | speedup | MFU | peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    energy = all(r.get("joules_per_step") for r in results.values())
+    lines = ["| precision | steps | train loss | val loss | val gap vs bf16 | tokens/s | speedup | MFU | peak MiB |"
+             + (" J/step | mean W |" if energy else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if energy else "")]
     for name in sorted(results, key=lambda n: n != "bf16"):
         r = results[name]
         gap = speed = None
@@ -318,18 +422,19 @@ def summarize(results: dict[str, dict]) -> str:
         lines.append(f"| {name} | {r['steps']} | {f(r['final_loss'], '.4f')} | {f(r['val_loss'], '.4f')} | "
                      f"{gap_s} | {f(r['tokens_per_s'], ',.0f')} | "
                      f"{speed_s} | "
-                     f"{mfu} | {f(r['peak_mem_mb'], ',.0f')} |")
+                     f"{mfu} | {f(r['peak_mem_mb'], ',.0f')} |"
+                     + (f" {r['joules_per_step']:.1f} | {f(r.get('mean_power_w'), '.0f')} |" if energy else ""))
     return "\n".join(lines)
 
 
 def write_metrics(results: dict[str, dict], out: Path, meta: dict) -> None:
     with open(out / "metrics.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["precision", "step", "loss", "val_loss", "tokens_per_s", "mfu"])
+        w.writerow(["precision", "step", "loss", "val_loss", "tokens_per_s", "mfu", "step_s"])
         for name, r in results.items():
             for h in r["history"]:
                 w.writerow([name, h["step"], h["loss"], h.get("val_loss", ""), h.get("tokens_per_s") or "",
-                            h.get("mfu") or ""])
+                            h.get("mfu") or "", h.get("step_s") or ""])
     (out / "metrics.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
 
 
@@ -366,17 +471,22 @@ def plot(results: dict[str, dict], out: Path, title: str) -> Path | None:
     return path
 
 
-def to_records(results: dict[str, dict], run: RunConfig, preset: str, meta: dict) -> list[dict]:
-    """`benchmarks/results/train.jsonl` records (names from BENCHMARKS.md)."""
+def to_records(results: dict[str, dict], run: RunConfig, preset: str, meta: dict, interleave: int = 0) -> list[dict]:
+    """`benchmarks/results/train.jsonl` records (names from BENCHMARKS.md); ``interleave``: the
+    precisions alternated every that many steps in one process (0: one after the other)."""
     recs = []
     for name, r in results.items():
         recs.append(dict(bench="train", params=dict(preset=preset, seq=run.model.seq, steps=r["steps"],
                                                     batch=run.batch), variant=name,
                          device=meta["device"], date=meta["date"], jax=meta["jax"], command=meta["command"],
+                         xla_flags=meta.get("xla_flags", ""),
                          ms=(run.batch * run.model.seq / r["tokens_per_s"] * 1e3) if r["tokens_per_s"] else None,
                          tokens_per_s=r["tokens_per_s"], mfu=r["mfu"], val_loss=r["val_loss"],
                          val_loss_rel_gap=r.get("val_loss_rel_gap"), speedup_vs_bf16=r.get("speedup_vs_bf16"),
-                         peak_mem_mb=r["peak_mem_mb"]))
+                         peak_mem_mb=r["peak_mem_mb"], interleave=interleave,
+                         joules_per_step=r.get("joules_per_step"), mean_power_w=r.get("mean_power_w"),
+                         compile_s=r.get("compile_s"), fp8_gemms=bool(r.get("fp8_gemms")),
+                         fp8_gemm_count=r.get("fp8_gemms"), gemm_count=r.get("gemms")))
     return recs
 
 
@@ -388,6 +498,10 @@ def parse_args(argv):
     p.add_argument("--precision", choices=["bf16", "fp8"], default=None,
                    help="train one precision (default: --compare both)")
     p.add_argument("--compare", action="store_true", help="bf16 then fp8, same seed and data order (default)")
+    p.add_argument("--interleave", type=int, default=0, metavar="K",
+                   help="with --compare: train both in one process, K steps of each in turn, so both are timed on "
+                        "the same GPU state (a GPU at its power cap runs slower than a cool one); needs memory "
+                        "for both models")
     p.add_argument("--data", default=None, help="text file or directory (default: the Python stdlib sources)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -407,6 +521,9 @@ def parse_args(argv):
     p.add_argument("--fp8-attention", action="store_true",
                    help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays from "
                         "seq 8192 on, slower below; needs head_dim 128 and seq a multiple of 128 on GPU)")
+    p.add_argument("--xla-triton-gemm", action="store_true",
+                   help="keep XLA's Triton GEMM autotuning (off by default here: on an H100 it spent ~190 s "
+                        "compiling the fp8 step, then chose cuBLASLt for every FP8 GEMM anyway)")
     p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="corpus size cap")
     p.add_argument("--record", type=Path, default=None, help="append benchmark records (JSON lines) here")
     p.add_argument("--no-plot", action="store_true")
@@ -437,14 +554,20 @@ def run_config(args) -> RunConfig:
 def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> dict[str, dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if not args.xla_triton_gemm:
+        skip_triton_gemm_autotuning(warn=False)  # in a fresh process: the fp8 step compiles in seconds
     run = run_config(args)
     precisions = [args.precision] if (args.precision and not args.compare) else ["bf16", "fp8"]
+    if args.interleave < 0 or (args.interleave and len(precisions) < 2):
+        raise ValueError(f"--interleave {args.interleave}: needs K > 0 and both precisions (--compare, not "
+                         f"--precision {args.precision})")
     out = args.out or Path("runs") / args.preset
     out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(args.data, max_bytes=args.max_bytes)
     device = jax.devices()[0]
     meta = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
                 command=" ".join([RECORD_COMMAND, *map(shlex.quote, argv)]), preset=args.preset,
                 model=dataclasses.asdict(run.model), batch=run.batch, steps=run.steps, lr=run.lr,
                 corpus=dict(source=corpus.source, files=corpus.files, train_bytes=len(corpus.train),
@@ -458,6 +581,7 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
         path = out / f"result-{name}.json"
         if name not in precisions and path.exists():
             results[name] = json.loads(path.read_text())
+    todo = []
     for precision in precisions:
         done = out / f"result-{precision}.json"
         if args.resume and done.exists():
@@ -465,11 +589,24 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
             if previous["steps"] >= run.steps and not previous["interrupted"]:
                 results[precision] = previous  # finished before the interruption
                 continue
-        r = train(run, precision, corpus, out, resume=args.resume, quiet=args.quiet, interrupt_at=interrupt_at)
+        todo.append(precision)
+    # --resume continues what has a checkpoint; a precision the interruption came before starts
+    # fresh (unless nothing has one: then there is nothing to resume, and restoring says so).
+    started = [p for p in todo if _has_checkpoint(out, p)]
+    resume = {p: args.resume and (p in started or not started) for p in todo}
+    if args.interleave and len(todo) > 1:
+        new = train_interleaved(run, todo, corpus, out, chunk=args.interleave, resume=resume, quiet=args.quiet,
+                                interrupt_at=interrupt_at)
+    else:
+        new = {}
+        for precision in todo:
+            new[precision] = train(run, precision, corpus, out, resume=resume[precision], quiet=args.quiet,
+                                   interrupt_at=interrupt_at)
+            if new[precision]["interrupted"]:
+                break
+    for precision, r in new.items():
         results[precision] = r
         (out / f"result-{precision}.json").write_text(json.dumps(r))
-        if r["interrupted"]:
-            break
     table = summarize(results)
     (out / "summary.md").write_text(f"{meta['command']} on {meta['device']} ({meta['date']})\n\n{table}\n")
     write_metrics(results, out, meta)
@@ -478,11 +615,22 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
     if args.record:
         args.record.parent.mkdir(parents=True, exist_ok=True)
         with open(args.record, "a") as f:
-            for rec in to_records(results, run, args.preset, meta):
+            for rec in to_records(results, run, args.preset, meta, args.interleave):
                 f.write(json.dumps(rec) + "\n")
     print("\n" + table)
+    for name, r in results.items():
+        if r.get("compile_s") is not None:
+            print(f"{name}: compiled in {r['compile_s']:.0f} s; the step runs {r['fp8_gemms']} of its "
+                  f"{r['gemms']} GEMM calls in FP8")
     print(f"\nwrote {out}/metrics.csv, metrics.json, summary.md" + (f", {png.name}" if png else ""))
     return results
+
+
+def console_main() -> int:
+    """``fp8jax-train``'s entry point. `main` returns its results for callers in Python, which
+    a console script would hand to ``sys.exit`` (printing them and exiting with status 1)."""
+    main()
+    return 0
 
 
 if __name__ == "__main__":

@@ -70,19 +70,17 @@ class ModelConfig:
 
 class Attention(eqx.Module):
     norm: Float[Array, " dim"]
-    q: eqx.nn.Linear
-    kv: eqx.nn.Linear
+    qkv: eqx.nn.Linear  # one projection to [q | k | v]: one FP8 cast and transpose of its input, not two
     o: eqx.nn.Linear
     core: DotProductAttention | None  # FP8 attention with its state, or None (bf16 cuDNN/XLA)
     cfg: ModelConfig = eqx.field(static=True)
 
     def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
-        kq, kkv, ko = jax.random.split(key, 3)
+        kqkv, ko = jax.random.split(key)
         self.core = None if cfg.attention == "bf16" else DotProductAttention(cfg.attention, is_causal=True)
         kv_dim = cfg.kv_heads * cfg.head_dim
         self.norm = jnp.ones((cfg.dim,))
-        self.q = eqx.nn.Linear(cfg.dim, cfg.dim, use_bias=False, key=kq)
-        self.kv = eqx.nn.Linear(cfg.dim, 2 * kv_dim, use_bias=False, key=kkv)
+        self.qkv = eqx.nn.Linear(cfg.dim, cfg.dim + 2 * kv_dim, use_bias=False, key=kqkv)
         self.o = eqx.nn.Linear(cfg.dim, cfg.dim, use_bias=False, key=ko)
         self.o = eqx.tree_at(lambda l: l.weight, self.o, self.o.weight / math.sqrt(2 * cfg.layers))
         self.cfg = cfg
@@ -91,8 +89,8 @@ class Attention(eqx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        q = apply_linear(self.q, h).reshape(b, t, cfg.heads, cfg.head_dim)
-        k, v = jnp.split(apply_linear(self.kv, h).reshape(b, t, 2 * cfg.kv_heads, cfg.head_dim), 2, axis=2)
+        qkv = apply_linear(self.qkv, h).reshape(b, t, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim)
+        q, k, v = jnp.split(qkv, [cfg.heads, cfg.heads + cfg.kv_heads], axis=2)
         q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
         if self.core is not None:
             attn = self.core(q, k, v)
