@@ -103,9 +103,16 @@ def test_unrolled_layer_scan_is_the_same_model(precision):
     (loss1, grads1), hlo1 = loss_and_grad(1)
     (loss2, grads2), hlo2 = loss_and_grad(base.model.layers)
     assert " while(" in hlo1 and " while(" not in hlo2
-    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+    # CPU runs both programs to the same bits. On an H100 XLA fuses and reduces the two in a
+    # different order: the loss moved by 6e-5 and 17 of 32768 bf16 gradient elements by up to
+    # 1.2e-4 (tensors up to 0.05). The GPU bounds are bf16's rounding range; a wrong layer
+    # order or a dropped layer gives errors of order 1.
+    gpu = jax.devices()[0].platform == "gpu"
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-3 if gpu else 1e-6)
     for g1, g2 in zip(jax.tree_util.tree_leaves(grads1), jax.tree_util.tree_leaves(grads2), strict=True):
-        np.testing.assert_allclose(np.asarray(g2, np.float32), np.asarray(g1, np.float32), rtol=2e-2, atol=1e-5)
+        g1, g2 = np.asarray(g1, np.float64), np.asarray(g2, np.float64)
+        error = np.linalg.norm(g2 - g1) / max(np.linalg.norm(g1), 1e-30)
+        assert error <= (1e-2 if gpu else 1e-6), (g1.shape, error)
 
 
 def test_compare_writes_table_plot_and_records(tmp_path):
