@@ -16,12 +16,10 @@ import argparse
 import statistics
 import time
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from fp8jax import skip_triton_gemm_autotuning
-from fp8jax.grad_overwrite import trainable
 from fp8jax.train import cli
 from fp8jax.train.data import load_corpus
 
@@ -29,9 +27,7 @@ from fp8jax.train.data import load_corpus
 def reset(trainer: cli.Trainer, run: cli.RunConfig, precision: str) -> None:
     """Put the initial weights (and a fresh optimizer state) back into the compiled trainer."""
     trainer.params = trainer.opt_state = None  # free the trained ones first
-    model = cli.build_model(run, precision)
-    trainer.params = eqx.filter(model, eqx.is_array)
-    trainer.opt_state = trainer.optimizer.init(trainable(model))
+    trainer.load(cli.build_model(run, precision))
 
 
 def main(argv=None):

@@ -116,10 +116,9 @@ class Trainer:
     step also gives the memory analysis)."""
 
     def __init__(self, model, optimizer):
-        self.params, self.static = eqx.partition(model, eqx.is_array)
         self.optimizer = optimizer
-        self.opt_state = optimizer.init(trainable(model))
-        static = self.static
+        self.static = static = eqx.partition(model, eqx.is_array)[1]
+        self.load(model)
 
         def train_step(params, opt_state, batch):
             model = eqx.combine(params, static)
@@ -130,10 +129,26 @@ class Trainer:
         self._train = jax.jit(train_step, donate_argnums=(0, 1))
         self._eval = jax.jit(lambda params, batch: _loss(eqx.combine(params, static), batch, with_aux=False))
         self.compiled = None
+        self.compile_times: dict[str, float] | None = None
+
+    def load(self, model) -> None:
+        """Take ``model``'s arrays as the parameters, with a fresh optimizer state. The compiled
+        step stays, so ``model`` must have the structure the trainer was built with."""
+        self.params = eqx.filter(model, eqx.is_array)
+        self.opt_state = self.optimizer.init(trainable(model))
+
+    def compile(self, batch) -> None:
+        """Lower and compile the train step for ``batch``'s shape; ``compile_times`` holds the
+        seconds each took (compiling includes XLA's GEMM autotuning)."""
+        t0 = time.perf_counter()
+        lowered = self._train.lower(self.params, self.opt_state, batch)
+        t1 = time.perf_counter()
+        self.compiled = lowered.compile()
+        self.compile_times = dict(lower_s=t1 - t0, compile_s=time.perf_counter() - t1)
 
     def step(self, batch):
         if self.compiled is None:
-            self.compiled = self._train.lower(self.params, self.opt_state, batch).compile()
+            self.compile(batch)
         self.params, self.opt_state, loss = self.compiled(self.params, self.opt_state, batch)
         return loss
 
@@ -270,7 +285,7 @@ class TrainRun:
         self.tokens = run.batch * run.model.seq
         self.peak = _peak_flops()
         self.progress = Progress(run.steps, precision, quiet)
-        self.timed_tokens, self.timed_s, self.compile_s = 0, 0.0, None
+        self.timed_tokens, self.timed_s = 0, 0.0
         self.energy, self.timed_mj, self.energy_at = energy_counter(), 0.0, None
         self.interrupted = False
         # Step N+1 is dispatched before step N's loss is read, so the host's work (the batch,
@@ -320,11 +335,7 @@ class TrainRun:
             if interrupt_at is not None and self.step == interrupt_at:
                 raise KeyboardInterrupt
             batch = jnp.asarray(self.corpus.batch(run.seed, self.step, run.batch, run.model.seq))
-            first = self.trainer.compiled is None
-            t0 = time.perf_counter()
             loss_array = self.trainer.step(batch)
-            if first:
-                self.compile_s = time.perf_counter() - t0  # lowering + compile (+ one async launch)
             self.step += 1
             if self.pending is not None:
                 self._record(*self.pending, timed=True)
@@ -367,7 +378,8 @@ class TrainRun:
                     val_loss=vals[-1] if vals else None, tokens_per_s=tps,
                     mfu=(tps * self.run.model.flops_per_token() / self.peak) if (tps and self.peak) else None,
                     joules_per_step=joules, mean_power_w=(joules * tps / self.tokens) if (joules and tps) else None,
-                    compile_s=self.compile_s, gemms=len(gemms), fp8_gemms=sum(g.is_fp8 for g in gemms),
+                    compile_s=sum(self.trainer.compile_times.values()) if self.trainer.compile_times else None,
+                    gemms=len(gemms), fp8_gemms=sum(g.is_fp8 for g in gemms),
                     peak_mem_mb=self.trainer.peak_mem_mb() if self.trainer.compiled is not None else None)
 
 
