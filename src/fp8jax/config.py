@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
 import jax.numpy as jnp
+import numpy as np
 
 Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
 
@@ -84,29 +87,55 @@ class Fp8Config:
             bad("amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
         if self.fast_accumulation not in ("forward", "all", "none"):
             bad("fast_accumulation", self.fast_accumulation, "'forward', 'all' or 'none'")
-        if not isinstance(self.cast_kernel, bool):
-            bad("cast_kernel", self.cast_kernel, "True or False")
+        for name in ("cast_kernel", "selective"):
+            value = getattr(self, name)
+            if isinstance(value, np.bool_):
+                object.__setattr__(self, name, bool(value))
+            elif not isinstance(value, bool):
+                bad(name, value, "True or False")
         if self.on_unsupported not in ("warn", "silent", "raise"):
             bad("on_unsupported", self.on_unsupported, "'warn', 'silent' or 'raise'")
-        for name in ("amax_history_length", "alignment"):
+        int_fields = (("amax_history_length", 1), ("alignment", 1), ("min_features", 0),
+                      ("min_weight_elements", 0), ("min_tokens", 0))
+        for name, low in int_fields:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                bad(name, value, "an int >= 1")
-        for name in ("min_features", "min_weight_elements", "min_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                bad(name, value, "an int >= 0")
-        if not isinstance(self.margin, (int, float)) or not (0 <= self.margin <= 8):
-            bad("margin", self.margin, "a number in [0, 8]")
-        if self.targets is not None and not (
-            isinstance(self.targets, str) or callable(self.targets) or isinstance(self.targets, (list, tuple))
-        ):
-            bad("targets", self.targets, "None, a regex string, a list of names/regexes or a predicate")
-        if isinstance(self.targets, (list, tuple)):
-            object.__setattr__(self, "targets", tuple(self.targets))
-            for t in self.targets:
+            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+                bad(name, value, f"an int >= {low}")
+            if value < low:
+                bad(name, value, f"an int >= {low}")
+            object.__setattr__(self, name, int(value))
+        margin = self.margin
+        if not isinstance(margin, numbers.Real) or isinstance(margin, (bool, np.bool_)):
+            bad("margin", margin, "a number in [0, 8]")
+        if not 0 <= margin <= 8:  # also rejects nan
+            bad("margin", margin, "a number in [0, 8]")
+        if isinstance(margin, np.generic):
+            object.__setattr__(self, "margin", float(margin))
+        self._check_targets(bad)
+
+    def _check_targets(self, bad):
+        targets = self.targets
+        if targets is None or isinstance(targets, str):
+            pass
+        elif isinstance(targets, type):
+            bad("targets", targets, "a predicate (path, module) -> bool, not a class")
+        elif callable(targets):
+            try:
+                inspect.signature(targets).bind("path", None)
+            except TypeError:
+                bad("targets", targets, "a predicate taking two arguments (path, module)")
+            except ValueError:  # no signature (a builtin): let the call decide
+                pass
+        elif isinstance(targets, (list, tuple)):
+            if not targets:
+                bad("targets", targets, "at least one name or regex (None selects every layer)")
+            for i, t in enumerate(targets):
                 if not isinstance(t, str):
-                    bad("targets", self.targets, "a list of strings")
+                    bad(f"targets[{i}]", t, "a string (an exact dotted path or a regex)")
+            object.__setattr__(self, "targets", tuple(targets))
+        else:
+            bad("targets", targets,
+                "None, a regex string, a list of names/regexes or a predicate (path, module)")
         for pattern in _patterns(self.targets):
             try:
                 re.compile(pattern)

@@ -77,6 +77,11 @@ def run(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} is not allowed; expected an int >= 1")
+    if args.width < 16 or args.width % 16:
+        parser.error(f"--width {args.width} is not allowed; expected a positive multiple of 16 "
+                     "(FP8 GEMM dims must be)")
     key = jax.random.PRNGKey(0)
     data = make_data(key)
     model = MLP(64, args.width, key)

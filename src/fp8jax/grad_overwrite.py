@@ -7,6 +7,7 @@ The gradient of every array inside an `OverwriteWithGradient` module (such as
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -19,6 +20,72 @@ from .dot_general import OverwriteWithGradient
 
 def _is_overwrite(x) -> bool:
     return isinstance(x, OverwriteWithGradient)
+
+
+def _first_mismatch(ref: Any, tree: Any, path=()) -> tuple[str, str, str] | None:
+    """``(path, ref's part, tree's part)`` where ``tree`` first departs from ``ref``'s
+    structure or array shapes; ``None`` on either side stands for anything."""
+    if ref is None or tree is None:
+        return None
+    ref_shape, tree_shape = getattr(ref, "shape", None), getattr(tree, "shape", None)
+    ref_kids, ref_def = jax.tree_util.tree_flatten_with_path(ref, is_leaf=lambda y: y is not ref)
+    kids, tree_def = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda y: y is not tree)
+    ref_leaf = jax.tree_util.treedef_is_leaf(ref_def)
+    tree_leaf = jax.tree_util.treedef_is_leaf(tree_def)
+    where = jax.tree_util.keystr(path) or "the top level"
+    if ref_leaf and tree_leaf:
+        shapes_known = ref_shape is not None and tree_shape is not None
+        if shapes_known and tuple(ref_shape) != tuple(tree_shape):
+            return where, f"shape {tuple(ref_shape)}", f"shape {tuple(tree_shape)}"
+        return None
+    if ref_leaf or tree_leaf or ref_def != tree_def:
+        if type(ref) is not type(tree):
+            return where, f"type {type(ref).__name__}", f"type {type(tree).__name__}"
+        return (where,) + _node_diff(ref, tree)
+    for (key, r), (_, t) in zip(ref_kids, kids, strict=True):
+        found = _first_mismatch(r, t, path + tuple(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _node_diff(ref: Any, tree: Any, prefix: str = "") -> tuple[str, str]:
+    """How two nodes of one type differ: a static field, dict keys or a length."""
+    if dataclasses.is_dataclass(ref) and type(ref) is type(tree):
+        for f in dataclasses.fields(ref):
+            if isinstance(ref, eqx.Module) and not f.metadata.get("static", False):
+                continue  # children: compared one by one by the caller
+            r, t = getattr(ref, f.name, None), getattr(tree, f.name, None)
+            if eqx.is_array(r) or eqx.is_array(t):
+                continue
+            try:
+                same = bool(r == t)
+            except Exception:  # noqa: BLE001 - values that cannot be compared
+                same = r is t
+            if not same:
+                return _node_diff(r, t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(r) else (
+                    f"{prefix}{f.name}={_short(r)}", f"{prefix}{f.name}={_short(t)}")
+    if isinstance(ref, dict) and isinstance(tree, dict):
+        return f"keys {sorted(map(str, ref))}"[:100], f"keys {sorted(map(str, tree))}"[:100]
+    if isinstance(ref, (list, tuple)) and isinstance(tree, (list, tuple)):
+        return f"length {len(ref)}", f"length {len(tree)}"
+    return f"{prefix}{_short(ref)}", f"{prefix}{_short(tree)}"
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_like(fn: str, what: str, ref: Any, tree: Any, ref_name: str = "model") -> None:
+    """Raise a ValueError naming the first path where ``tree`` does not fit ``ref``."""
+    found = _first_mismatch(ref, tree)
+    if found is not None:
+        where, ref_part, tree_part = found
+        raise ValueError(
+            f"{fn}: the {what} do not match the {ref_name}: at {where}, "
+            f"{ref_name}: {ref_part}; {what}: {tree_part} ({what} of another model?)."
+        )
 
 
 def partition_for_grad_overwrite(grads: Any) -> tuple[Any, Any]:
@@ -56,6 +123,8 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
 def apply_updates(model: Any, updates: Any, overwrites: Any) -> Any:
     """Apply optimizer ``updates`` to the parameters and write ``overwrites`` (new FP8
     state from `partition_for_grad_overwrite`) into the state. Either may be ``None``."""
+    _check_like("apply_updates", "updates", model, updates)
+    _check_like("apply_updates", "overwrites", model, overwrites)
     if updates is None:
         updates = jax.tree_util.tree_map(lambda _: None, model, is_leaf=_is_overwrite)
     if overwrites is None:
@@ -80,9 +149,30 @@ def optax_step(optimizer: optax.GradientTransformation, model: Any, grads: Any, 
     Works with any optax transformation, including ``optax.MultiSteps`` (the FP8
     state then advances every micro-step, like a forward pass in TE).
     """
+    if not callable(getattr(optimizer, "update", None)):
+        raise TypeError(
+            "optax_step: optimizer must be an optax.GradientTransformation, "
+            f"got {type(optimizer).__name__}."
+        )
+    if grads is None:
+        raise ValueError("optax_step: grads is None; expected the gradients of the model.")
+    _check_like("optax_step", "gradients", model, grads)
+    if any(_is_overwrite(x) for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_overwrite)):
+        raise ValueError(
+            "optax_step: opt_state holds FP8 state; create it with "
+            "optimizer.init(fp8jax.trainable(model)), not optimizer.init(model)."
+        )
     overwrites, grads = partition_for_grad_overwrite(grads)
     grads = eqx.filter(grads, eqx.is_inexact_array)
-    updates, opt_state = optimizer.update(grads, opt_state, trainable(model))
+    try:
+        updates, opt_state = optimizer.update(grads, opt_state, trainable(model))
+    except ValueError as e:
+        if "structure" not in str(e):
+            raise
+        raise ValueError(
+            "optax_step: opt_state does not fit this model's trainable parameters; expected "
+            f"optimizer.init(fp8jax.trainable(model)) for this model ({str(e).splitlines()[0]})."
+        ) from e
     return apply_updates(model, updates, overwrites), opt_state
 
 
@@ -93,6 +183,8 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     whole batch). ``accumulated=None`` starts a new accumulation."""
     if accumulated is None:
         return grads
+    _check_like("accumulate_grads", "gradients", accumulated, grads,
+                ref_name="accumulated gradients")
 
     def combine(a, g):
         if _is_overwrite(a):
@@ -107,6 +199,10 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
 def scale_grads(grads: Any, factor: float) -> Any:
     """Multiply the true gradients by ``factor`` (e.g. 1/num_microbatches), leaving
     the FP8 state untouched."""
+    if isinstance(factor, (str, bytes)) or not (
+        isinstance(factor, (int, float)) or hasattr(factor, "dtype")
+    ):
+        raise TypeError(f"scale_grads: factor={factor!r} is not allowed; expected a number.")
     overwrites, true_grads = partition_for_grad_overwrite(grads)
     true_grads = jax.tree_util.tree_map(lambda g: g * factor, true_grads)
     return eqx.combine(overwrites, true_grads, is_leaf=_is_overwrite)

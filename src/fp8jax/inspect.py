@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from typing import Any, Callable
 
@@ -113,8 +114,28 @@ def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs:
     On a GPU, FP8 means a cuBLASLt FP8 call (``__cublas$lt$matmul$f8``) or one of
     fp8jax's kernels. ``stage="lowered"`` inspects the program before XLA's
     optimizations instead (dots on float8 operands), which is what a CPU can show.
+    ``fn`` may also be an already lowered or compiled program (``jax.jit(f).lower(...)``,
+    ``.compile()``), given without arguments.
     """
     import jax
+
+    if stage not in ("compiled", "lowered"):
+        raise ValueError(f"fp8_gemm_report: stage={stage!r} is not allowed; "
+                         "expected 'compiled' or 'lowered'.")
+    platform = jax.devices()[0].platform
+    if isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)):
+        if args or kwargs:
+            raise TypeError(f"fp8_gemm_report: fn is a jax {type(fn).__name__} program, which "
+                            "takes no arguments; pass the function and its arguments instead.")
+        if isinstance(fn, jax.stages.Compiled):
+            if stage == "lowered":
+                raise ValueError("fp8_gemm_report: stage='lowered' needs a function or a jax "
+                                 "Lowered program, got a Compiled one.")
+            return GemmReport(parse_gemms(fn.as_text()), platform)
+        if stage == "lowered":
+            return GemmReport(parse_stablehlo_gemms(fn.as_text()), platform + " (lowered)")
+        return GemmReport(parse_gemms(fn.compile().as_text()), platform)
+    _check_callable("fp8_gemm_report", fn, args, kwargs)
 
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
 
@@ -123,12 +144,26 @@ def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs:
         return fn(*call_args, **call_kwargs)
 
     lowered = jax.jit(flat_fn).lower(dynamic)
-    platform = jax.devices()[0].platform
     if stage == "lowered":
         return GemmReport(parse_stablehlo_gemms(lowered.as_text()), platform + " (lowered)")
-    if stage == "compiled":
-        return GemmReport(parse_gemms(lowered.compile().as_text()), platform)
-    raise ValueError(f"stage must be 'compiled' or 'lowered', got {stage!r}")
+    return GemmReport(parse_gemms(lowered.compile().as_text()), platform)
+
+
+def _check_callable(where: str, fn: Any, args: tuple, kwargs: dict, arg: str = "fn") -> None:
+    """A TypeError, before any tracing, if ``fn`` is not callable or cannot take ``args``."""
+    if not callable(fn):
+        what = "a callable" + (" (or a jax Lowered/Compiled program)" if arg == "fn" else "")
+        raise TypeError(f"{where}: {arg} must be {what}, got {type(fn).__name__}.")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (a builtin, some wrappers)
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(f"{where}: {name} cannot be called with the {len(args)} positional and "
+                        f"{len(kwargs)} keyword arguments given ({e}).") from None
 
 
 def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> int:
@@ -138,6 +173,10 @@ def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> 
     weights). ``model`` is any callable pytree (an equinox module)."""
     import jax
 
+    _check_callable("saved_activation_bytes", model, inputs, {}, arg="model")
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+        raise TypeError(f"saved_activation_bytes: dim={dim!r} is not allowed; "
+                        "expected an int or None.")
     params, static = eqx.partition(model, eqx.is_array)
 
     def residuals(params, inputs):
@@ -150,6 +189,10 @@ def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> 
 def assert_fp8(fn: Callable, *args: Any, expected: int | None = None, **kwargs: Any) -> GemmReport:
     """Raise ``AssertionError`` unless every GEMM of ``fn`` runs in FP8 (and, if given,
     there are exactly ``expected`` of them)."""
+    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, int)
+                                 or expected < 0):
+        raise ValueError(f"assert_fp8: expected={expected!r} is not allowed; "
+                         "expected None or an int >= 0.")
     report = fp8_gemm_report(fn, *args, **kwargs)
     if not report.all_fp8 or (expected is not None and len(report.gemms) != expected):
         raise AssertionError(f"expected {expected if expected is not None else 'all'} FP8 GEMMs:\n{report}")

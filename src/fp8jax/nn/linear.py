@@ -36,6 +36,16 @@ class Linear(eqx.Module):
         *,
         key: PRNGKeyArray,
     ):
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"fp8jax.nn.Linear: {name}={value!r} is not allowed; expected an int >= 1."
+                )
+        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise TypeError(
+                f"fp8jax.nn.Linear: dtype={jnp.dtype(dtype)} is not allowed; "
+                "expected a floating dtype (bfloat16, float16 or float32)."
+            )
         base = eqx.nn.Linear(in_features, out_features, use_bias, dtype=dtype, key=key)
         self.weight, self.bias = base.weight, base.bias
         self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
@@ -48,8 +58,14 @@ class Linear(eqx.Module):
         A stacked linear (built with `eqx.filter_vmap`, weight ``[*stack, out, in]``)
         gets state with the same leading ``stack`` dims.
         """
+        if not isinstance(linear, eqx.nn.Linear):
+            raise TypeError(
+                "fp8jax.nn.Linear.from_linear expects an eqx.nn.Linear, "
+                f"got {type(linear).__name__}."
+            )
         if linear.in_features == "scalar" or linear.out_features == "scalar":
             raise ValueError("fp8jax.nn.Linear does not support 'scalar' features.")
+        _check_linear_arrays(linear)
         self = object.__new__(cls)
         stack_shape = tuple(linear.weight.shape[:-2])
         object.__setattr__(self, "weight", linear.weight)
@@ -69,7 +85,17 @@ class Linear(eqx.Module):
     @jax.named_scope("fp8jax.nn.Linear")
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         del key
-        x = jnp.asarray(x)
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"fp8jax.nn.Linear expects an array input, got {type(x).__name__}."
+            ) from None
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
+            raise TypeError(
+                f"fp8jax.nn.Linear expects a float16/bfloat16/float32 input, got dtype {x.dtype} "
+                f"with shape {x.shape}."
+            )
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"fp8jax.nn.Linear expects inputs of shape (..., {self.in_features}), got {x.shape}."
@@ -78,6 +104,30 @@ class Linear(eqx.Module):
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype)
         return y
+
+
+def _check_linear_arrays(linear: eqx.nn.Linear) -> None:
+    """Weight ``[*stack, out, in]`` and bias ``[*stack, out]`` of a floating dtype."""
+    out_f, in_f = linear.out_features, linear.in_features
+    w, b = linear.weight, linear.bias
+    if not hasattr(w, "shape"):  # e.g. a partitioned-out (None) weight: nothing to check
+        return
+    if len(w.shape) < 2 or tuple(w.shape[-2:]) != (out_f, in_f):
+        raise ValueError(
+            f"fp8jax.nn.Linear.from_linear: weight has shape {tuple(w.shape)}; expected "
+            f"[..., out_features={out_f}, in_features={in_f}] (eqx.nn.Linear's layout)."
+        )
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(
+            f"fp8jax.nn.Linear.from_linear: weight dtype {w.dtype} is not allowed; "
+            "expected a floating dtype."
+        )
+    expected_bias = tuple(w.shape[:-2]) + (out_f,)
+    if hasattr(b, "shape") and tuple(b.shape) != expected_bias:
+        raise ValueError(
+            f"fp8jax.nn.Linear.from_linear: bias has shape {tuple(b.shape)}; "
+            f"expected {expected_bias}."
+        )
 
 
 def apply_linear(layer: "Linear | eqx.nn.Linear", x: Array) -> Array:
