@@ -29,3 +29,16 @@ def calibrated_attention(attn, q, k, v, g, steps=2, **kw):
 
 def normal(key, shape, dtype=jnp.float32, scale=1.0):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def recorded(state):
+    """How many steps an FP8 state has recorded (while fewer than its history length):
+    the nonzero entries of its input amax history (random inputs never have amax 0).
+    Per layer for a stacked state."""
+    import numpy as np
+
+    history = getattr(state, "input_amax_history", None)
+    if history is None:  # fp8jax.nn.Fp8AttentionState: q's history
+        history = state.amax_history[..., 0, :]
+    counts = np.count_nonzero(np.asarray(history), axis=-1)
+    return int(counts) if counts.ndim == 0 else counts

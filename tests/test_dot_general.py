@@ -79,14 +79,20 @@ def test_misaligned_dims_fall_back_with_one_warning(key):
     np.testing.assert_allclose(y1, lhs @ rhs.T, rtol=1e-5, atol=1e-5)  # exact plain dot
 
 
-def test_misaligned_rows_fall_back(key):
+def test_misaligned_rows_are_padded_and_run_fp8(key):
+    """M=30 rows pad to 32 with zeros (the amax is unchanged) and run in FP8."""
     op = fp8jax.Fp8DotGeneral(CURRENT)
-    lhs, rhs = normal(key, (30, 32)), normal(key, (32, 32))
-    with pytest.warns(UserWarning, match="M=30 rows"):
-        y = op(lhs, rhs, (((1,), (1,)), ((), ())))
-    np.testing.assert_allclose(y, lhs @ rhs.T, rtol=1e-5, atol=1e-5)
-    grad = jax.grad(lambda a: jnp.sum(op(a, rhs, (((1,), (1,)), ((), ())))))(lhs)
-    np.testing.assert_allclose(grad, jnp.ones((30, 32)) @ rhs, rtol=1e-5, atol=1e-5)
+    lhs, rhs = normal(key, (30, 32)), normal(jax.random.fold_in(key, 1), (32, 32))
+    dims = (((1,), (1,)), ((), ()))
+    y = op(lhs, rhs, dims)
+    assert y.shape == (30, 32)
+    assert sqnr_db(y, lhs @ rhs.T) >= 25.0
+    grad_fn = jax.grad(lambda a, op: jnp.sum(op(a, rhs, dims)), argnums=(0, 1))
+    grad, state = grad_fn(lhs, op)
+    assert sqnr_db(grad, jnp.ones((30, 32)) @ rhs) >= 25.0
+    assert float(state.input_amax_history[0]) == float(jnp.max(jnp.abs(lhs)))
+    report = fp8jax.fp8_gemm_report(lambda a: grad_fn(a, op), lhs, stage="lowered")
+    assert len(report.gemms) == 3 and report.all_fp8, report
 
 
 def test_on_unsupported_raise():

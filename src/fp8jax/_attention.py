@@ -10,8 +10,8 @@ Softmax and its statistics stay in float32. ``q, k, v`` follow ``config.scaling`
 ``exp(S - running row max)``, which is at most 1; on H100 any larger scale saturated);
 the other six are delayed (the kernel needs their scales before it runs), except
 ``do`` under current scaling. As in `fp8jax._dot`, the new
-state is returned as the state's gradient, and repeated uses of one state in a step
-are chained by a link so the state is emitted once.
+state is returned as the state's gradient, entering as `fp8jax._state.MAX_GRAD` values
+so that repeated uses of one state in a step combine by max.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from jax.custom_batching import custom_vmap
 
 from . import _cudnn_attention as cudnn
 from . import _quant as qt
+from . import _state
 from .config import Fp8Config
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn
 TENSORS = ("q", "k", "v", "s", "o", "do", "dp", "dq", "dk", "dv")
 IDX = {name: i for i, name in enumerate(TENSORS)}
-LINK_SIZE = len(TENSORS) + 1  # ten amaxes and a non-finite flag
 # P's scale: the softmax numerator exp(S - row max) is in [0, 1], so 1/448 uses e4m3's
 # full range and can never saturate. The others start at 1 (flax/TE convention).
 S_SCALE = 1.0 / 448.0
@@ -48,7 +48,6 @@ class AttnSpec(NamedTuple):
     softmax_scale: float
     in_dtype: np.dtype  # of q, k, v: their gradients come back in it
     out_dtype: np.dtype
-    emit_state: bool
 
 
 # ----------------------------------------------------------------------------- reference
@@ -146,9 +145,8 @@ def _backend_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
 # ----------------------------------------------------------------------------- compute
 def delayed_scales(config: Fp8Config, state) -> jax.Array:
     """The ten scales a step uses, from the amax history (old scale where it is empty)."""
-    scales, history, index, _ = state
-    observed = qt.amax_from_history(history, jnp.broadcast_to(index, (history.shape[0], 1)),
-                                    config.amax_compute_algo)[:, 0]
+    scales, history, _ = state
+    observed = _state.from_history(history, config.amax_compute_algo, axis=-1)[:, 0]
     return qt.scale_from_amax(observed, scales, E4M3, config.margin)
 
 
@@ -263,39 +261,33 @@ def backward_fn(spec: AttnSpec):
 # ----------------------------------------------------------------------------- custom VJP
 def new_state(state, scales_used, combined):
     """The state after a step: the scales it used, and its ten amaxes recorded."""
-    _, history, index, nonfinite = state
-    slot = index.astype(jnp.int32).reshape(())
-    history = jax.lax.dynamic_update_index_in_dim(history, combined[:-1, None].astype(history.dtype), slot, axis=1)
-    return (scales_used.astype(F32), history, (index + 1.0) % history.shape[-1], nonfinite + combined[-1])
+    _, history, nonfinite = state
+    history = _state.record(history, combined[:-1], axis=-1)
+    return (scales_used.astype(F32), history, nonfinite + combined[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fp8_attention(spec: AttnSpec, q, k, v, q_len, kv_len, state, link):
-    """FP8 attention on BTNH arrays; returns ``(out, link_out)``."""
-    del link
-    o, _ = forward_fn(spec, False)(q, k, v, q_len, kv_len, state)
-    return o, jnp.zeros((LINK_SIZE,), F32)
+def fp8_attention(spec: AttnSpec, q, k, v, q_len, kv_len, state):
+    """FP8 attention on BTNH arrays; ``state`` as `fp8jax._state.MAX_GRAD`."""
+    o, _ = forward_fn(spec, False)(q, k, v, q_len, kv_len, _state.values(state))
+    return o
 
 
-def _fp8_attention_fwd(spec, q, k, v, q_len, kv_len, state, link):
-    del link
+def _fp8_attention_fwd(spec, q, k, v, q_len, kv_len, state):
+    state = _state.values(state)
     o, (tensors, scalars) = forward_fn(spec, True)(q, k, v, q_len, kv_len, state)
-    return (o, jnp.zeros((LINK_SIZE,), F32)), (tensors, scalars, state)
+    return o, (tensors, scalars, state)
 
 
 def _fp8_attention_bwd(spec, residuals, cotangents):
-    g, link_ct = cotangents
+    g = cotangents
     tensors, scalars, state = residuals
     (dq, dk, dv), (sc, amaxes) = backward_fn(spec)(tensors, scalars, state, g)
     observed, bad = qt.sanitize_amax(amaxes)
-    combined = jnp.maximum(jnp.concatenate([observed, jnp.max(bad).reshape(1)]), link_ct.astype(F32))
-    if spec.emit_state:
-        state_ct, link_out = new_state(state, sc, combined), jnp.zeros((LINK_SIZE,), F32)
-    else:
-        state_ct, link_out = jax.tree_util.tree_map(jnp.zeros_like, state), combined
+    state_ct = _state.proposal(new_state(state, sc, jnp.concatenate([observed, jnp.max(bad).reshape(1)])))
     _, _, _, _, _, q_len, kv_len = tensors
     lens_ct = tuple(None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (q_len, kv_len))
-    return (dq, dk, dv, *lens_ct, state_ct, link_out)
+    return (dq, dk, dv, *lens_ct, state_ct)
 
 
 fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)

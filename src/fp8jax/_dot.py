@@ -10,15 +10,14 @@ both operands contracting on their minor dim (the "TN" layout Hopper's FP8 GEMMs
 
 Residuals are FP8 (1 byte/element): ``xTq`` and the kernel in ``[B, K, N]`` layout.
 The scaling state's new value is returned as the state's "gradient" (gradient
-hijacking); several uses of one layer in a step are chained by a small "link"
-value so that the state is emitted once, with the max over all uses.
+hijacking); the state enters as `fp8jax._state.MAX_GRAD` values, so several uses of
+one layer in a step combine their proposals by max.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from typing import NamedTuple
 
 import jax
@@ -29,6 +28,7 @@ from jax.custom_batching import custom_vmap
 
 from . import _cast_kernel
 from . import _quant as q
+from . import _state
 from .config import Fp8Config
 
 F32 = jnp.float32
@@ -49,10 +49,8 @@ STATE_FIELDS = (
     "input_amax_history",
     "kernel_amax_history",
     "output_grad_amax_history",
-    "history_index",
     "nonfinite_count",
 )
-LINK_SIZE = 4  # [amax_x, amax_w, amax_g, nonfinite flag]
 # Names given to the residuals that are cheap to keep and costly to recompute (the FP8
 # weight, scales, amaxes), for `jax.checkpoint` policies: a policy saving these and
 # not the FP8 input copy recomputes only the input's cast (see `fp8jax.nn.FusedMLP`).
@@ -69,7 +67,6 @@ class Spec(NamedTuple):
     x_dtype: np.dtype  # dtypes of the operands: their gradients come back in these
     w_dtype: np.dtype
     rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
-    emit_state: bool  # this use writes the new state (first use of the layer in the trace)
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -142,15 +139,15 @@ def uses_fp8(spec: Spec, m: int) -> bool:
 # ----------------------------------------------------------------------------- forward
 def _fwd_impl(spec: Spec, x3, w3, state):
     cfg = spec.config
-    in_s, k_s, _, in_h, k_h, _, idx, _ = state
+    in_s, k_s, _, in_h, k_h, _, _ = state
     out_dtype = spec.out_dtype
     if not uses_fp8(spec, x3.shape[1]):
         y = _gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
         zero = jnp.zeros((), F32)
         return y, (x3, w3, in_s, k_s, zero, zero)
     if cfg.scaling == "delayed":  # the scales are known before the cast: amax is its by-product
-        sx = q.delayed_scale(in_h, idx, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
-        sw = q.delayed_scale(k_h, idx, k_s, cfg.kernel_dtype, cfg.amax_compute_algo, cfg.margin)
+        sx = q.delayed_scale(in_h, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
+        sw = q.delayed_scale(k_h, k_s, cfg.kernel_dtype, cfg.amax_compute_algo, cfg.margin)
         xq, xTq, ax = _quantize_both(x3, sx, cfg.input_dtype, cfg.cast_kernel)
         wq, wTq, aw = _quantize_both(w3, sw, cfg.kernel_dtype, cfg.cast_kernel)
     else:
@@ -164,7 +161,7 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     return y, (xTq, w_kn, sx, sw, ax, aw)
 
 
-def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
+def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     cfg = spec.config
     xr, wr, sx, sw, _, _ = res
     if xr.dtype != cfg.input_dtype:  # plain (non-FP8) path chosen in the forward
@@ -175,7 +172,7 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, index, g3):
         return dx, dw, jnp.zeros((), F32), g_scale
     xTq, w_kn = xr, wr
     if cfg.scaling == "delayed":
-        sg = q.delayed_scale(g_history, index, g_scale, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
+        sg = q.delayed_scale(g_history, g_scale, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
         gq, gTq, ag = _quantize_both(g3, sg, cfg.grad_dtype, cfg.cast_kernel)
     else:
         ag = q.amax(g3)
@@ -264,108 +261,72 @@ def fwd_fn(spec: Spec):
 def bwd_fn(spec: Spec):
     """Backward compute as a ``custom_vmap`` (mirror of `fwd_fn`)."""
 
-    def impl(res, g_scale, g_history, index, g3):
-        return _bwd_impl(spec, res, g_scale, g_history, index, g3)
+    def impl(res, g_scale, g_history, g3):
+        return _bwd_impl(spec, res, g_scale, g_history, g3)
 
     fn = custom_vmap(impl)
 
     @fn.def_vmap
-    def rule(axis_size, in_batched, res, g_scale, g_history, index, g3):
-        rb, sb, hb, ib, gb = in_batched
+    def rule(axis_size, in_batched, res, g_scale, g_history, g3):
+        rb, sb, hb, gb = in_batched
         x_b, w_b, *others_b = rb
-        if not (x_b and gb) or w_b or any(others_b) or sb or hb or ib:
-            return _fallback_vmap(impl, in_batched, (res, g_scale, g_history, index, g3))
+        if not (x_b and gb) or w_b or any(others_b) or sb or hb:
+            return _fallback_vmap(impl, in_batched, (res, g_scale, g_history, g3))
         xr = res[0]
         fp8 = xr.dtype == spec.config.input_dtype
         xm = jnp.moveaxis(xr, 0, -2).reshape(*xr.shape[1:-1], -1) if fp8 else _merge(xr, axis_size)
-        dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, index, _merge(g3, axis_size))
+        dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, _merge(g3, axis_size))
         return (_split_rows(dx, axis_size), dw, ag, sg), (True, False, False, False)
 
-    return _quiet_when_vmapped(fn, 4)
+    return _quiet_when_vmapped(fn, 3)
 
 
 # ----------------------------------------------------------------------------- custom VJP
 def observed_amaxes(ax, aw, ag):
-    """The link-shaped record of one use: ``[amax_x, amax_w, amax_g, nonfinite flag]``,
-    non-finite amaxes zeroed and flagged."""
+    """What one use saw: ``[amax_x, amax_w, amax_g, nonfinite flag]``, non-finite
+    amaxes zeroed and flagged."""
     observed, bad = q.sanitize_amax(jnp.stack([ax, aw, ag]))
     return jnp.concatenate([observed, jnp.max(bad).reshape(1)])
 
 
-def _new_state(cfg: Fp8Config, state, sx, sw, sg, combined):
-    in_s, k_s, g_s, in_h, k_h, g_h, idx, nonfinite = state
-    ax, aw, ag, flag = combined[0], combined[1], combined[2], combined[3]
-    length = in_h.shape[-1]
+def new_state(state, sx, sw, sg, observed):
+    """The float32 state one use proposes: the scales it used, its amaxes recorded
+    (`_state.record`), its non-finite flag counted."""
+    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
     return (
         sx.astype(in_s.dtype),
         sw.astype(k_s.dtype),
         sg.astype(g_s.dtype),
-        q.record_amax(in_h, idx, ax),
-        q.record_amax(k_h, idx, aw),
-        q.record_amax(g_h, idx, ag),
-        (idx + 1.0) % length,
-        nonfinite + flag,
+        _state.record(in_h, observed[0]),
+        _state.record(k_h, observed[1]),
+        _state.record(g_h, observed[2]),
+        nonfinite + observed[3],
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fp8_dot3(spec: Spec, x3, w3, state, link):
-    """FP8 ``[B,M,K] x [B,N,K] -> [B,M,N]``; returns ``(y, link_out)``."""
-    del link
-    y, _ = fwd_fn(spec)(x3, w3, state)
-    return y, jnp.zeros((LINK_SIZE,), F32)
+def fp8_dot3(spec: Spec, x3, w3, state):
+    """FP8 ``[B,M,K] x [B,N,K] -> [B,M,N]``; ``state``: `STATE_FIELDS` as `_state.MAX_GRAD`."""
+    y, _ = fwd_fn(spec)(x3, w3, _state.values(state))
+    return y
 
 
-def _fp8_dot3_fwd(spec, x3, w3, state, link):
-    del link
-    y, (xr, wr, *scalars) = fwd_fn(spec)(x3, w3, state)
+def _fp8_dot3_fwd(spec, x3, w3, state):
+    values = _state.values(state)
+    y, (xr, wr, *scalars) = fwd_fn(spec)(x3, w3, values)
     res = (xr, checkpoint_name(wr, KERNEL_RESIDUAL), *(checkpoint_name(s, SCALAR_RESIDUALS) for s in scalars))
-    return (y, jnp.zeros((LINK_SIZE,), F32)), (res, state)
+    return y, (res, values)
 
 
-def _fp8_dot3_bwd(spec, residuals, cotangents):
-    g3, link_ct = cotangents
+def _fp8_dot3_bwd(spec, residuals, g3):
     res, state = residuals
-    _, _, g_s, _, _, g_h, idx, _ = state
-    dx, dw, ag, sg = bwd_fn(spec)(res, g_s, g_h, idx, g3)
-    _, _, sx, sw, ax, aw = res
-    combined = jnp.maximum(observed_amaxes(ax, aw, ag), link_ct.astype(F32))
-    if spec.emit_state:
-        state_ct = _new_state(spec.config, state, sx, sw, sg, combined)
-        link_out = jnp.zeros((LINK_SIZE,), F32)
-    else:
-        state_ct = jax.tree_util.tree_map(jnp.zeros_like, state)
-        link_out = combined
-    return dx, dw, state_ct, link_out
+    _, _, g_s, _, _, g_h, _ = state
+    dx, dw, ag, sg = bwd_fn(spec)(res, g_s, g_h, g3)
+    xr, _, sx, sw, ax, aw = res
+    if xr.dtype != spec.config.input_dtype:  # ran in the input precision: propose nothing
+        return dx, dw, _state.no_proposal(state)
+    proposed = new_state(state, sx, sw, sg, observed_amaxes(ax, aw, ag))
+    return dx, dw, _state.proposal(proposed)
 
 
 fp8_dot3.defvjp(_fp8_dot3_fwd, _fp8_dot3_bwd)
-
-
-# ----------------------------------------------------------------------------- use chaining
-# A layer called k times inside one traced step must emit its new state once (the
-# max over the k uses), not k times (gradients of a reused leaf are summed).  Calls
-# are chained through a link value keyed by the identity of the layer's state tracer.
-_LINKS: dict[int, tuple[weakref.ref, jax.Array]] = {}
-
-
-def take_link(key_leaf):
-    """The link left by an earlier use of the same state in this trace, or None."""
-    if not isinstance(key_leaf, jax.core.Tracer):
-        return None
-    entry = _LINKS.get(id(key_leaf))
-    if entry is None or entry[0]() is not key_leaf:
-        return None
-    link = entry[1]
-    trace = getattr(link, "_trace", None)
-    if trace is not None and hasattr(trace, "is_valid") and not trace.is_valid():
-        return None
-    return link
-
-
-def put_link(key_leaf, link) -> None:
-    """Remember ``link`` as the newest use of ``key_leaf`` (only while it is a tracer)."""
-    if not isinstance(key_leaf, jax.core.Tracer):
-        return
-    key = id(key_leaf)
-    _LINKS[key] = (weakref.ref(key_leaf, lambda _ref, key=key, links=_LINKS: links.pop(key, None)), link)

@@ -37,6 +37,7 @@ import numpy as np
 from . import _cast_kernel
 from . import _dot
 from . import _quant as q
+from . import _state
 from .config import Fp8Config
 
 pl = _cast_kernel.pl  # the guarded Pallas import (None where it does not import)
@@ -263,18 +264,18 @@ def usable(config1: Fp8Config, config2: Fp8Config, m: int, hidden: int, ffn: int
     return aligned and config1.scaling == "delayed" and config2.scaling == "delayed"
 
 
-def _scale(history, index, old, dtype, cfg: Fp8Config):
-    return q.delayed_scale(history, index, old, dtype, cfg.amax_compute_algo, cfg.margin)
+def _scale(history, old, dtype, cfg: Fp8Config):
+    return q.delayed_scale(history, old, dtype, cfg.amax_compute_algo, cfg.margin)
 
 
 def _forward(spec: Spec, x, w1, state1, w2, state2):
     c1, c2 = spec.config1, spec.config2
-    in1, k1, _, in1_h, k1_h, _, idx1, _ = state1
-    in2, k2, _, in2_h, k2_h, _, idx2, _ = state2
-    sx = _scale(in1_h, idx1, in1, c1.input_dtype, c1)
-    sw1 = _scale(k1_h, idx1, k1, c1.kernel_dtype, c1)
-    sa = _scale(in2_h, idx2, in2, c2.input_dtype, c2)
-    sw2 = _scale(k2_h, idx2, k2, c2.kernel_dtype, c2)
+    in1, k1, _, in1_h, k1_h, _, _ = state1
+    in2, k2, _, in2_h, k2_h, _, _ = state2
+    sx = _scale(in1_h, in1, c1.input_dtype, c1)
+    sw1 = _scale(k1_h, k1, c1.kernel_dtype, c1)
+    sa = _scale(in2_h, in2, c2.input_dtype, c2)
+    sw2 = _scale(k2_h, k2, c2.kernel_dtype, c2)
     xq, xTq, ax = _dot._quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
     w1q, w1Tq, aw1 = _dot._quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
     h = _dot._gemm(xq, w1q, BF16, _dot.gemm_precision(c1.fast_forward))[0]  # [M, 2F] interleaved, not dequantized
@@ -291,11 +292,13 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
 def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
     """``fc2(act(fc1(x)_gate) * fc1(x)_up)`` with FP8 GEMMs (``act`` from ``spec.activation``):
     ``x [M, C]``, ``w1 [2F, C]`` (rows ``[gate | up]``), ``w2 [N, F]``; ``state1``/``state2``
-    the fc1/fc2 `_dot.STATE_FIELDS` tuples, whose new values come back as their gradients."""
-    return _forward(spec, x, w1, state1, w2, state2)[0]
+    the fc1/fc2 `_dot.STATE_FIELDS` tuples as `fp8jax._state.MAX_GRAD`, whose new values
+    come back as their gradients."""
+    return _forward(spec, x, w1, _state.values(state1), w2, _state.values(state2))[0]
 
 
 def _fwd(spec, x, w1, state1, w2, state2):
+    state1, state2 = _state.values(state1), _state.values(state2)
     y, residuals = _forward(spec, x, w1, state1, w2, state2)
     return y, (residuals, state1, state2)
 
@@ -303,21 +306,21 @@ def _fwd(spec, x, w1, state1, w2, state2):
 def _bwd(spec, saved, g):
     (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2), state1, state2 = saved
     c1, c2 = spec.config1, spec.config2
-    _, _, dh_s, _, _, dh_h, idx1, _ = state1
-    _, _, g_s, _, _, g_h, idx2, _ = state2
-    sg = _scale(g_h, idx2, g_s, c2.grad_dtype, c2)
+    _, _, dh_s, _, _, dh_h, _ = state1
+    _, _, g_s, _, _, g_h, _ = state2
+    sg = _scale(g_h, g_s, c2.grad_dtype, c2)
     gq, gTq, ag = _dot._quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
     da = _dot._gemm(gq, w2Tq, BF16, _dot.gemm_precision(c2.fast_backward))[0]  # [M, F], not dequantized
-    sdh = _scale(dh_h, idx1, dh_s, c1.grad_dtype, c1)
+    sdh = _scale(dh_h, dh_s, c1.grad_dtype, c1)
     dhq, dhTq, adh, aTq = activation_grad_fp8(h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh,
                                               c1.grad_dtype, sa, c2.input_dtype, spec.activation)
     dw2 = _dot._fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
     dw1 = _dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]  # natural row order
 
-    state1_ct = _dot._new_state(c1, state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
-    state2_ct = _dot._new_state(c2, state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))
-    return dx, dw1, state1_ct, dw2, state2_ct
+    state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
+    state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))
+    return dx, dw1, _state.proposal(state1_ct), dw2, _state.proposal(state2_ct)
 
 
 gated_mlp.defvjp(_fwd, _bwd)

@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Int
 from . import _dot
 from . import _grouped_kernel as gk
 from . import _quant as q
+from . import _state
 from .config import Fp8Config
 from .inspect import GROUPED_SCOPE
 
@@ -300,30 +301,11 @@ grouped_plain.defvjp(_plain_fwd, _plain_bwd)
 
 
 # ----------------------------------------------------------------------------- FP8
-def link_size(num_experts: int) -> int:
-    """[amax_x, amax_g, nonfinite flag, amax_w per expert]."""
-    return 3 + num_experts
-
-
 class Spec(NamedTuple):
     config: Fp8Config
     backend: str
     x_dtype: np.dtype
     w_dtype: np.dtype
-    emit_state: bool
-
-
-def _expert_history_amax(history, index, algo):
-    """Per-expert amax from a ``[H, G]`` history."""
-    if algo == "max":
-        return jnp.max(history, axis=0)
-    last = (index.astype(jnp.int32).reshape(()) - 1) % history.shape[0]
-    return history[last]
-
-
-def _record_expert_amax(history, index, value):
-    slot = index.astype(jnp.int32).reshape(())
-    return jax.lax.dynamic_update_index_in_dim(history, value.reshape(1, -1).astype(history.dtype), slot, axis=0)
 
 
 def _per_expert_amax(w):
@@ -337,20 +319,21 @@ def _zero_ct(a):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state, link):
-    """FP8 ``y = x . W_e`` per group; returns ``(y, link_out)``."""
-    y, _ = _fp8_fwd_impl(spec, x, w, layout, state)
-    return y, jnp.zeros_like(link)
+def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
+    """FP8 ``y = x . W_e`` per group; ``state`` as `fp8jax._state.MAX_GRAD`."""
+    y, _ = _fp8_fwd_impl(spec, x, w, layout, _state.values(state))
+    return y
 
 
 def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     cfg = spec.config
-    in_s, k_s, _, in_h, k_h, _, idx, _ = state
+    in_s, k_s, _, in_h, k_h, _, _ = state
     xm = _masked(x, layout)
     ax, aw = q.amax(xm), _per_expert_amax(w)
     if cfg.scaling == "delayed":
-        sx = q.delayed_scale(in_h, idx, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
-        sw = q.scale_from_amax(_expert_history_amax(k_h, idx, cfg.amax_compute_algo), k_s, cfg.kernel_dtype, cfg.margin)
+        sx = q.delayed_scale(in_h, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
+        expert_amax = _state.from_history(k_h, cfg.amax_compute_algo, axis=0)[0]
+        sw = q.scale_from_amax(expert_amax, k_s, cfg.kernel_dtype, cfg.margin)
     else:
         sx = q.scale_from_amax(ax.reshape(1), in_s, cfg.input_dtype, cfg.margin)
         sw = q.scale_from_amax(aw, k_s, cfg.kernel_dtype, cfg.margin)
@@ -361,20 +344,21 @@ def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     return y, (xq.T, wq, sx, sw, ax, aw)
 
 
-def _grouped_fp8_fwd(spec, x, w, layout, state, link):
-    y, res = _fp8_fwd_impl(spec, x, w, layout, state)
-    return (y, jnp.zeros_like(link)), (res, layout, state)
+def _grouped_fp8_fwd(spec, x, w, layout, state):
+    values = _state.values(state)
+    y, res = _fp8_fwd_impl(spec, x, w, layout, values)
+    return y, (res, layout, values)
 
 
 def _grouped_fp8_bwd(spec, residuals, cotangents):
-    dy, link_ct = cotangents
+    dy = cotangents
     (xTq, wq, sx, sw, ax, aw), layout, state = residuals
     cfg = spec.config
-    _, _, g_s, _, _, g_h, idx, _ = state
+    _, _, g_s, _, _, g_h, _ = state
     dym = _masked(dy, layout)
     ag = q.amax(dym)
     if cfg.scaling == "delayed":
-        sg = q.delayed_scale(g_h, idx, g_s, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
+        sg = q.delayed_scale(g_h, g_s, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
     else:
         sg = q.scale_from_amax(ag.reshape(1), g_s, cfg.grad_dtype, cfg.margin)
     dyq = q.quantize(dym, sg, cfg.grad_dtype)
@@ -382,29 +366,18 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
     dw = wgrad_gemm(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)
 
     observed, bad = q.sanitize_amax(jnp.concatenate([ax.reshape(1), ag.reshape(1), aw]))
-    mine = jnp.concatenate([observed[:2], jnp.max(bad).reshape(1), observed[2:]])
-    combined = jnp.maximum(mine, link_ct.astype(F32))
-    if spec.emit_state:
-        in_s, k_s, g_s, in_h, k_h, g_h, idx, nonfinite = state
-        length = in_h.shape[-1]
-        state_ct = (
-            sx.astype(in_s.dtype),
-            sw.astype(k_s.dtype),
-            sg.astype(g_s.dtype),
-            q.record_amax(in_h, idx, combined[0]),
-            _record_expert_amax(k_h, idx, combined[3:]),
-            q.record_amax(g_h, idx, combined[1]),
-            (idx + 1.0) % length,
-            nonfinite + combined[2],
-        )
-        link_out = jnp.zeros_like(combined)
-    else:
-        state_ct = jax.tree_util.tree_map(jnp.zeros_like, state)
-        link_out = combined
-    return dx, dw, jax.tree_util.tree_map(_zero_ct, layout), state_ct, link_out
+    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
+    proposed = (
+        sx.astype(in_s.dtype),
+        sw.astype(k_s.dtype),
+        sg.astype(g_s.dtype),
+        _state.record(in_h, observed[0]),
+        _state.record(k_h, observed[2:]),
+        _state.record(g_h, observed[1]),
+        nonfinite + jnp.max(bad),
+    )
+    return dx, dw, jax.tree_util.tree_map(_zero_ct, layout), _state.proposal(proposed)
 
 
 grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
 
-
-take_link, put_link = _dot.take_link, _dot.put_link

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._state import from_history
+
 F32 = jnp.float32
 
 
@@ -60,31 +62,7 @@ def scale_from_amax(amax_value: Array, old_scale: Array, dtype, margin: float) -
     return jnp.where(jnp.isfinite(new) & (new > 0.0), new, old_scale)
 
 
-def delayed_scale(history: Float[Array, " L"], index: Float[Array, "1"], old_scale: Array, dtype, algo: str,
-                  margin: float) -> Array:
-    """The delayed-scaling scale of a tensor: `scale_from_amax` of `amax_from_history`."""
-    return scale_from_amax(amax_from_history(history, index, algo), old_scale, dtype, margin)
-
-
-def amax_from_history(history: Float[Array, " L"], index: Float[Array, "1"], algo: str) -> Array:
-    """The amax a delayed scale is computed from: max of the ring buffer, or the most
-    recent entry (the slot before ``index``)."""
-    if algo == "max":
-        return jnp.max(history, axis=-1, keepdims=True)
-    length = history.shape[-1]
-    last = (index.astype(jnp.int32) - 1) % length
-    return jnp.take_along_axis(history, last, axis=-1)
-
-
-def record_amax(history: Float[Array, " L"], index: Float[Array, "1"], value: Array) -> Array:
-    """Write ``value`` into the ring buffer at ``index`` (one element, no roll)."""
-    slot = index.astype(jnp.int32).reshape(())
-    return jax.lax.dynamic_update_index_in_dim(history, value.reshape(1).astype(history.dtype), slot, axis=0)
-
-
-def ordered_history(history: Float[Array, " L"], index: Float[Array, "1"]) -> Array:
-    """The ring buffer newest-first (for inspection and tests)."""
-    length = history.shape[-1]
-    newest = (index.astype(jnp.int32).reshape(()) - 1) % length
-    order = (newest - jnp.arange(length)) % length
-    return history[order]
+def delayed_scale(history: Float[Array, " L"], old_scale: Array, dtype, algo: str, margin: float) -> Array:
+    """The delayed-scaling scale of a tensor: `scale_from_amax` of the history's amax
+    (`fp8jax._state.from_history`: its max, or the most recent entry)."""
+    return scale_from_amax(from_history(history, algo, axis=-1), old_scale, dtype, margin)

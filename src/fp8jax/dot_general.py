@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from . import _dot
-from . import _quant as q
+from . import _state
 from .config import Fp8Config, resolve_config
 
 
@@ -28,7 +28,7 @@ class OverwriteWithGradient(eqx.Module):
 
 class Fp8GemmState(OverwriteWithGradient):
     """Base of the FP8 GEMM states (`Fp8DotGeneral`, `fp8jax.nn.Fp8GroupedState`): the
-    eight fields of `_dot.STATE_FIELDS`, stacked layers along leading dims."""
+    seven fields of `_dot.STATE_FIELDS`, stacked layers along leading dims."""
 
     def ran_mask(self) -> Array:
         return self.input_scale > 0  # a scale is never 0
@@ -38,7 +38,7 @@ class Fp8GemmState(OverwriteWithGradient):
 
 
 def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = (), experts: int | None = None) -> dict[str, Array]:
-    """Fresh values of the eight `_dot.STATE_FIELDS`: scales 1, histories 0. With
+    """Fresh values of the seven `_dot.STATE_FIELDS`: scales 1, histories 0. With
     ``experts``, the kernel's scale and history get a trailing ``[experts]`` dim (one
     per expert, `fp8jax.nn.Fp8GroupedState`)."""
     length = config.history_length
@@ -58,7 +58,6 @@ def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = (), experts: i
         input_amax_history=zeros((length,)),
         kernel_amax_history=zeros((length,) + kernel),
         output_grad_amax_history=zeros((length,)),
-        history_index=zeros((1,)),
         nonfinite_count=zeros((1,)),
     )
 
@@ -68,9 +67,10 @@ class Fp8DotGeneral(Fp8GemmState):
 
     ``lhs`` is the input (activations), ``rhs`` the kernel (weights), as in flax and
     haliax. State follows flax: ``*_scale`` are dequantization factors of shape
-    ``(1,)``, ``*_amax_history`` are ring buffers of shape ``(amax_history_length,)``
-    written at ``history_index``; ``nonfinite_count`` counts steps that saw NaN/Inf.
-    The new state is returned as the state's gradient (see `apply_updates`).
+    ``(1,)``, ``*_amax_history`` hold the last ``amax_history_length`` amaxes, rolled
+    each step with the newest at index 0 (flax's and haliax's layout);
+    ``nonfinite_count`` counts steps that saw NaN/Inf. The new state is returned as the
+    state's gradient (see `apply_updates`); uses of one layer in a step combine by max.
     """
 
     input_scale: Float[Array, "*stack 1"]
@@ -79,7 +79,6 @@ class Fp8DotGeneral(Fp8GemmState):
     input_amax_history: Float[Array, "*stack history"]
     kernel_amax_history: Float[Array, "*stack history"]
     output_grad_amax_history: Float[Array, "*stack history"]
-    history_index: Float[Array, "*stack 1"]
     nonfinite_count: Float[Array, "*stack 1"]
     config: Fp8Config = eqx.field(static=True)
 
@@ -89,14 +88,29 @@ class Fp8DotGeneral(Fp8GemmState):
             setattr(self, name, value)
         self.config = config
 
+    @classmethod
+    def from_state(cls, config: Fp8Config, state: dict[str, Array]) -> "Fp8DotGeneral":
+        """An op over existing state arrays (a dict of `_dot.STATE_FIELDS`), e.g. an
+        adapter's variables; no new arrays are made."""
+        missing = [name for name in _dot.STATE_FIELDS if name not in state]
+        if missing:
+            raise ValueError(f"Fp8DotGeneral.from_state: missing state fields {missing}")
+        op = object.__new__(cls)
+        for name in _dot.STATE_FIELDS:
+            object.__setattr__(op, name, state[name])
+        object.__setattr__(op, "config", resolve_config(config))
+        return op
+
     # ------------------------------------------------------------------ inspection
     def ordered_amax_history(self, which: str = "input") -> Array:
         """``<which>_amax_history`` newest-first (``which``: input, kernel, output_grad)."""
-        history = getattr(self, f"{which}_amax_history")
-        return q.ordered_history(history, self.history_index)
+        return _state.newest_first(getattr(self, f"{which}_amax_history"), axis=-1)
 
     # ------------------------------------------------------------------ call
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                 out_sharding=None):
+        if out_sharding is not None:
+            raise NotImplementedError("Fp8DotGeneral: out_sharding is not supported; shard the operands.")
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         out_dtype = _check_operands(lhs, rhs, dimension_numbers, preferred_element_type)
         if self.input_scale.ndim != 1:
@@ -132,15 +146,14 @@ class Fp8DotGeneral(Fp8GemmState):
             w3 = jnp.transpose(rhs, rb + rc + rf).reshape(b, k, n)
         else:
             w3 = jnp.transpose(rhs, rb + rf + rc).reshape(b, n, k)
-        key_leaf = self.input_amax_history
-        link = _dot.take_link(key_leaf)
-        spec = _dot.Spec(cfg, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype), rhs_k_first,
-                         emit_state=link is None)
-        if link is None:
-            link = jnp.zeros((_dot.LINK_SIZE,), jnp.float32)
-        y3, link_out = _dot.fp8_dot3(spec, x3, w3, self.state(), link)
-        _dot.put_link(key_leaf, link_out)
-        return y3.reshape(batch_shape + m_shape + n_shape)
+        # Rows pad to the alignment with zeros (no effect on the amax), except under vmap,
+        # where the vmap rule makes the vmapped axis rows and checks the total.
+        pad = -m % cfg.alignment if not _dot._under_vmap(x3) else 0
+        if pad:
+            x3 = jnp.pad(x3, ((0, 0), (0, pad), (0, 0)))
+        spec = _dot.Spec(cfg, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype), rhs_k_first)
+        y3 = _dot.fp8_dot3(spec, x3, w3, _state.enter(self.state()))
+        return y3[:, :m].reshape(batch_shape + m_shape + n_shape)
 
 
 def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):

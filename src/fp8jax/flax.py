@@ -1,10 +1,12 @@
-"""flax.linen adapter: `Fp8DotGeneralOp`, for ``nn.Dense(dot_general_cls=...)`` and
-``nn.DenseGeneral`` (``pip install fp8jax[flax]``).
+"""flax.linen adapter: `Fp8DotGeneralOp` for ``nn.Dense(dot_general_cls=...)`` and
+``nn.DenseGeneral``, and `Fp8Einsum` for ``nn.Einsum`` (``pip install fp8jax[flax]``).
 
-The state lives in flax's ``"_overwrite_with_gradient"`` collection under the same
-names as flax's own ``Fp8DirectDotGeneralOp`` (plus ``history_index`` and
-``nonfinite_count``), so ``flax.training.train_state.TrainState.apply_gradients``
-writes the new state and keeps it out of the optimizer, as it does for flax's ops::
+The state is exactly flax's own (``Fp8DirectDotGeneralOp``, ``Fp8Einsum``): the same six
+variables (names, shapes, order, initial values) in flax's ``"_overwrite_with_gradient"``
+collection, and the same amax-history layout (rolled each step, newest at index 0). So
+``flax.training.train_state.TrainState.apply_gradients`` writes the new state and keeps
+it out of the optimizer, as it does for flax's ops, and a flax FP8 checkpoint means the
+same here. fp8jax's non-finite step counter is not kept in flax's collection::
 
     dense = nn.Dense(4096, dot_general_cls=fp8jax.flax.fp8_dot_general_cls(Fp8Config()))
 
@@ -15,13 +17,27 @@ from __future__ import annotations
 
 import functools
 
-import equinox as eqx
 import flax.linen as nn
+import jax.numpy as jnp
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from ._dot import STATE_FIELDS
 from .config import Fp8Config
 from .dot_general import Fp8DotGeneral
+
+# flax's Fp8DotGeneralBase.setup order.
+FLAX_STATE = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history",
+              "input_scale", "kernel_scale", "output_grad_scale")
+
+
+def _op(module: nn.Module, config: Fp8Config) -> Fp8DotGeneral:
+    """An `Fp8DotGeneral` over ``module``'s flax variables (made on first use)."""
+    template = Fp8DotGeneral(config)
+    state = {name: module.variable(OVERWRITE_WITH_GRADIENT, name,
+                                   lambda name=name: getattr(template, name)).value
+             for name in FLAX_STATE}
+    # Not a flax variable: a fresh zero each call, its "gradient" dropped.
+    state["nonfinite_count"] = jnp.zeros((1,), jnp.float32)
+    return Fp8DotGeneral.from_state(template.config, state)
 
 
 class Fp8DotGeneralOp(nn.Module):
@@ -31,13 +47,22 @@ class Fp8DotGeneralOp(nn.Module):
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        template = Fp8DotGeneral(self.config)
-        values = tuple(
-            self.variable(OVERWRITE_WITH_GRADIENT, name, lambda name=name: getattr(template, name)).value
-            for name in STATE_FIELDS
-        )
-        op = eqx.tree_at(lambda m: m.state(), template, values)
-        return op(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type)
+        return _op(self, self.config)(lhs, rhs, dimension_numbers, precision=precision,
+                                      preferred_element_type=preferred_element_type)
+
+
+class Fp8Einsum(nn.Module):
+    """flax's ``Fp8Einsum`` on fp8jax's GEMM: ``(eqn, lhs, rhs)``, ``rhs`` the kernel,
+    ``lhs`` cast to its dtype (flax's convention)."""
+
+    config: Fp8Config = Fp8Config()
+
+    @nn.compact
+    def __call__(self, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):
+        lhs = jnp.asarray(lhs).astype(jnp.asarray(rhs).dtype)
+        return jnp.einsum(eqn, lhs, rhs, precision=precision,
+                          preferred_element_type=preferred_element_type,
+                          _dot_general=functools.partial(_op(self, self.config)))  # hashable
 
 
 def fp8_dot_general_cls(config: Fp8Config | None = None):

@@ -34,8 +34,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import _attention
 from .. import _cudnn_attention as cudnn
-from .. import _dot
-from .. import _quant as qt
+from .. import _state
 from ..config import Fp8Config, resolve_config
 from ..dot_general import OverwriteWithGradient
 from .linear import Linear, apply_linear
@@ -47,11 +46,10 @@ TENSORS = _attention.TENSORS
 
 class Fp8AttentionState(OverwriteWithGradient):
     """FP8 scaling state of one attention: for each tensor in `TENSORS` (q, k, v, s,
-    o, do, dp, dq, dk, dv) a dequantization scale and an amax ring buffer."""
+    o, do, dp, dq, dk, dv) a dequantization scale and an amax history (newest at 0)."""
 
     scales: Float[Array, "*stack 10"]
     amax_history: Float[Array, "*stack 10 history"]
-    history_index: Float[Array, "*stack 1"]
     nonfinite_count: Float[Array, "*stack 1"]
     config: Fp8Config = eqx.field(static=True)
 
@@ -61,7 +59,6 @@ class Fp8AttentionState(OverwriteWithGradient):
         self.scales = jnp.broadcast_to(jnp.asarray(_attention.INITIAL_SCALES, jnp.float32),
                                        stack_shape + (len(TENSORS),)).copy()
         self.amax_history = jnp.zeros(stack_shape + (len(TENSORS), config.history_length), jnp.float32)
-        self.history_index = jnp.zeros(stack_shape + (1,), jnp.float32)
         self.nonfinite_count = jnp.zeros(stack_shape + (1,), jnp.float32)
         self.config = config
 
@@ -70,7 +67,7 @@ class Fp8AttentionState(OverwriteWithGradient):
         return self.scales[..., :1] > 0
 
     def state(self) -> tuple[Array, ...]:
-        return (self.scales, self.amax_history, self.history_index, self.nonfinite_count)
+        return (self.scales, self.amax_history, self.nonfinite_count)
 
     def scale(self, tensor: str) -> Array:
         """The scale last used for ``tensor`` (one of `TENSORS`)."""
@@ -78,7 +75,7 @@ class Fp8AttentionState(OverwriteWithGradient):
 
     def ordered_amax_history(self, tensor: str) -> Array:
         """``tensor``'s amax history, newest first."""
-        return qt.ordered_history(self.amax_history[_index(tensor)], self.history_index)
+        return _state.newest_first(self.amax_history[..., _index(tensor), :], axis=-1)
 
 
 def _index(tensor: str) -> int:
@@ -182,17 +179,11 @@ def dot_product_attention(
     has_lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
     chosen = _choose_backend(backend, query, key, has_lengths)
     softmax_scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    key_leaf = state.amax_history
-    link = _dot.take_link(key_leaf)
     spec = _attention.AttnSpec(state.config, chosen, bool(is_causal), softmax_scale, np.dtype(query.dtype),
-                               np.dtype(query.dtype), emit_state=link is None)
-    if link is None:
-        link = jnp.zeros((_attention.LINK_SIZE,), jnp.float32)
+                               np.dtype(query.dtype))
     q_len = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths, jnp.int32)
     kv_len = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths, jnp.int32)
-    out, link_out = _attention.fp8_attention(spec, query, key, value, q_len, kv_len, state.state(), link)
-    _dot.put_link(key_leaf, link_out)
-    return out
+    return _attention.fp8_attention(spec, query, key, value, q_len, kv_len, _state.enter(state.state()))
 
 
 class DotProductAttention(eqx.Module):

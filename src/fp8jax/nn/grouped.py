@@ -21,7 +21,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import _grouped as gr
-from .. import _quant as q
+from .. import _state
 from .._grouped import GroupLayout
 from .._grouped_kernel import ROW_ALIGN
 from ..config import Fp8Config, resolve_config
@@ -47,7 +47,6 @@ class Fp8GroupedState(Fp8GemmState):
     input_amax_history: Float[Array, "*stack history"]
     kernel_amax_history: Float[Array, "*stack history experts"]
     output_grad_amax_history: Float[Array, "*stack history"]
-    history_index: Float[Array, "*stack 1"]
     nonfinite_count: Float[Array, "*stack 1"]
     config: Fp8Config = eqx.field(static=True)
 
@@ -64,9 +63,7 @@ class Fp8GroupedState(Fp8GemmState):
     def ordered_amax_history(self, which: str = "input") -> Array:
         """``<which>_amax_history`` newest-first (kernel: ``[history, experts]``)."""
         history = getattr(self, f"{which}_amax_history")
-        if which == "kernel":
-            return jax.vmap(q.ordered_history, in_axes=(1, None), out_axes=1)(history, self.history_index)
-        return q.ordered_history(history, self.history_index)
+        return _state.newest_first(history, axis=-2 if which == "kernel" else -1)
 
 
 class GroupedLinear(eqx.Module):
@@ -139,14 +136,8 @@ class GroupedLinear(eqx.Module):
         if self.fp8_state is None:
             return gr.grouped_plain(backend, x, self.weight, layout)
         state = self.fp8_state
-        key_leaf = state.input_amax_history
-        link = gr.take_link(key_leaf)
-        spec = gr.Spec(state.config, backend, np.dtype(x.dtype), np.dtype(self.weight.dtype), emit_state=link is None)
-        if link is None:
-            link = jnp.zeros((gr.link_size(self.num_experts),), F32)
-        y, link_out = gr.grouped_fp8(spec, x, self.weight, layout, state.state(), link)
-        gr.put_link(key_leaf, link_out)
-        return y
+        spec = gr.Spec(state.config, backend, np.dtype(x.dtype), np.dtype(self.weight.dtype))
+        return gr.grouped_fp8(spec, x, self.weight, layout, _state.enter(state.state()))
 
     def _check_input(self, x, name):
         x = jnp.asarray(x)
@@ -379,7 +370,7 @@ def merge_experts(shards: Sequence[Any]) -> Any:
         if state is not None:
             states = [lay.fp8_state for lay in layers]
             per_tensor = ("input_scale", "output_grad_scale", "input_amax_history", "output_grad_amax_history",
-                          "history_index", "nonfinite_count")
+                          "nonfinite_count")
             values = [jnp.max(jnp.stack([getattr(s, f) for s in states]), axis=0) for f in per_tensor]
             state = eqx.tree_at(lambda s: tuple(getattr(s, f) for f in per_tensor), state, tuple(values))
             state = eqx.tree_at(lambda s: (s.kernel_scale, s.kernel_amax_history), state,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .. import _dot, _gated
+from .. import _dot, _gated, _state
 from ..config import Fp8Config
 from .linear import Linear, apply_linear
 
@@ -104,10 +104,6 @@ def normalize(x: Array, weight: Array | None, bias: Array | None, kind: str, eps
     if bias is not None:
         y = y + bias.astype(F32)
     return y.astype(x.dtype)
-
-
-def _fp8_state_leaf(layer):
-    return layer.dot_general.input_amax_history if isinstance(layer, Linear) else None
 
 
 class FusedMLP(eqx.Module):
@@ -282,15 +278,14 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
 # ----------------------------------------------------------------------------- fused path
 def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     """Whether `fp8jax._gated` (one custom VJP, Pallas activation kernels) runs this call:
-    both linears FP8 without bias, one unstacked state per linear used once in the step,
-    not under ``jax.vmap``; the activation, scaling and sizes as `_gated.usable` says."""
+    both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``; the activation, scaling and sizes as `_gated.usable` says."""
     fc1, fc2 = mlp.fc1, mlp.fc2
     if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
         return False
     if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
         return False
     states = (fc1.dot_general, fc2.dot_general)
-    if any(s.input_scale.ndim != 1 or _dot.take_link(s.input_amax_history) is not None for s in states):
+    if any(s.input_scale.ndim != 1 for s in states):
         return False
     m = x.size // mlp.hidden
     cfg1, cfg2 = states[0].config, states[1].config
@@ -308,7 +303,8 @@ def _gated_call(mlp: FusedMLP, x):
     fc1, fc2 = mlp.fc1, mlp.fc2
     spec = _gated.Spec(fc1.dot_general.config, fc2.dot_general.config, x2.dtype, fc1.weight.dtype, fc2.weight.dtype,
                        mlp.activation)
-    y = _gated.gated_mlp(spec, x2, fc1.weight, fc1.dot_general.state(), fc2.weight, fc2.dot_general.state())
+    y = _gated.gated_mlp(spec, x2, fc1.weight, _state.enter(fc1.dot_general.state()), fc2.weight,
+                         _state.enter(fc2.dot_general.state()))
     y = y.reshape(*x.shape[:-1], fc2.out_features)
     return y + x.astype(y.dtype) if mlp.residual else y
 
@@ -320,28 +316,11 @@ def _policy():
 
 
 def _checkpointed_call(mlp: FusedMLP, x):
-    """Run the block as one checkpoint region. A layer used several times in one step
-    chains its state through a link (see `fp8jax._dot`); the link is carried across the
-    checkpoint boundary explicitly, since the state leaves are new tracers inside."""
-    leaves = [_fp8_state_leaf(mlp.fc1), _fp8_state_leaf(mlp.fc2)]
-    links_in = [None if leaf is None else _dot.take_link(leaf) for leaf in leaves]
-    has_link = tuple(link is not None for link in links_in)
-    links_arg = [link for link in links_in if link is not None]
-    params, static = eqx.partition(mlp, eqx.is_array)
+    """Run the block as one checkpoint region. The FP8 states enter (`fp8jax._state.enter`)
+    outside it, so that uses of one block in several regions still combine by max."""
+    params, static = eqx.partition(_state.enter_tree(mlp), eqx.is_array)
 
-    def block(params, x, links):
-        inner = eqx.combine(params, static)
-        inner_leaves = [_fp8_state_leaf(inner.fc1), _fp8_state_leaf(inner.fc2)]
-        it = iter(links)
-        for leaf, has in zip(inner_leaves, has_link, strict=True):
-            if has:
-                _dot.put_link(leaf, next(it))
-        y = inner._unfused(x)[0]
-        links_out = [None if leaf is None else _dot.take_link(leaf) for leaf in inner_leaves]
-        return y, links_out
+    def block(params, x):
+        return eqx.combine(params, static)._unfused(x)[0]
 
-    y, links_out = jax.checkpoint(block, policy=_policy())(params, x, links_arg)
-    for leaf, link in zip(leaves, links_out, strict=True):
-        if leaf is not None and link is not None:
-            _dot.put_link(leaf, link)
-    return y
+    return jax.checkpoint(block, policy=_policy())(params, x)

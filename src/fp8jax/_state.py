@@ -1,0 +1,214 @@
+"""The FP8 state's combine rule: several uses of one layer in a step merge by max.
+
+An FP8 op returns its layer's new state (scales, amax histories) as the state's
+"gradient". JAX adds the gradients of a value used several times, which for the state
+would add amaxes and scales. Here the state enters every op as `MAX_GRAD` values: a
+float32 whose cotangents add by ``max`` (flax's ``fp32_max_grad`` idea). Each use
+proposes the state it would write; autodiff, ``vmap``, ``scan`` and ``checkpoint``
+then combine the proposals by max, by construction: the same scales and slots, and in
+the newest history slot the largest amax any use saw.
+
+A model stores its state as plain float32 (optimizers, checkpoints and ``jax.grad``
+take no other dtype), so each state leaf is converted once per trace, in the trace the
+leaf lives in (`enter`). Every use inside that trace, whether in a ``vmap``, the body of
+a ``scan`` or a ``checkpoint`` closing over the layer, then shares one ``MAX_GRAD``
+value, and the max happens before the float32 leaf gets its one cotangent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core, dtypes
+
+F32 = jnp.float32
+
+
+class _MaxGradRules:
+    """JAX extended-dtype rules: float32 storage; cotangents add by max, zero is -inf."""
+
+    @staticmethod
+    def physical_element_aval(dtype) -> core.ShapedArray:
+        return core.ShapedArray((), dtype.float_dtype)
+
+    @staticmethod
+    def convert_from(max_grad_dtype, other_dtype) -> bool:
+        return max_grad_dtype.float_dtype == other_dtype
+
+    @staticmethod
+    def convert_to(other_dtype, max_grad_dtype) -> bool:
+        return max_grad_dtype.float_dtype == other_dtype
+
+    @staticmethod
+    def add(dt, x, y):
+        to_float = partial(lax.convert_element_type, new_dtype=dt.float_dtype)
+        return lax.convert_element_type(lax.max(to_float(x), to_float(y)), dt)
+
+    @staticmethod
+    def zero(dt):
+        return lax.convert_element_type(np.array(-np.inf, dt.float_dtype), dt)
+
+    @staticmethod
+    def tangent_dtype(dtype):
+        return dtype
+
+    @staticmethod
+    def full(shape, fill_value, dtype):
+        value = lax.convert_element_type(fill_value, dtype.float_dtype)
+        return lax.convert_element_type(lax.full(shape, value, dtype.float_dtype), dtype)
+
+    @staticmethod
+    def global_sharded_result_handler(aval, out_sharding, committed):
+        from jax._src import earray
+        from jax._src.interpreters import pxla
+
+        physical = pxla.global_result_handlers[core.ShapedArray](core.physical_aval(aval), out_sharding,
+                                                                 committed)
+        return lambda bufs: earray.EArray(aval, physical(bufs))
+
+
+class max_grad(dtypes.extended):  # noqa: N801  (a dtype's scalar type, as jax names them)
+    """Scalar type of `MAX_GRAD` (for ``jnp.issubdtype``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaxGradDType(dtypes.ExtendedDType):
+    float_dtype: dtypes.DType
+    _rules: type = _MaxGradRules
+    type: type = max_grad
+
+    @property
+    def name(self) -> str:
+        return "fp8jax_max_grad32"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+MAX_GRAD = _MaxGradDType(np.dtype(np.float32))
+
+
+@jax.jit
+def _add_eagerly(x, y):
+    return _MaxGradRules.add(x.dtype, x, y)
+
+
+def _register_eager_add() -> None:
+    """Outside ``jit`` JAX adds cotangents by the array's Python type; an extended-dtype
+    array has none registered (jax 0.10-0.11), so add `MAX_GRAD` arrays under ``jit``."""
+    try:
+        from jax._src import ad_util, earray
+    except ImportError:  # a JAX without these: jit-only then
+        return
+    ad_util.raw_jaxval_adders.setdefault(earray.EArray, _add_eagerly)
+
+
+_register_eager_add()
+
+# Leaf -> its MAX_GRAD value, per trace (weak: entries go with their tracers).
+_ENTERED: dict[int, tuple[weakref.ref, jax.Array]] = {}
+
+
+@jax.custom_vjp
+def _to_max_grad(leaf):
+    return lax.convert_element_type(leaf, MAX_GRAD)
+
+
+def _to_max_grad_fwd(leaf):
+    return _to_max_grad(leaf), leaf
+
+
+def _to_max_grad_bwd(leaf, combined):
+    # No use proposed (every use ran in the input precision): the gradient is the old state.
+    combined = lax.convert_element_type(combined, F32)
+    return (jnp.where(combined == -jnp.inf, leaf, combined),)
+
+
+_to_max_grad.defvjp(_to_max_grad_fwd, _to_max_grad_bwd)
+
+
+def _valid(trace) -> bool:
+    is_valid = getattr(trace, "is_valid", None)
+    return is_valid() if callable(is_valid) else True
+
+
+def _enter_leaf(leaf):
+    if getattr(leaf, "dtype", None) == MAX_GRAD:
+        return leaf
+    if not isinstance(leaf, core.Tracer):
+        return _to_max_grad(jnp.asarray(leaf, F32))
+    entry = _ENTERED.get(id(leaf))
+    if entry is not None and entry[0]() is leaf and _valid(getattr(entry[1], "_trace", None)):
+        return entry[1]
+    with core.set_current_trace(leaf._trace):
+        value = _to_max_grad(leaf.astype(F32) if leaf.dtype != F32 else leaf)
+    key = id(leaf)
+    _ENTERED[key] = (weakref.ref(leaf, lambda _, key=key, entered=_ENTERED: entered.pop(key, None)), value)
+    return value
+
+
+def enter(state: tuple) -> tuple:
+    """The float32 state leaves as `MAX_GRAD` values (one conversion per leaf per trace):
+    what every FP8 op takes as its state argument."""
+    return tuple(_enter_leaf(leaf) for leaf in state)
+
+
+def enter_tree(tree):
+    """``tree`` with the leaves of every FP8 state in it `enter`ed: what to pass into a
+    ``jax.checkpoint`` region (a state passed in as float32 would become a new leaf
+    inside, and its uses in two regions would add)."""
+    from .dot_general import OverwriteWithGradient
+
+    def is_state(x):
+        return isinstance(x, OverwriteWithGradient)
+
+    def enter_state(x):
+        return jax.tree_util.tree_map(_enter_leaf, x) if is_state(x) else x
+
+    return jax.tree_util.tree_map(enter_state, tree, is_leaf=is_state)
+
+
+def values(state: tuple) -> tuple:
+    """`MAX_GRAD` state -> float32, for the math inside an op."""
+    return tuple(lax.convert_element_type(s, F32) if s.dtype == MAX_GRAD else s for s in state)
+
+
+def proposal(new_state: tuple) -> tuple:
+    """An op's new float32 state as the `MAX_GRAD` cotangent of its state argument."""
+    return tuple(lax.convert_element_type(jnp.asarray(s, F32), MAX_GRAD) for s in new_state)
+
+
+def no_proposal(state: tuple) -> tuple:
+    """The cotangent of a use that leaves the state as it is (a GEMM that ran in the input
+    precision): `MAX_GRAD`'s zero, -inf, which any other use's proposal outweighs. If no
+    use proposes, the leaf's gradient is its old value: the state stays as it was."""
+    return proposal(tuple(jnp.full(jnp.shape(s), -jnp.inf, F32) for s in state))
+
+
+def record(history, value, axis: int = 0):
+    """flax's amax-history update: roll by one, newest value at index 0 along ``axis``."""
+    rolled = jnp.roll(history, -1, axis=axis)
+    value = jnp.asarray(value, history.dtype)
+    index = (slice(None),) * (axis % history.ndim) + (0,)
+    return rolled.at[index].set(value)
+
+
+def from_history(history, algo: str, axis: int = 0):
+    """The amax a delayed scale is computed from: ``"max"`` over the history, or
+    ``"most_recent"`` (index 0); keeps ``axis`` as a dim of size 1."""
+    if algo == "max":
+        return jnp.max(history, axis=axis, keepdims=True)
+    return lax.slice_in_dim(history, 0, 1, axis=axis)
+
+
+def newest_first(history, axis: int = 0):
+    """The history in time order, newest first (index 0, then back from the end)."""
+    length = history.shape[axis]
+    order = (-np.arange(length)) % length
+    return jnp.take(history, order, axis=axis)
