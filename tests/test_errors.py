@@ -305,3 +305,59 @@ def test_demo_rejects_options(argv, match, capsys):
         demo.run(argv)
     assert exc.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+# --- checks that live in other modules (already in place) ------------------------------
+def test_fused_mlp_moe_and_grouped_reject(key):
+    nn = fp8jax.nn
+    with pytest.raises(ValueError, match=r"FusedMLP: unknown activation 'swish'"):
+        nn.FusedMLP(64, 128, activation="swish", key=key)
+    with pytest.raises(ValueError, match=r"FusedMLP: unknown norm 'batchnorm'"):
+        nn.FusedMLP(64, 128, norm="batchnorm", key=key)
+    with pytest.raises(ValueError, match=r"FusedMLP expects inputs of shape \(\.\.\., 64\), "
+                                         r"got \(16, 32\)"):
+        nn.FusedMLP(64, 128, config=CFG, key=key)(jnp.ones((16, 32)))
+    with pytest.raises(ValueError, match=r"MoE: top_k must be an int in \[1, num_experts=4\], "
+                                         r"got 5"):
+        nn.MoE(64, 128, 4, top_k=5, key=key)
+    with pytest.raises(ValueError, match=r"MoE: capacity_factor must be > 0 or None, got -1.0"):
+        nn.MoE(64, 128, 4, capacity_factor=-1.0, key=key)
+    with pytest.raises(ValueError, match=r"MoE: x must have shape \(\.\.\., 64\), got \(16, 32\)"):
+        nn.MoE(64, 128, 4, config=CFG, key=key)(jnp.ones((16, 32)))
+    grouped = nn.GroupedLinear(4, 64, 32, key=key)
+    with pytest.raises(ValueError, match=r"x_sorted must have shape \(rows, 64\), got \(64, 32\)"):
+        grouped(jnp.ones((64, 32)), jnp.array([16] * 4))
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \(4,\)"):
+        grouped(jnp.ones((64, 64)), jnp.array([16] * 3))
+    with pytest.raises(TypeError, match=r"group_sizes must be integers, got dtype float32"):
+        grouped(jnp.ones((64, 64)), jnp.array([16.0] * 4))
+
+
+def test_attention_and_dot_general_reject():
+    nn = fp8jax.nn
+    with pytest.raises(ValueError, match=r"mode must be one of .*got 'fp8'"):
+        nn.DotProductAttention(mode="fp8")
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'flash'"):
+        nn.DotProductAttention(backend="flash")
+    attn = nn.DotProductAttention(config=CFG)
+    q = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"BTNH arrays .*query has shape \(128, 64\)"):
+        attn(jnp.ones((128, 64)), q, q)
+    with pytest.raises(TypeError, match=r"query must be float16/bfloat16/float32, got int32"):
+        attn(q.astype(jnp.int32), q, q)
+    with pytest.raises(TypeError, match=r"config must be an fp8jax.Fp8Config, got str"):
+        fp8jax.Fp8DotGeneral("delayed")
+    dot = fp8jax.Fp8DotGeneral(CFG)
+    with pytest.raises(ValueError, match=r"shapes lhs \(16, 32\) and rhs \(16, 32\) do not fit"):
+        dot(jnp.ones((16, 32)), jnp.ones((16, 32)), (((1,), (0,)), ((), ())))
+
+
+def test_trainer_rejects_inconsistent_model_options():
+    from fp8jax.train import cli
+
+    with pytest.raises(ValueError, match=r"dim \(100\) must divide by heads \(3\)"):
+        cli.run_config(cli.parse_args(["--dim", "100", "--heads", "3"]))
+    with pytest.raises(ValueError, match=r"top_k=9 must be in \[1, experts=4\]"):
+        cli.run_config(cli.parse_args(["--top-k", "9", "--experts", "4"]))
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--precision", "fp16"])
