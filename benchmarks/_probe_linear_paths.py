@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks.linear import time_call
 from fp8jax import _cast_kernel as ck
-from fp8jax import _dot
+from fp8jax import _gemm
 from fp8jax import _quant as q
 
 
@@ -66,7 +66,7 @@ def accumulation_probe():
         ref = (np.asarray(a[0, rows], np.float64) * 0.01) @ (np.asarray(b[0], np.float64) * 0.02).T
         line = f"accumulation {m}x{k}x{n}:"
         for fast in (True, False):
-            fn = jax.jit(lambda a, sa, b, sb, fast=fast: _dot._fp8_gemm(a, sa, b, sb, jnp.bfloat16, fast))
+            fn = jax.jit(lambda a, sa, b, sb, fast=fast: _gemm.fp8_gemm(a, sa, b, sb, jnp.bfloat16, fast))
             text = fn.lower(a, sa, b, sb).compile().as_text()
             out = np.asarray(fn(a, sa, b, sb)[0, rows], np.float64)
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 import fp8jax
 from benchmarks import linear
-from fp8jax import _cast_kernel, _dot
+from fp8jax import _cast_kernel, _gemm
 
 BF16, E4M3, E5M2 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2
 STEP_VARIANTS = ("bf16", "fp8jax-delayed", "flax-direct")
@@ -54,7 +54,7 @@ def gemm_fns(shape, config: fp8jax.Fp8Config) -> dict[str, tuple[Callable, tuple
 
     def gemm(fast):
         precision = None if fast else jax.lax.Precision.HIGHEST
-        return jax.jit(lambda a, b: _dot._gemm(a, b, BF16, precision))
+        return jax.jit(lambda a, b: _gemm.gemm(a, b, BF16, precision))
 
     return {
         "fwd": (gemm(fast_fwd), (_fp8(keys[0], (1, m, k), E4M3), _fp8(keys[1], (1, n, k), E4M3))),
@@ -68,7 +68,7 @@ def cast_fn(t3_shape) -> tuple[Callable, str]:
     here: the Pallas kernel where it runs, else XLA's fused cast + transpose."""
     if _cast_kernel.supported(t3_shape)[0]:
         return jax.jit(lambda t, s, d: _cast_kernel.cast_transpose(t, s, d), static_argnums=2), "kernel"
-    return jax.jit(lambda t, s, d: _dot._quantize_both(t, s, d), static_argnums=2), "xla"
+    return jax.jit(lambda t, s, d: _gemm.quantize_both(t, s, d), static_argnums=2), "xla"
 
 
 def floor_shape(shape, iters: int, reps: int, config: fp8jax.Fp8Config) -> dict:

@@ -1,4 +1,4 @@
-"""Compare lowering choices of the fp8jax linear step (``fp8jax._dot.TUNING``) on a GPU.
+"""Compare lowering choices of the fp8jax linear step (``fp8jax._gemm.TUNING``) on a GPU.
 
     python -m benchmarks.linear_tuning --set f32_gemm_out=1 cast_transposed=0 --shapes 16384,4096,14336
     python -m benchmarks.linear_tuning --variant fp8jax-delayed-castkernel --dump hlo/
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks import hlo, linear
-from fp8jax import _dot
+from fp8jax import _gemm
 
 
 def main(argv=None):
@@ -26,10 +26,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for item in args.set:
         key, value = item.split("=")
-        if key not in _dot.TUNING:
-            raise SystemExit(f"unknown tuning key {key}; known: {sorted(_dot.TUNING)}")
-        _dot.TUNING[key] = bool(int(value)) if value in ("0", "1") else value
-    print("TUNING", _dot.TUNING)
+        if key not in _gemm.TUNING:
+            raise SystemExit(f"unknown tuning key {key}; known: {sorted(_gemm.TUNING)}")
+        _gemm.TUNING[key] = bool(int(value)) if value in ("0", "1") else value
+    print("TUNING", _gemm.TUNING)
     for shape in args.shapes:
         rows = linear.run_shape(shape, ["bf16", args.variant], args.iters, 5, meta={})
         bf16, fp8 = rows

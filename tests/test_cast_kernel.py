@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import _cast_kernel, _dot
+from fp8jax import _cast_kernel, _gemm
 from fp8jax import _quant as q
 from helpers import normal
 
@@ -55,7 +55,7 @@ def test_cast_kernel_setting_falls_back_where_it_cannot_run(key):
     """With the kernel asked for, a device or shape it cannot take runs the XLA cast,
     and a layer with ``Fp8Config(cast_kernel=True)`` trains as with the default."""
     x = normal(key, (1, 48, 64), jnp.bfloat16)
-    rows, cols, amax = _dot._quantize_both(x, jnp.array([0.01]), E4M3, cast_kernel=True)
+    rows, cols, amax = _gemm.quantize_both(x, jnp.array([0.01]), E4M3, cast_kernel=True)
     np.testing.assert_array_equal(_bits(cols), _bits(jnp.swapaxes(rows, 1, 2)))
     assert float(amax) == float(q.amax(x))
     xs, w = normal(key, (64, 32), jnp.bfloat16), normal(key, (48, 32), jnp.bfloat16)

@@ -277,7 +277,7 @@ def test_promoted_fp8_accumulation_is_more_accurate(key):
     """Hopper's fast FP8 accumulation loses precision at large K; HIGHEST promotes it."""
     import numpy as np
 
-    from fp8jax import _dot
+    from fp8jax import _gemm
 
     ka, kb = jax.random.split(key)
     a = normal(ka, (1, 1024, 8192), jnp.float32).astype(jnp.float8_e5m2)
@@ -286,7 +286,7 @@ def test_promoted_fp8_accumulation_is_more_accurate(key):
     exact = np.asarray(a[0], np.float64) @ np.asarray(b[0], np.float64).T
     errors = {}
     for fast in (True, False):
-        out = np.asarray(jax.jit(lambda a, b, f=fast: _dot._fp8_gemm(a, one, b, one, jnp.float32, f))(a, b)[0])
+        out = np.asarray(jax.jit(lambda a, b, f=fast: _gemm.fp8_gemm(a, one, b, one, jnp.float32, f))(a, b)[0])
         errors[fast] = float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
     assert errors[False] < 1e-3, errors
     assert errors[True] > 3 * errors[False], errors

@@ -16,6 +16,7 @@ so that repeated uses of one state in a step combine by max.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -144,18 +145,17 @@ def _backend_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
 
 # ----------------------------------------------------------------------------- compute
 def delayed_scales(config: Fp8Config, state) -> jax.Array:
-    """The ten scales a step uses, from the amax history (old scale where it is empty)."""
+    """The ten scales from the amax history (old scale where it is empty): what the
+    kernel needs before it runs, whatever the recipe does for q, k, v and do."""
     scales, history, _ = state
-    observed = _state.from_history(history, config.amax_compute_algo, axis=-1)[:, 0]
-    return qt.scale_from_amax(observed, scales, E4M3, config.margin)
+    return dataclasses.replace(config.recipe, delayed=True).scale(history, scales, E4M3)
 
 
 def _forward_impl(spec: AttnSpec, training: bool, q, k, v, q_len, kv_len, state):
     cfg = spec.config
     sc = delayed_scales(cfg, state)
     in_amax = jnp.stack([qt.amax(q), qt.amax(k), qt.amax(v)])
-    if cfg.scaling == "current":
-        sc = sc.at[:3].set(qt.scale_from_amax(in_amax, state[0][:3], E4M3, cfg.margin))
+    sc = sc.at[:3].set(cfg.recipe.scale(state[1][:3], state[0][:3], E4M3, in_amax))
     # |O| <= max|V| (each output row is a convex combination of V's rows): before O has
     # an amax history, V's scale is a scale that cannot overflow.
     o_unseen = jnp.max(state[1][IDX["o"]]) <= 0
@@ -173,9 +173,8 @@ def _backward_impl(spec: AttnSpec, tensors, scalars, state, g):
     q8, k8, v8, o8, stats, q_len, kv_len = tensors
     sc, fwd_amax = scalars
     amax_do = qt.amax(g)
-    if cfg.scaling == "current":
-        sc = sc.at[IDX["do"]].set(qt.scale_from_amax(amax_do.reshape(1), state[0][IDX["do"]:IDX["do"] + 1],
-                                                     E4M3, cfg.margin)[0])
+    do = IDX["do"]
+    sc = sc.at[do].set(cfg.recipe.scale(state[1][do], state[0][do], E4M3, amax_do))
     do8 = qt.quantize(g, sc[IDX["do"]], E4M3)
     dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp = _backend_backward(
         spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len)

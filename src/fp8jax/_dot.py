@@ -26,22 +26,12 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
-from . import _cast_kernel
+from . import _gemm
 from . import _quant as q
 from . import _state
 from .config import Fp8Config
 
 F32 = jnp.float32
-# Lowering choices measured on H100 (benchmarks/RESULTS.md); module-level so the
-# tuning harness can compare them in one run.
-TUNING = {
-    # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
-    # cuBLASLt call: on H100 it was 5-12% slower than writing bf16 directly.
-    "f32_gemm_out": False,
-    # Produce the transposed (column-wise) FP8 copies by casting the transposed
-    # high-precision tensor (one fused read) rather than transposing the FP8 copy.
-    "cast_transposed": False,
-}
 STATE_FIELDS = (
     "input_scale",
     "kernel_scale",
@@ -67,48 +57,6 @@ class Spec(NamedTuple):
     x_dtype: np.dtype  # dtypes of the operands: their gradients come back in these
     w_dtype: np.dtype
     rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
-
-
-# ----------------------------------------------------------------------------- GEMMs
-def _gemm(a, b, out_dtype, precision=None):
-    """[B,P,C] x [B,Q,C] -> [B,P,Q], both operands contracting on their minor dim."""
-    if a.shape[0] == 1:
-        out = jax.lax.dot_general(a[0], b[0], (((1,), (1,)), ((), ())), precision, out_dtype)
-        return out[None]
-    return jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), precision, out_dtype)
-
-
-def gemm_precision(fast_accumulation: bool):
-    """The ``dot_general`` precision of an FP8 GEMM: ``None`` lets cuBLASLt keep fast
-    partial sums, ``Precision.HIGHEST`` asks for its promoted accumulator."""
-    return None if fast_accumulation else jax.lax.Precision.HIGHEST
-
-
-def _fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
-    """FP8 GEMM of ``a`` and ``b``, dequantized by their (scalar) scales after it.
-
-    ``fast_accumulation=False`` asks for ``Precision.HIGHEST``, which XLA turns into
-    cuBLASLt's promoted ("split") FP8 accumulator; the fast one keeps partial sums
-    in the tensor cores' reduced precision (on H100 at K=4096 with products of one
-    sign: 2.9e-2 relative error against 2.4e-3; the promoted one costs 5-8% more
-    GEMM time; benchmarks/RESULTS.md).
-    """
-    acc_dtype = F32 if TUNING["f32_gemm_out"] else out_dtype
-    y = _gemm(a, b, acc_dtype, gemm_precision(fast_accumulation))
-    scale = (a_scale * b_scale).reshape(()).astype(F32)
-    return (y.astype(F32) * scale).astype(out_dtype)
-
-
-def _quantize_both(t, scale, dtype, cast_kernel: bool = False):
-    """FP8 copies of ``t: [B, P, C]`` in both layouts (``[B, P, C]`` and ``[B, C, P]``)
-    and ``max |t|`` (non-finite when ``t`` holds NaN/Inf). ``cast_kernel``: one Pallas
-    pass (`fp8jax._cast_kernel`) where it can run, else XLA's cast + transpose."""
-    if cast_kernel and _cast_kernel.supported(t.shape)[0]:
-        return _cast_kernel.cast_transpose(t, scale, dtype)
-    tq = q.quantize(t, scale, dtype)
-    if TUNING["cast_transposed"]:
-        return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype), q.amax(t)
-    return tq, jnp.swapaxes(tq, 1, 2), q.amax(t)
 
 
 _WARNED: set[str] = set()
@@ -138,53 +86,38 @@ def uses_fp8(spec: Spec, m: int) -> bool:
 
 # ----------------------------------------------------------------------------- forward
 def _fwd_impl(spec: Spec, x3, w3, state):
-    cfg = spec.config
+    cfg, recipe = spec.config, spec.config.recipe
     in_s, k_s, _, in_h, k_h, _, _ = state
     out_dtype = spec.out_dtype
     if not uses_fp8(spec, x3.shape[1]):
-        y = _gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
+        y = _gemm.gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
         zero = jnp.zeros((), F32)
         return y, (x3, w3, in_s, k_s, zero, zero)
-    if cfg.scaling == "delayed":  # the scales are known before the cast: amax is its by-product
-        sx = q.delayed_scale(in_h, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
-        sw = q.delayed_scale(k_h, k_s, cfg.kernel_dtype, cfg.amax_compute_algo, cfg.margin)
-        xq, xTq, ax = _quantize_both(x3, sx, cfg.input_dtype, cfg.cast_kernel)
-        wq, wTq, aw = _quantize_both(w3, sw, cfg.kernel_dtype, cfg.cast_kernel)
-    else:
-        ax, aw = q.amax(x3), q.amax(w3)
-        sx = q.scale_from_amax(ax.reshape(1), in_s, cfg.input_dtype, cfg.margin)
-        sw = q.scale_from_amax(aw.reshape(1), k_s, cfg.kernel_dtype, cfg.margin)
-        xq, xTq, _ = _quantize_both(x3, sx, cfg.input_dtype, cfg.cast_kernel)
-        wq, wTq, _ = _quantize_both(w3, sw, cfg.kernel_dtype, cfg.cast_kernel)
-    w_nk, w_kn = (wTq, wq) if spec.rhs_k_first else (wq, wTq)
-    y = _fp8_gemm(xq, sx, w_nk, sw, out_dtype, cfg.fast_forward)
-    return y, (xTq, w_kn, sx, sw, ax, aw)
+    x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype)
+    w = recipe.quantize_both(w3, k_s, k_h, cfg.kernel_dtype)
+    w_nk, w_kn = (w.data_t, w.data) if spec.rhs_k_first else (w.data, w.data_t)
+    y = recipe.gemm(x.data, x.scale, w_nk, w.scale, out_dtype, cfg.fast_forward)
+    return y, (x.data_t, w_kn, x.scale, w.scale, x.amax, w.amax)
 
 
 def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
-    cfg = spec.config
+    cfg, recipe = spec.config, spec.config.recipe
     xr, wr, sx, sw, _, _ = res
     if xr.dtype != cfg.input_dtype:  # plain (non-FP8) path chosen in the forward
         w_kn = wr if spec.rhs_k_first else jnp.swapaxes(wr, 1, 2)
-        dx = _gemm(g3, w_kn, xr.dtype)
+        dx = _gemm.gemm(g3, w_kn, xr.dtype)
         gT, xT = jnp.swapaxes(g3, 1, 2), jnp.swapaxes(xr, 1, 2)
-        dw = _gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm(gT, xT, wr.dtype)
+        dw = _gemm.gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm.gemm(gT, xT, wr.dtype)
         return dx, dw, jnp.zeros((), F32), g_scale
     xTq, w_kn = xr, wr
-    if cfg.scaling == "delayed":
-        sg = q.delayed_scale(g_history, g_scale, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
-        gq, gTq, ag = _quantize_both(g3, sg, cfg.grad_dtype, cfg.cast_kernel)
-    else:
-        ag = q.amax(g3)
-        sg = q.scale_from_amax(ag.reshape(1), g_scale, cfg.grad_dtype, cfg.margin)
-        gq, gTq, _ = _quantize_both(g3, sg, cfg.grad_dtype, cfg.cast_kernel)
+    g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype)
     fast = cfg.fast_backward
-    dx = _fp8_gemm(gq, sg, w_kn, sw, spec.x_dtype, fast)
+    dx = recipe.gemm(g.data, g.scale, w_kn, sw, spec.x_dtype, fast)
     if spec.rhs_k_first:
-        dw = _fp8_gemm(xTq, sx, gTq, sg, spec.w_dtype, fast)
+        dw = recipe.gemm(xTq, sx, g.data_t, g.scale, spec.w_dtype, fast)
     else:
-        dw = _fp8_gemm(gTq, sg, xTq, sx, spec.w_dtype, fast)
-    return dx, dw, ag, sg
+        dw = recipe.gemm(g.data_t, g.scale, xTq, sx, spec.w_dtype, fast)
+    return dx, dw, g.amax, g.scale
 
 
 # ----------------------------------------------------------------------------- vmap rules

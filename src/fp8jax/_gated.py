@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _cast_kernel
-from . import _dot
+from . import _dot, _gemm
 from . import _quant as q
 from . import _state
 from .config import Fp8Config
@@ -261,11 +261,11 @@ def usable(config1: Fp8Config, config2: Fp8Config, m: int, hidden: int, ffn: int
                                          or not _cast_kernel.supported((1, m, 2 * ffn))[0]):
         return False  # the plain-JAX activation is no faster than XLA's own fusions
     aligned = m % BLOCK == 0 and ffn % BLOCK == 0 and hidden % 16 == 0 and out % 16 == 0
-    return aligned and config1.scaling == "delayed" and config2.scaling == "delayed"
+    return aligned and config1.recipe.scale_known_before_cast and config2.recipe.scale_known_before_cast
 
 
 def _scale(history, old, dtype, cfg: Fp8Config):
-    return q.delayed_scale(history, old, dtype, cfg.amax_compute_algo, cfg.margin)
+    return cfg.recipe.scale(history, old, dtype)
 
 
 def _forward(spec: Spec, x, w1, state1, w2, state2):
@@ -276,13 +276,13 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     sw1 = _scale(k1_h, k1, c1.kernel_dtype, c1)
     sa = _scale(in2_h, in2, c2.input_dtype, c2)
     sw2 = _scale(k2_h, k2, c2.kernel_dtype, c2)
-    xq, xTq, ax = _dot._quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
-    w1q, w1Tq, aw1 = _dot._quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
-    h = _dot._gemm(xq, w1q, BF16, _dot.gemm_precision(c1.fast_forward))[0]  # [M, 2F] interleaved, not dequantized
+    xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
+    w1q, w1Tq, aw1 = _gemm.quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
+    h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[0]  # [M, 2F] interleaved, not dequantized
     h_scale = (sx * sw1).reshape(())
     aq, _, aa = activation_fp8(h, h_scale, sa, c2.input_dtype, spec.activation, transposed=False)
-    w2q, w2Tq, aw2 = _dot._quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
-    y = _dot._fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward)[0]
+    w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
+    y = _gemm.fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward)[0]
     # fc2's wgrad operand aq^T is not kept: the backward kernel recomputes it from h
     residuals = (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2)
     return y, residuals
@@ -309,14 +309,14 @@ def _bwd(spec, saved, g):
     _, _, dh_s, _, _, dh_h, _ = state1
     _, _, g_s, _, _, g_h, _ = state2
     sg = _scale(g_h, g_s, c2.grad_dtype, c2)
-    gq, gTq, ag = _dot._quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
-    da = _dot._gemm(gq, w2Tq, BF16, _dot.gemm_precision(c2.fast_backward))[0]  # [M, F], not dequantized
+    gq, gTq, ag = _gemm.quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
+    da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[0]  # [M, F], not dequantized
     sdh = _scale(dh_h, dh_s, c1.grad_dtype, c1)
     dhq, dhTq, adh, aTq = activation_grad_fp8(h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh,
                                               c1.grad_dtype, sa, c2.input_dtype, spec.activation)
-    dw2 = _dot._fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
-    dx = _dot._fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
-    dw1 = _dot._fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]  # natural row order
+    dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
+    dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
+    dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]  # natural row order
 
     state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
     state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))

@@ -330,13 +330,8 @@ def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     in_s, k_s, _, in_h, k_h, _, _ = state
     xm = _masked(x, layout)
     ax, aw = q.amax(xm), _per_expert_amax(w)
-    if cfg.scaling == "delayed":
-        sx = q.delayed_scale(in_h, in_s, cfg.input_dtype, cfg.amax_compute_algo, cfg.margin)
-        expert_amax = _state.from_history(k_h, cfg.amax_compute_algo, axis=0)[0]
-        sw = q.scale_from_amax(expert_amax, k_s, cfg.kernel_dtype, cfg.margin)
-    else:
-        sx = q.scale_from_amax(ax.reshape(1), in_s, cfg.input_dtype, cfg.margin)
-        sw = q.scale_from_amax(aw, k_s, cfg.kernel_dtype, cfg.margin)
+    sx = cfg.recipe.scale(in_h, in_s, cfg.input_dtype, ax)
+    sw = cfg.recipe.scale(k_h, k_s, cfg.kernel_dtype, aw, axis=0)  # one per expert
     xq = q.quantize(xm, sx, cfg.input_dtype)
     limit = q.fp8_max(cfg.kernel_dtype)
     wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(cfg.kernel_dtype)  # [G, in, out]
@@ -357,10 +352,7 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
     _, _, g_s, _, _, g_h, _ = state
     dym = _masked(dy, layout)
     ag = q.amax(dym)
-    if cfg.scaling == "delayed":
-        sg = q.delayed_scale(g_h, g_s, cfg.grad_dtype, cfg.amax_compute_algo, cfg.margin)
-    else:
-        sg = q.scale_from_amax(ag.reshape(1), g_s, cfg.grad_dtype, cfg.margin)
+    sg = cfg.recipe.scale(g_h, g_s, cfg.grad_dtype, ag)
     dyq = q.quantize(dym, sg, cfg.grad_dtype)
     dx = _masked(rows_gemm(spec.backend, dyq, wq, layout, sg * sw, spec.x_dtype), layout)
     dw = wgrad_gemm(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._state import from_history
 
 F32 = jnp.float32
 
@@ -60,9 +59,3 @@ def scale_from_amax(amax_value: Array, old_scale: Array, dtype, margin: float) -
     sf = jnp.where(jnp.isfinite(amax_value), sf, 1.0 / old_scale)
     new = 1.0 / sf
     return jnp.where(jnp.isfinite(new) & (new > 0.0), new, old_scale)
-
-
-def delayed_scale(history: Float[Array, " L"], old_scale: Array, dtype, algo: str, margin: float) -> Array:
-    """The delayed-scaling scale of a tensor: `scale_from_amax` of the history's amax
-    (`fp8jax._state.from_history`: its max, or the most recent entry)."""
-    return scale_from_amax(from_history(history, algo, axis=-1), old_scale, dtype, margin)

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
 import jax.numpy as jnp
+
+from .recipe import PerTensor
 import numpy as np
 
 Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
@@ -144,9 +146,15 @@ class Fp8Config:
 
     # --- derived, used by the kernels -------------------------------------------------
     @property
+    def recipe(self) -> PerTensor:
+        """The recipe object the ops ask for scales, casts and the scaled GEMM."""
+        return PerTensor(delayed=self.scaling == "delayed", algo=self.amax_compute_algo,
+                         margin=self.margin, cast_kernel=self.cast_kernel)
+
+    @property
     def history_length(self) -> int:
-        """Ring-buffer length actually stored (1 for current scaling: the last amax)."""
-        return self.amax_history_length if self.scaling == "delayed" else 1
+        """Amax-history length actually stored (1 for current scaling: the last amax)."""
+        return self.recipe.history_length(self.amax_history_length)
 
     @property
     def fast_forward(self) -> bool:

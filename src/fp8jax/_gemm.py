@@ -1,0 +1,67 @@
+"""The FP8 cast and GEMM seam of the per-tensor path: XLA's GEMM (cuBLASLt on Hopper) and
+its cast, or the Pallas cast kernel where ``cast_kernel`` asks for it and it can run.
+
+Operands are ``[B, P, C]`` with both GEMM operands contracting on their minor dim (the
+"TN" layout Hopper's FP8 GEMMs want).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _cast_kernel
+from . import _quant as q
+
+F32 = jnp.float32
+# Lowering choices measured on H100 (benchmarks/RESULTS.md); module-level so the
+# tuning harness can compare them in one run.
+TUNING = {
+    # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
+    # cuBLASLt call: on H100 it was 5-12% slower than writing bf16 directly.
+    "f32_gemm_out": False,
+    # Produce the transposed (column-wise) FP8 copies by casting the transposed
+    # high-precision tensor (one fused read) rather than transposing the FP8 copy.
+    "cast_transposed": False,
+}
+
+
+def gemm(a, b, out_dtype, precision=None):
+    """[B,P,C] x [B,Q,C] -> [B,P,Q], both operands contracting on their minor dim."""
+    if a.shape[0] == 1:
+        out = jax.lax.dot_general(a[0], b[0], (((1,), (1,)), ((), ())), precision, out_dtype)
+        return out[None]
+    return jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), precision, out_dtype)
+
+
+def gemm_precision(fast_accumulation: bool):
+    """The ``dot_general`` precision of an FP8 GEMM: ``None`` lets cuBLASLt keep fast
+    partial sums, ``Precision.HIGHEST`` asks for its promoted accumulator."""
+    return None if fast_accumulation else jax.lax.Precision.HIGHEST
+
+
+def fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
+    """FP8 GEMM of ``a`` and ``b``, dequantized by their (scalar) scales after it.
+
+    ``fast_accumulation=False`` asks for ``Precision.HIGHEST``, which XLA turns into
+    cuBLASLt's promoted ("split") FP8 accumulator; the fast one keeps partial sums
+    in the tensor cores' reduced precision (on H100 at K=4096 with products of one
+    sign: 2.9e-2 relative error against 2.4e-3; the promoted one costs 5-8% more
+    GEMM time; benchmarks/RESULTS.md).
+    """
+    acc_dtype = F32 if TUNING["f32_gemm_out"] else out_dtype
+    y = gemm(a, b, acc_dtype, gemm_precision(fast_accumulation))
+    scale = (a_scale * b_scale).reshape(()).astype(F32)
+    return (y.astype(F32) * scale).astype(out_dtype)
+
+
+def quantize_both(t, scale, dtype, cast_kernel: bool = False):
+    """FP8 copies of ``t: [B, P, C]`` in both layouts (``[B, P, C]`` and ``[B, C, P]``)
+    and ``max |t|`` (non-finite when ``t`` holds NaN/Inf). ``cast_kernel``: one Pallas
+    pass (`fp8jax._cast_kernel`) where it can run, else XLA's cast + transpose."""
+    if cast_kernel and _cast_kernel.supported(t.shape)[0]:
+        return _cast_kernel.cast_transpose(t, scale, dtype)
+    tq = q.quantize(t, scale, dtype)
+    if TUNING["cast_transposed"]:
+        return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype), q.amax(t)
+    return tq, jnp.swapaxes(tq, 1, 2), q.amax(t)
