@@ -361,3 +361,155 @@ def test_trainer_rejects_inconsistent_model_options():
         cli.run_config(cli.parse_args(["--top-k", "9", "--experts", "4"]))
     with pytest.raises(SystemExit):
         cli.parse_args(["--precision", "fp16"])
+
+
+# --- FusedMLP (nn/mlp.py) ----------------------------------------------------------------
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((0, 128), {}, r"FusedMLP: hidden=0 is not allowed; expected an int >= 1"),
+    ((64, -5), {}, r"FusedMLP: ffn=-5 is not allowed"),
+    ((64.0, 128), {}, r"FusedMLP: hidden=64\.0 is not allowed"),
+    ((True, 128), {}, r"FusedMLP: hidden=True is not allowed"),
+    ((64, 128), dict(eps=-1), r"FusedMLP: eps=-1 is not allowed; expected a finite number > 0"),
+    ((64, 128), dict(eps=0), r"FusedMLP: eps=0 is not allowed"),
+    ((64, 128), dict(eps="1e-5"), r"FusedMLP: eps='1e-5' is not allowed"),
+])
+def test_fused_mlp_rejects_sizes_and_eps(key, args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fp8jax.nn.FusedMLP(*args, key=key, **kwargs)
+
+
+def test_fused_mlp_rejects_config_inputs_and_norm_eps(key):
+    nn = fp8jax.nn
+    for fp8 in (True, False):
+        with pytest.raises(TypeError, match=r"FusedMLP: config must be an fp8jax.Fp8Config, "
+                                            r"got dict"):
+            nn.FusedMLP(64, 128, config={}, fp8=fp8, key=key)
+    mlp = nn.FusedMLP(64, 128, config=CFG, key=key)
+    with pytest.raises(TypeError, match=r"FusedMLP expects a float16/bfloat16/float32 input, "
+                                        r"got dtype int32 with shape \(2, 8, 64\)"):
+        mlp(jnp.ones((2, 8, 64), jnp.int32))
+    with pytest.raises(TypeError, match=r"FusedMLP expects an array input, got NoneType"):
+        mlp(None)
+    with pytest.raises(ValueError, match=r"FusedMLP: eps=-1\.0 is not allowed"):
+        nn.FusedMLP.from_modules(eqx.nn.RMSNorm(64, eps=-1.0), eqx.nn.Linear(64, 256, key=key),
+                                 eqx.nn.Linear(128, 64, key=key), activation="swiglu")
+
+
+# --- MoE / GroupedMLP / GroupedLinear (nn/grouped.py) -------------------------------------
+@pytest.mark.parametrize("make, match", [
+    (lambda k: fp8jax.nn.MoE(64, 128, 0, key=k), r"MoE: num_experts=0 is not allowed; "
+                                                 r"expected an int >= 1"),
+    (lambda k: fp8jax.nn.MoE(64, 128, 4.0, key=k), r"MoE: num_experts=4\.0 is not allowed"),
+    (lambda k: fp8jax.nn.MoE(0, 128, 4, key=k), r"MoE: hidden=0 is not allowed"),
+    (lambda k: fp8jax.nn.MoE(64, 0, 4, key=k), r"MoE: ffn=0 is not allowed"),
+    (lambda k: fp8jax.nn.MoE(64, 128, 4, top_k=True, key=k), r"MoE: top_k must be .*got True"),
+    (lambda k: fp8jax.nn.MoE(64, 128, 4, capacity_factor="1", key=k),
+     r"MoE: capacity_factor must be > 0 or None, got '1'"),
+    (lambda k: fp8jax.nn.MoE(64, 128, 4, backend="cuda", key=k),
+     r"MoE: backend must be one of \('auto', 'pallas', 'reference'\), got 'cuda'"),
+    (lambda k: fp8jax.nn.GroupedMLP(0, 64, 128, key=k), r"GroupedMLP: num_experts=0 is not"),
+    (lambda k: fp8jax.nn.GroupedMLP(4, 64, 128, backend="cuda", key=k),
+     r"GroupedMLP: backend must be one of .*got 'cuda'"),
+    (lambda k: fp8jax.nn.GroupedLinear(-1, 64, 128, key=k), r"GroupedLinear: num_experts=-1 is"),
+    (lambda k: fp8jax.nn.GroupedLinear(4, 64, 128, backend="cuda", key=k),
+     r"GroupedLinear: backend must be one of .*got 'cuda'"),
+    (lambda k: fp8jax.nn.GroupedLinear(4, 64, 128, key=k).with_backend("cuda"),
+     r"GroupedLinear.with_backend: backend must be one of .*got 'cuda'"),
+])
+def test_grouped_rejects_options(key, make, match):
+    with pytest.raises(ValueError, match=match):
+        make(key)
+
+
+def test_moe_names_itself_and_the_callers_input(key):
+    with pytest.raises(TypeError, match=r"MoE: config must be an fp8jax.Fp8Config, got str"):
+        fp8jax.nn.MoE(64, 128, 4, config="delayed", key=key)
+    with pytest.raises(TypeError, match=r"GroupedLinear: config must be .*, got dict"):
+        fp8jax.nn.GroupedLinear(4, 64, 128, config={}, key=key)
+    moe = fp8jax.nn.MoE(64, 128, 4, config=CFG, key=key)
+    for dtype in (jnp.int32, jnp.float8_e4m3fn):
+        name = jnp.dtype(dtype).name
+        with pytest.raises(TypeError, match=rf"MoE: x must be float16/bfloat16/float32, got "
+                                            rf"{name} with shape \(2, 8, 64\)"):
+            moe(jnp.ones((2, 8, 64), dtype))
+    with pytest.raises(TypeError, match=r"MoE expects an array input, got NoneType"):
+        moe(None)
+
+
+# --- DotProductAttention / MultiHeadAttention (nn/attention.py) --------------------------
+@pytest.mark.parametrize("scale", ["x", -1.0, 0, float("nan"), float("inf"), True])
+def test_attention_rejects_scale_at_construction(scale):
+    with pytest.raises(ValueError, match=rf"DotProductAttention: scale={re.escape(repr(scale))} "
+                                         r"is not allowed; expected a finite number > 0 or None"):
+        fp8jax.nn.DotProductAttention(scale=scale)
+
+
+def test_attention_rejects_head_dim_mismatch_config_and_scale():
+    nn = fp8jax.nn
+    assert nn.DotProductAttention(scale=np.float32(0.125)).scale == 0.125
+    q = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
+    k = jnp.ones((2, 128, 4, 32), jnp.bfloat16)
+    for mode in ("bf16", "fp8_dpa"):
+        with pytest.raises(ValueError, match=r"query head_dim \(64\) and key head_dim \(32\) must "
+                                             r"be equal; got query \(2, 128, 4, 64\)"):
+            nn.DotProductAttention(mode, config=CFG)(q, k, k)
+    with pytest.raises(ValueError, match=r"dot_product_attention: scale='x' is not allowed"):
+        nn.dot_product_attention(q, q, q, mode="bf16", scale="x")
+    for mode in ("bf16", "fp8_dpa"):
+        with pytest.raises(TypeError, match=r"DotProductAttention: config must be an "
+                                            r"fp8jax.Fp8Config, got dict"):
+            nn.DotProductAttention(mode, config={})
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((64, 0), {}, r"MultiHeadAttention: num_heads=0 is not allowed; expected an int >= 1"),
+    ((64, 4), dict(num_kv_heads=0), r"MultiHeadAttention: num_kv_heads=0 is not allowed"),
+    ((0, 4), {}, r"MultiHeadAttention: dim=0 is not allowed"),
+    ((64, 4), dict(head_dim=-8), r"MultiHeadAttention: head_dim=-8 is not allowed"),
+    ((64, 4), dict(num_kv_heads=3), r"MultiHeadAttention: num_heads \(4\) must be a multiple"),
+    ((64, 4), dict(mode="fp8"), r"MultiHeadAttention: mode must be one of .*got 'fp8'"),
+])
+def test_multi_head_attention_rejects_options(key, args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fp8jax.nn.MultiHeadAttention(*args, key=key, **kwargs)
+
+
+def test_multi_head_attention_rejects_config_and_input_width(key):
+    with pytest.raises(TypeError, match=r"MultiHeadAttention: config must be .*, got dict"):
+        fp8jax.nn.MultiHeadAttention(64, 4, config={}, key=key)
+    mha = fp8jax.nn.MultiHeadAttention(64, 4, mode="bf16", key=key)
+    with pytest.raises(ValueError, match=r"MultiHeadAttention expects inputs of shape "
+                                         r"\(\.\.\., T, 64\), got \(16, 32\)"):
+        mha(jnp.ones((16, 32)))
+
+
+# --- flax adapter (flax.py) ---------------------------------------------------------------
+def test_flax_adapter_rejects_config_early():
+    ff = pytest.importorskip("fp8jax.flax")
+    with pytest.raises(TypeError, match=r"fp8_dot_general_cls: config must be an "
+                                        r"fp8jax.Fp8Config, got dict"):
+        ff.fp8_dot_general_cls({"scaling": "current"})
+    with pytest.raises(TypeError, match=r"fp8_dot_general_cls: config is the class Fp8Config; "
+                                        r"expected an instance"):
+        ff.fp8_dot_general_cls(Fp8Config)
+    with pytest.raises(TypeError, match=r"Fp8DotGeneralOp: config must be .*, got dict"):
+        ff.Fp8DotGeneralOp(config={"scaling": "current"})
+    with pytest.raises(TypeError, match=r"Fp8Einsum: config must be .*, got str"):
+        ff.Fp8Einsum(config="delayed")
+
+
+def test_flax_einsum_rejects_eqn_and_kernel(key):
+    ff = pytest.importorskip("fp8jax.flax")
+    einsum = ff.Fp8Einsum(CFG)
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
+    with pytest.raises(TypeError, match=r"Fp8Einsum: eqn=3 is not allowed; expected an einsum"):
+        einsum.init(key, 3, x, w)
+    with pytest.raises(ValueError, match=r"Fp8Einsum: eqn='ab,bc,cd->ad' is not allowed; "
+                                         r"expected two operands"):
+        einsum.init(key, "ab,bc,cd->ad", x, w)
+    with pytest.raises(TypeError, match=r"Fp8Einsum: rhs \(the kernel\) must be float16/bfloat16"
+                                        r"/float32, got dtype int32 with shape \(32, 16\)"):
+        einsum.init(key, "ab,bc->ac", x, w.astype(jnp.int32))
+    with pytest.raises(TypeError, match=r"Fp8Einsum: lhs must be an array, got NoneType"):
+        einsum.init(key, "ab,bc->ac", None, w)
+    assert einsum.apply(einsum.init(key, "ab,bc->ac", x, w), "ab,bc->ac", x, w).shape == (16, 16)

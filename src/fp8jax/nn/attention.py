@@ -38,6 +38,7 @@ from .. import _state
 from ..config import Fp8Config, resolve_config
 from ..dot_general import OverwriteWithGradient
 from .linear import Linear, apply_linear
+from .mlp import _check_count
 
 MODES = ("bf16", "fp8_dpa", "fp8_mha")
 BACKENDS = ("auto", "cudnn", "reference")
@@ -85,6 +86,18 @@ def _index(tensor: str) -> int:
 
 
 # ----------------------------------------------------------------------------- checks
+def _check_scale(owner: str, scale) -> float | None:
+    """``scale`` as a float if it is a finite number > 0, None if None, else a ValueError."""
+    if scale is None:
+        return None
+    number = (isinstance(scale, (int, float, np.integer, np.floating))
+              and not isinstance(scale, bool))
+    if not (number and 0 < scale < float("inf")):
+        raise ValueError(f"{owner}: scale={scale!r} is not allowed; expected a finite number > 0 "
+                         "or None (1/sqrt(head_dim)).")
+    return float(scale)
+
+
 def _check_inputs(query, key, value, mode, backend, lengths):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -101,7 +114,10 @@ def _check_inputs(query, key, value, mode, backend, lengths):
     if key.shape != value.shape:
         raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
     b, _, n, h = query.shape
-    if key.shape[0] != b or key.shape[3] != h:
+    if key.shape[3] != h:
+        raise ValueError(f"query head_dim ({h}) and key head_dim ({key.shape[3]}) must be equal; "
+                         f"got query {query.shape} and key {key.shape}")
+    if key.shape[0] != b:
         raise ValueError(f"query {query.shape} and key {key.shape} must agree on batch and head_dim")
     if n % key.shape[2]:
         raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({key.shape[2]}) for GQA")
@@ -162,6 +178,7 @@ def dot_product_attention(
     reference backend; cuDNN's FP8 kernel has no padding mask.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    scale = _check_scale("dot_product_attention", scale)
     lengths = {"query_seq_lengths": query_seq_lengths, "key_value_seq_lengths": key_value_seq_lengths}
     _check_inputs(query, key, value, mode, backend, lengths)
     if mode == "bf16":
@@ -199,9 +216,15 @@ class DotProductAttention(eqx.Module):
     def __init__(self, mode: str = "fp8_dpa", *, is_causal: bool = False, scale: float | None = None,
                  backend: str = "auto", config: Fp8Config | None = None, stack_shape: tuple[int, ...] = ()):
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"DotProductAttention: mode must be one of {MODES}, got {mode!r}")
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise ValueError(f"DotProductAttention: backend must be one of {BACKENDS}, "
+                             f"got {backend!r}")
+        scale = _check_scale("DotProductAttention", scale)
+        try:
+            config = resolve_config(config)
+        except TypeError as e:
+            raise TypeError(f"DotProductAttention: {e}.") from None
         self.state = None if mode == "bf16" else Fp8AttentionState(config, stack_shape=stack_shape)
         self.mode, self.is_causal, self.scale, self.backend = mode, bool(is_causal), scale, backend
 
@@ -260,12 +283,25 @@ class MultiHeadAttention(eqx.Module):
                  mode: str = "fp8_mha", is_causal: bool = True, use_rotary: bool = True, rope_base: float = 10000.0,
                  use_bias: bool = False, backend: str = "auto", config: Fp8Config | None = None, dtype=None,
                  key: PRNGKeyArray):
+        dim = _check_count("MultiHeadAttention", "dim", dim)
+        num_heads = _check_count("MultiHeadAttention", "num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        num_kv_heads = _check_count("MultiHeadAttention", "num_kv_heads", num_kv_heads)
+        if head_dim is not None:
+            head_dim = _check_count("MultiHeadAttention", "head_dim", head_dim)
+        if mode not in MODES:
+            raise ValueError(f"MultiHeadAttention: mode must be one of {MODES}, got {mode!r}")
+        try:
+            config = resolve_config(config)
+        except TypeError as e:
+            raise TypeError(f"MultiHeadAttention: {e}.") from None
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+            raise ValueError(f"MultiHeadAttention: num_heads ({num_heads}) must be a multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
         if head_dim is None:
             if dim % num_heads:
-                raise ValueError(f"dim ({dim}) must divide by num_heads ({num_heads}), or pass head_dim")
+                raise ValueError(f"MultiHeadAttention: dim ({dim}) must divide by num_heads "
+                                 f"({num_heads}), or pass head_dim")
             head_dim = dim // num_heads
         kqkv, kout = jax.random.split(key)
         qkv_features = (num_heads + 2 * num_kv_heads) * head_dim
@@ -286,6 +322,9 @@ class MultiHeadAttention(eqx.Module):
         x = jnp.asarray(x)
         if x.ndim < 2:
             raise ValueError(f"MultiHeadAttention expects [..., T, dim] inputs, got shape {x.shape}")
+        if x.shape[-1] != self.qkv.in_features:
+            raise ValueError(f"MultiHeadAttention expects inputs of shape (..., T, "
+                             f"{self.qkv.in_features}), got {x.shape}")
         lead, t = x.shape[:-2], x.shape[-2]
         xb = x.reshape((-1, t, x.shape[-1]))
         n, nk, h = self.num_heads, self.num_kv_heads, self.head_dim

@@ -26,9 +26,24 @@ from .._grouped import GroupLayout
 from .._grouped_kernel import ROW_ALIGN
 from ..config import Fp8Config, resolve_config
 from ..dot_general import Fp8GemmState, _init_state
-from .mlp import ACTIVATIONS, activate
+from .mlp import ACTIVATIONS, _check_count, activate
 
 F32 = jnp.float32
+
+
+def _check_backend(owner: str, backend) -> str:
+    """``backend`` if it is one of `_grouped.BACKENDS`, else a ValueError naming ``owner``."""
+    if not isinstance(backend, str) or backend not in gr.BACKENDS:
+        raise ValueError(f"{owner}: backend must be one of {gr.BACKENDS}, got {backend!r}.")
+    return backend
+
+
+def _config(owner: str, config) -> Fp8Config:
+    """`resolve_config` with ``owner`` named in its TypeError."""
+    try:
+        return resolve_config(config)
+    except TypeError as e:
+        raise TypeError(f"{owner}: {e}.") from None
 
 
 class Fp8GroupedState(Fp8GemmState):
@@ -83,10 +98,11 @@ class GroupedLinear(eqx.Module):
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, key: PRNGKeyArray,
                  fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
-        for name, value in (("num_experts", num_experts), ("in_features", in_features),
-                            ("out_features", out_features)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GroupedLinear: {name} must be a positive int, got {value!r}")
+        num_experts = _check_count("GroupedLinear", "num_experts", num_experts)
+        in_features = _check_count("GroupedLinear", "in_features", in_features)
+        out_features = _check_count("GroupedLinear", "out_features", out_features)
+        backend = _check_backend("GroupedLinear", backend)
+        config = _config("GroupedLinear", config)
         bound = 1.0 / math.sqrt(in_features)
         self.weight = jax.random.uniform(key, (num_experts, in_features, out_features), dtype, -bound, bound)
         self.fp8_state = Fp8GroupedState(num_experts, config) if fp8 else None
@@ -109,7 +125,7 @@ class GroupedLinear(eqx.Module):
         new = object.__new__(type(self))
         for name in ("weight", "fp8_state"):
             object.__setattr__(new, name, getattr(self, name))
-        object.__setattr__(new, "backend", gr.check_backend(backend))
+        object.__setattr__(new, "backend", _check_backend("GroupedLinear.with_backend", backend))
         return new
 
     @jax.named_scope("fp8jax.nn.GroupedLinear")
@@ -181,6 +197,11 @@ class GroupedMLP(eqx.Module):
                  fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
         if activation not in ACTIVATIONS:
             raise ValueError(f"GroupedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}")
+        num_experts = _check_count("GroupedMLP", "num_experts", num_experts)
+        hidden = _check_count("GroupedMLP", "hidden", hidden)
+        ffn = _check_count("GroupedMLP", "ffn", ffn)
+        backend = _check_backend("GroupedMLP", backend)
+        config = _config("GroupedMLP", config)
         gated = ACTIVATIONS[activation][1]
         k1, k2 = jax.random.split(key)
         self.fc1 = GroupedLinear(num_experts, hidden, ffn * (2 if gated else 1), key=k1, fp8=fp8, config=config,
@@ -240,11 +261,18 @@ class MoE(eqx.Module):
                  activation: str = "swiglu", score: Literal["softmax", "sigmoid"] = "softmax",
                  capacity_factor: float | None = None, normalize_weights: bool = True, fp8: bool = True,
                  config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        hidden = _check_count("MoE", "hidden", hidden)
+        ffn = _check_count("MoE", "ffn", ffn)
+        num_experts = _check_count("MoE", "num_experts", num_experts)
+        backend = _check_backend("MoE", backend)
+        config = _config("MoE", config)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"MoE: score must be 'softmax' or 'sigmoid', got {score!r}")
-        if capacity_factor is not None and not capacity_factor > 0:
+        number = (isinstance(capacity_factor, (int, float, np.integer, np.floating))
+                  and not isinstance(capacity_factor, bool))
+        if capacity_factor is not None and not (number and capacity_factor > 0):
             raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {capacity_factor!r}")
         k_router, k_experts = jax.random.split(key)
         self.router = jax.random.normal(k_router, (hidden, num_experts), F32) * (1.0 / math.sqrt(hidden))
@@ -266,10 +294,16 @@ class MoE(eqx.Module):
 
     @jax.named_scope("fp8jax.nn.MoE")
     def __call__(self, x: Float[Array, "... hidden"]) -> tuple[Array, RoutingInfo]:
-        x = jnp.asarray(x)
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise TypeError(f"MoE expects an array input, got {type(x).__name__}.") from None
         hidden = self.router.shape[0]
         if x.ndim == 0 or x.shape[-1] != hidden:
             raise ValueError(f"MoE: x must have shape (..., {hidden}), got {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
+            raise TypeError(f"MoE: x must be float16/bfloat16/float32, got {x.dtype} "
+                            f"with shape {x.shape}.")
         lead = x.shape[:-1]
         tokens = x.reshape(-1, hidden)
         y, info = self._route_and_run(tokens)

@@ -26,11 +26,12 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import _dot, _gated, _state
-from ..config import Fp8Config
+from ..config import Fp8Config, resolve_config
 from .linear import Linear, apply_linear
 
 F32 = jnp.float32
@@ -154,6 +155,8 @@ class FusedMLP(eqx.Module):
         dtype=None,
         key: PRNGKeyArray,
     ):
+        hidden = _check_count("FusedMLP", "hidden", hidden)
+        ffn = _check_count("FusedMLP", "ffn", ffn)
         _check_kinds(norm, activation)
         gated = ACTIVATIONS[activation][1]
         k1, k2 = jax.random.split(key)
@@ -215,7 +218,13 @@ class FusedMLP(eqx.Module):
         """``x: [..., hidden]`` -> ``[..., hidden]`` (and a dict of intermediates when
         ``return_intermediates``, which needs ``fused=False``)."""
         del key
-        x = jnp.asarray(x)
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise TypeError(f"FusedMLP expects an array input, got {type(x).__name__}.") from None
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
+            raise TypeError(f"FusedMLP expects a float16/bfloat16/float32 input, got dtype "
+                            f"{x.dtype} with shape {x.shape}.")
         if x.ndim == 0 or x.shape[-1] != self.hidden:
             raise ValueError(f"FusedMLP expects inputs of shape (..., {self.hidden}), got {x.shape}")
         if return_intermediates:
@@ -230,6 +239,22 @@ class FusedMLP(eqx.Module):
         return _checkpointed_call(self, x)
 
 
+def _check_count(owner: str, name: str, value) -> int:
+    """``value`` if it is an int >= 1 (numpy ints too, not bools), else a ValueError."""
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not is_int or value < 1:
+        raise ValueError(f"{owner}: {name}={value!r} is not allowed; expected an int >= 1.")
+    return int(value)
+
+
+def _check_eps(owner: str, eps) -> float:
+    """``eps`` as a float if it is a finite number > 0, else a ValueError."""
+    ok = isinstance(eps, (int, float, np.integer, np.floating)) and not isinstance(eps, bool)
+    if not (ok and 0 < eps < float("inf")):
+        raise ValueError(f"{owner}: eps={eps!r} is not allowed; expected a finite number > 0.")
+    return float(eps)
+
+
 def _check_kinds(norm: str, activation: str) -> None:
     if norm not in NORMS:
         raise ValueError(f"FusedMLP: unknown norm {norm!r}; choose from {NORMS}")
@@ -241,6 +266,11 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
           config, hidden=None):
     """Validate shapes and set the fields (shared by ``__init__`` and ``from_modules``)."""
     _check_kinds(norm, activation)
+    eps = _check_eps("FusedMLP", eps)
+    try:
+        config = resolve_config(config)
+    except TypeError as e:
+        raise TypeError(f"FusedMLP: {e}.") from None
     gated = ACTIVATIONS[activation][1]
     hidden = fc1.in_features if hidden is None else hidden
     if fc1.in_features != hidden:
@@ -260,7 +290,6 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
         if arr is not None and arr.shape != (hidden,):
             raise ValueError(f"FusedMLP: {name} has shape {arr.shape}, expected ({hidden},)")
     if fp8:
-        config = Fp8Config() if config is None else config
         dims = dict(hidden=hidden, fc1_out=width, ffn=ffn, fc2_out=fc2.out_features)
         bad = {k: v for k, v in dims.items() if v % config.alignment}
         if bad:
