@@ -1,4 +1,4 @@
-"""Compare lowering choices of the fp8jax linear step (``fp8jax._gemm.TUNING``) on a GPU.
+"""Compare lowering choices of the fp8jax linear step (``fp8jax.kernels.gemm.TUNING``) on a GPU.
 
     python -m benchmarks.linear_tuning --set f32_gemm_out=1 cast_transposed=0 --shapes 16384,4096,14336
     python -m benchmarks.linear_tuning --variant fp8jax-delayed-castkernel --dump hlo/
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks import hlo, linear
-from fp8jax import _gemm
+from fp8jax.kernels import gemm as _gemm
 
 
 def main(argv=None):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import linear
-from fp8jax import _grouped as gr
+from fp8jax.ops import grouped as gr
 from fp8jax.nn import GroupedMLP, make_layout
 
 BF16 = jnp.bfloat16

@@ -210,7 +210,7 @@ def test_clear_errors(key):
         dot_product_attention(q, k, v, state, backend="reference", query_seq_lengths=jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="stack shape"):
         dot_product_attention(q, k, v, Fp8AttentionState(stack_shape=(2,)), backend="reference")
-    if not fp8jax._cudnn_attention.availability()[0]:
+    if not fp8jax.kernels.cudnn_attention.availability()[0]:
         with pytest.raises(RuntimeError, match="backend='cudnn' cannot run here"):
             dot_product_attention(q, k, v, state, backend="cudnn")
     with pytest.raises(ValueError, match="unknown attention tensor"):
@@ -240,7 +240,7 @@ def test_stacked_state_under_scan(key):
 
 
 def test_cudnn_backward_chunking_plan():
-    from fp8jax._cudnn_attention import backward_chunks
+    from fp8jax.kernels.cudnn_attention import backward_chunks
 
     assert backward_chunks(2, 16, 16) == (2, 16)  # fits: one call
     assert backward_chunks(16, 16, 16) == (2, 16)  # batch split into 8 calls of 2 x 16 heads

@@ -69,7 +69,7 @@ def test_bad_dimension_numbers_raise():
 def test_misaligned_dims_fall_back_with_one_warning(key):
     op = fp8jax.Fp8DotGeneral(CURRENT)
     lhs, rhs = normal(key, (32, 40)), normal(key, (32, 40))  # K = 40
-    fp8jax._dot._WARNED.clear()
+    fp8jax.ops.dot._WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         y1 = op(lhs, rhs, (((1,), (1,)), ((), ())))

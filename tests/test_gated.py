@@ -1,4 +1,4 @@
-"""fp8jax._gated: the gated FP8 MLP core (one custom VJP, Pallas activation kernels)."""
+"""fp8jax.ops.gated: the gated FP8 MLP core (one custom VJP, Pallas activation kernels)."""
 
 import equinox as eqx
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax import _gated
+from fp8jax.ops import gated as _gated
 from fp8jax.nn import FusedMLP
 from fp8jax.nn import mlp as mlp_module
 from helpers import normal, sqnr_db, take_state

@@ -178,8 +178,8 @@ def test_cudnn_fp8_attention_under_vmap(key):
 
 def test_cudnn_fp8_backward_scale_operands_have_their_roles(key):
     """Doubling one scale doubles exactly the outputs it should (guards the operand
-    order of the private primitive, see fp8jax._cudnn_attention.BWD_OPERAND_ROLES)."""
-    from fp8jax import _cudnn_attention as cu
+    order of the private primitive, see fp8jax.kernels.cudnn_attention.BWD_OPERAND_ROLES)."""
+    from fp8jax.kernels import cudnn_attention as cu
 
     e4m3 = jnp.float8_e4m3fn
     q8, k8, v8, do8 = (normal(k_, (1, 256, 2, 128)).astype(e4m3) for k_ in jax.random.split(key, 4))
@@ -258,8 +258,8 @@ def test_cast_kernel_matches_xla_cast_on_gpu(key, dtype):
     """The compiled Triton cast-transpose kernel is bit-for-bit XLA's cast + transpose."""
     import numpy as np
 
-    from fp8jax import _cast_kernel
-    from fp8jax import _quant as q
+    from fp8jax.kernels import cast as _cast_kernel
+    from fp8jax import quant as q
 
     x = normal(key, (2, 1024, 768), jnp.bfloat16, scale=5.0)
     assert _cast_kernel.supported(x.shape)[0]
@@ -277,7 +277,7 @@ def test_promoted_fp8_accumulation_is_more_accurate(key):
     """Hopper's fast FP8 accumulation loses precision at large K; HIGHEST promotes it."""
     import numpy as np
 
-    from fp8jax import _gemm
+    from fp8jax.kernels import gemm as _gemm
 
     ka, kb = jax.random.split(key)
     a = normal(ka, (1, 1024, 8192), jnp.float32).astype(jnp.float8_e5m2)
@@ -306,9 +306,9 @@ def test_cast_kernel_config_runs_the_kernel_in_the_train_step(key):
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "qgeglu", "reglu", "sreglu"])
 def test_gated_mlp_core_runs_its_kernels_with_six_fp8_gemms(key, activation, monkeypatch):
-    """`FusedMLP` (a gated activation, delayed scaling) on Hopper takes `fp8jax._gated`: six
+    """`FusedMLP` (a gated activation, delayed scaling) on Hopper takes `fp8jax.ops.gated`: six
     FP8 GEMMs, the two activation kernels, and the same numbers as its plain-JAX twin."""
-    from fp8jax import _gated
+    from fp8jax.ops import gated as _gated
     from fp8jax.nn import mlp as mlp_module
 
     if activation not in _gated.GPU_TESTED:  # not taken in "auto" mode until this test has passed

@@ -3,7 +3,8 @@
 from . import nn
 from .config import Fp8Config
 from .convert import ConversionReport, fp8_linear_layers, fp8_state
-from .dot_general import Fp8DotGeneral, OverwriteWithGradient
+from .dot_general import Fp8DotGeneral
+from .state import OverwriteWithGradient
 from .grad_overwrite import (
     accumulate_grads,
     apply_updates,

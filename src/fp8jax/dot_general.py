@@ -10,56 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from . import _dot
-from . import _state
+from . import state as _state
 from .config import Fp8Config, resolve_config
-
-
-class OverwriteWithGradient(eqx.Module):
-    """Marker base class: every array leaf of such a module is *state* whose gradient is
-    its new value (haliax's convention). `partition_for_grad_overwrite` pulls these
-    out of the gradients; `apply_updates` writes them back."""
-
-    def ran_mask(self) -> Array | None:
-        """``[*stack, 1]`` bools: which (stacked) states hold a new value in a gradient
-        (a state that did not run gets all-zero "gradients"); None: all of them."""
-        return None
-
-
-class Fp8GemmState(OverwriteWithGradient):
-    """Base of the FP8 GEMM states (`Fp8DotGeneral`, `fp8jax.nn.Fp8GroupedState`): the
-    seven fields of `_dot.STATE_FIELDS`, stacked layers along leading dims."""
-
-    def ran_mask(self) -> Array:
-        return self.input_scale > 0  # a scale is never 0
-
-    def state(self) -> tuple[Array, ...]:
-        return tuple(getattr(self, name) for name in _dot.STATE_FIELDS)
-
-
-def _init_state(config: Fp8Config, stack_shape: tuple[int, ...] = (), experts: int | None = None) -> dict[str, Array]:
-    """Fresh values of the seven `_dot.STATE_FIELDS`: scales 1, histories 0. With
-    ``experts``, the kernel's scale and history get a trailing ``[experts]`` dim (one
-    per expert, `fp8jax.nn.Fp8GroupedState`)."""
-    length = config.history_length
-    kernel = () if experts is None else (experts,)
-
-    # A fresh buffer per field: shared ones could not be donated to a jitted step.
-    def ones(shape):
-        return jnp.ones(stack_shape + shape, jnp.float32)
-
-    def zeros(shape):
-        return jnp.zeros(stack_shape + shape, jnp.float32)
-
-    return dict(
-        input_scale=ones((1,)),
-        kernel_scale=ones(kernel or (1,)),
-        output_grad_scale=ones((1,)),
-        input_amax_history=zeros((length,)),
-        kernel_amax_history=zeros((length,) + kernel),
-        output_grad_amax_history=zeros((length,)),
-        nonfinite_count=zeros((1,)),
-    )
+from .ops import dot as _dot
+from .state import STATE_FIELDS, Fp8GemmState, OverwriteWithGradient, _init_state
 
 
 class Fp8DotGeneral(Fp8GemmState):
@@ -90,13 +44,13 @@ class Fp8DotGeneral(Fp8GemmState):
 
     @classmethod
     def from_state(cls, config: Fp8Config, state: dict[str, Array]) -> "Fp8DotGeneral":
-        """An op over existing state arrays (a dict of `_dot.STATE_FIELDS`), e.g. an
+        """An op over existing state arrays (a dict of `STATE_FIELDS`), e.g. an
         adapter's variables; no new arrays are made."""
-        missing = [name for name in _dot.STATE_FIELDS if name not in state]
+        missing = [name for name in STATE_FIELDS if name not in state]
         if missing:
             raise ValueError(f"Fp8DotGeneral.from_state: missing state fields {missing}")
         op = object.__new__(cls)
-        for name in _dot.STATE_FIELDS:
+        for name in STATE_FIELDS:
             object.__setattr__(op, name, state[name])
         object.__setattr__(op, "config", resolve_config(config))
         return op

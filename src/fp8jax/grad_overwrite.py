@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .dot_general import OverwriteWithGradient
+from .state import OverwriteWithGradient
 
 
 def _is_overwrite(x) -> bool:

@@ -9,11 +9,12 @@ from typing import Any, Callable
 
 import equinox as eqx
 
+from .ops.grouped import GROUPED_SCOPE
+
 _F8 = re.compile(r"\bf8e\w+")
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul|triton_gemm|__cudnn\$", re.I)
 _OUR_KERNEL = re.compile(r"fp8jax", re.I)
-GROUPED_SCOPE = "fp8jax_grouped_gemm"  # named scope around the grouped-GEMM kernels (in HLO metadata)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """FP8 recipes: how a tensor's scale is chosen, how the tensor is cast, and how the GEMM
 of two cast tensors is dequantized. Ops ask their config's recipe (`Fp8Config.recipe`)
 instead of branching on config fields, so a new recipe (row-wise, block-wise) is a new
-class here plus its kernels behind `fp8jax._gemm`'s seam.
+class here plus its kernels behind `fp8jax.kernels.gemm`'s seam.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from . import _gemm
-from . import _quant as q
-from ._state import from_history
+from .kernels import gemm as _gemm
+from . import quant as q
+from .state import from_history
 
 F32 = jnp.float32
 
@@ -68,7 +68,7 @@ class PerTensor:
         return q.scale_from_amax(amax, old_scale, dtype, self.margin)
 
     def quantize_both(self, t: Array, old_scale: Array, history: Array, dtype) -> Cast:
-        """``t: [B, P, C]`` cast to FP8 in both layouts (`fp8jax._gemm.quantize_both`)."""
+        """``t: [B, P, C]`` cast to FP8 in both layouts (`fp8jax.kernels.gemm.quantize_both`)."""
         if self.delayed:
             scale = self.scale(history, old_scale, dtype)
             data, data_t, amax = _gemm.quantize_both(t, scale, dtype, self.cast_kernel)

@@ -16,7 +16,7 @@ Modes (Transformer Engine's names):
   dequantize/requantize pair fuses into one pass over FP8 data).
 
 FP8 tensors are e4m3 with per-tensor scales kept in an `Fp8AttentionState` (see
-`fp8jax._attention` for the ten tensors and which scaling each uses). Softmax and
+`fp8jax.ops.attention` for the ten tensors and which scaling each uses). Softmax and
 its statistics stay in float32. The state is updated through the gradient, so the
 usual `partition_for_grad_overwrite` / `apply_updates` step works unchanged.
 """
@@ -32,11 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .. import _attention
-from .. import _cudnn_attention as cudnn
-from .. import _state
+from ..ops import attention as _attention
+from .. import state as _state
 from ..config import Fp8Config, resolve_config
-from ..dot_general import OverwriteWithGradient
+from ..state import OverwriteWithGradient
 from .linear import Linear, apply_linear
 from .mlp import _check_count
 
@@ -134,11 +133,11 @@ _WARNED: set[str] = set()
 def _choose_backend(backend: str, query, key, has_lengths: bool) -> str:
     """``backend`` checked, or for ``"auto"``: cuDNN where it can run this call, else the
     reference (with one warning per reason on a GPU, where cuDNN was expected)."""
-    ok, why = cudnn.availability()
+    ok, why = _attention.cudnn.availability()
     if ok and has_lengths:
         why = "cuDNN's FP8 attention has no padding mask: sequence lengths need mode='bf16' or backend='reference'"
     elif ok:
-        why = cudnn.limits(query.shape[-1], query.shape[1], key.shape[1])
+        why = _attention.cudnn.limits(query.shape[-1], query.shape[1], key.shape[1])
     if backend == "auto":
         if ok and why is None:
             return "cudnn"

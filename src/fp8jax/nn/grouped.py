@@ -20,12 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .. import _grouped as gr
-from .. import _state
-from .._grouped import GroupLayout
-from .._grouped_kernel import ROW_ALIGN
+from ..ops import grouped as gr
+from .. import state as _state
+from ..ops.grouped import ROW_ALIGN, GroupLayout
 from ..config import Fp8Config, resolve_config
-from ..dot_general import Fp8GemmState, _init_state
+from ..state import Fp8GemmState, _init_state
 from .mlp import ACTIVATIONS, _check_count, activate
 
 F32 = jnp.float32

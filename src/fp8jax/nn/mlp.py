@@ -30,7 +30,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .. import _dot, _gated, _state
+from .. import state as _state
+from ..ops import dot as _dot
+from ..ops import gated as _gated
 from ..config import Fp8Config, resolve_config
 from .linear import Linear, apply_linear
 
@@ -117,7 +119,7 @@ class FusedMLP(eqx.Module):
     (``eqx.nn.Linear`` with ``fp8=False``); inputs may have any leading dims.
 
     On Hopper, a gated activation (those in `_gated.GPU_TESTED`) with both linears FP8
-    (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax._gated`: one
+    (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax.ops.gated`: one
     custom VJP whose Pallas kernels write the activation and its gradient straight to FP8,
     in both layouts, with their amax.
     Everything else runs as one checkpoint region through XLA's fusions.
@@ -306,7 +308,7 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
 
 # ----------------------------------------------------------------------------- fused path
 def _gated_core_runs(mlp: FusedMLP, x) -> bool:
-    """Whether `fp8jax._gated` (one custom VJP, Pallas activation kernels) runs this call:
+    """Whether `fp8jax.ops.gated` (one custom VJP, Pallas activation kernels) runs this call:
     both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``; the activation, scaling and sizes as `_gated.usable` says."""
     fc1, fc2 = mlp.fc1, mlp.fc2
     if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
@@ -345,7 +347,7 @@ def _policy():
 
 
 def _checkpointed_call(mlp: FusedMLP, x):
-    """Run the block as one checkpoint region. The FP8 states enter (`fp8jax._state.enter`)
+    """Run the block as one checkpoint region. The FP8 states enter (`fp8jax.state.enter`)
     outside it, so that uses of one block in several regions still combine by max."""
     params, static = eqx.partition(_state.enter_tree(mlp), eqx.is_array)
 

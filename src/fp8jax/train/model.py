@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..dot_general import OverwriteWithGradient
+from ..state import OverwriteWithGradient
 from ..nn.attention import DotProductAttention, rotary
 from ..nn.grouped import MoE as GroupedMoE
 from ..nn.linear import apply_linear

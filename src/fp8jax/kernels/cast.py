@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _quant as q
+from .. import quant as q
 
 try:  # Pallas moves between JAX releases: import lazily and guard.
     from jax.experimental import pallas as pl

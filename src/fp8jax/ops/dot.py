@@ -10,7 +10,7 @@ both operands contracting on their minor dim (the "TN" layout Hopper's FP8 GEMMs
 
 Residuals are FP8 (1 byte/element): ``xTq`` and the kernel in ``[B, K, N]`` layout.
 The scaling state's new value is returned as the state's "gradient" (gradient
-hijacking); the state enters as `fp8jax._state.MAX_GRAD` values, so several uses of
+hijacking); the state enters as `fp8jax.state.MAX_GRAD` values, so several uses of
 one layer in a step combine their proposals by max.
 """
 
@@ -26,21 +26,13 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
-from . import _gemm
-from . import _quant as q
-from . import _state
-from .config import Fp8Config
+from ..kernels import gemm as _gemm
+from .. import quant as q
+from .. import state as _state
+from ..config import Fp8Config
 
 F32 = jnp.float32
-STATE_FIELDS = (
-    "input_scale",
-    "kernel_scale",
-    "output_grad_scale",
-    "input_amax_history",
-    "kernel_amax_history",
-    "output_grad_amax_history",
-    "nonfinite_count",
-)
+STATE_FIELDS = _state.STATE_FIELDS
 # Names given to the residuals that are cheap to keep and costly to recompute (the FP8
 # weight, scales, amaxes), for `jax.checkpoint` policies: a policy saving these and
 # not the FP8 input copy recomputes only the input's cast (see `fp8jax.nn.FusedMLP`).

@@ -34,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _cast_kernel
-from . import _dot, _gemm
-from . import _quant as q
-from . import _state
-from .config import Fp8Config
+from ..kernels import cast as _cast_kernel
+from . import dot as _dot
+from ..kernels import gemm as _gemm
+from .. import quant as q
+from .. import state as _state
+from ..config import Fp8Config
 
 pl = _cast_kernel.pl  # the guarded Pallas import (None where it does not import)
 
@@ -292,7 +293,7 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
 def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
     """``fc2(act(fc1(x)_gate) * fc1(x)_up)`` with FP8 GEMMs (``act`` from ``spec.activation``):
     ``x [M, C]``, ``w1 [2F, C]`` (rows ``[gate | up]``), ``w2 [N, F]``; ``state1``/``state2``
-    the fc1/fc2 `_dot.STATE_FIELDS` tuples as `fp8jax._state.MAX_GRAD`, whose new values
+    the fc1/fc2 `_dot.STATE_FIELDS` tuples as `fp8jax.state.MAX_GRAD`, whose new values
     come back as their gradients."""
     return _forward(spec, x, w1, _state.values(state1), w2, _state.values(state2))[0]
 

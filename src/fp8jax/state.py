@@ -21,13 +21,82 @@ import dataclasses
 import weakref
 from functools import partial
 
+from typing import TYPE_CHECKING
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core, dtypes
+from jaxtyping import Array
+
+if TYPE_CHECKING:
+    from .config import Fp8Config
 
 F32 = jnp.float32
+# The per-tensor GEMM state, in this order in every op's state tuple.
+STATE_FIELDS = (
+    "input_scale",
+    "kernel_scale",
+    "output_grad_scale",
+    "input_amax_history",
+    "kernel_amax_history",
+    "output_grad_amax_history",
+    "nonfinite_count",
+)
+
+
+# ----------------------------------------------------------------------------- classes
+class OverwriteWithGradient(eqx.Module):
+    """Marker base class: every array leaf of such a module is *state* whose gradient is
+    its new value (haliax's convention). `partition_for_grad_overwrite` pulls these
+    out of the gradients; `apply_updates` writes them back."""
+
+    def ran_mask(self) -> Array | None:
+        """``[*stack, 1]`` bools: which (stacked) states hold a new value in a gradient
+        (a state that did not run gets all-zero "gradients"); None: all of them."""
+        return None
+
+
+class Fp8GemmState(OverwriteWithGradient):
+    """Base of the FP8 GEMM states (`Fp8DotGeneral`, `fp8jax.nn.Fp8GroupedState`): the
+    seven fields of `STATE_FIELDS`, stacked layers along leading dims."""
+
+    def ran_mask(self) -> Array:
+        return self.input_scale > 0  # a scale is never 0
+
+    def state(self) -> tuple[Array, ...]:
+        return tuple(getattr(self, name) for name in STATE_FIELDS)
+
+
+def _init_state(config: "Fp8Config", stack_shape: tuple[int, ...] = (), experts: int | None = None) -> dict[str, Array]:
+    """Fresh values of the seven `STATE_FIELDS`: scales 1, histories 0. With
+    ``experts``, the kernel's scale and history get a trailing ``[experts]`` dim (one
+    per expert, `fp8jax.nn.Fp8GroupedState`)."""
+    length = config.history_length
+    kernel = () if experts is None else (experts,)
+
+    # A fresh buffer per field: shared ones could not be donated to a jitted step.
+    def ones(shape):
+        return jnp.ones(stack_shape + shape, jnp.float32)
+
+    def zeros(shape):
+        return jnp.zeros(stack_shape + shape, jnp.float32)
+
+    return dict(
+        input_scale=ones((1,)),
+        kernel_scale=ones(kernel or (1,)),
+        output_grad_scale=ones((1,)),
+        input_amax_history=zeros((length,)),
+        kernel_amax_history=zeros((length,) + kernel),
+        output_grad_amax_history=zeros((length,)),
+        nonfinite_count=zeros((1,)),
+    )
+
+
+
+# ----------------------------------------------------------------------------- combine rule
 
 
 class _MaxGradRules:
@@ -163,8 +232,6 @@ def enter_tree(tree):
     """``tree`` with the leaves of every FP8 state in it `enter`ed: what to pass into a
     ``jax.checkpoint`` region (a state passed in as float32 would become a new leaf
     inside, and its uses in two regions would add)."""
-    from .dot_general import OverwriteWithGradient
-
     def is_state(x):
         return isinstance(x, OverwriteWithGradient)
 

@@ -29,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from . import _dot
-from . import _grouped_kernel as gk
-from . import _quant as q
-from . import _state
-from .config import Fp8Config
-from .inspect import GROUPED_SCOPE
+from . import dot as _dot
+from ..kernels import grouped_gemm as gk
+from .. import quant as q
+from .. import state as _state
+from ..config import Fp8Config
+
+GROUPED_SCOPE = "fp8jax_grouped_gemm"  # named scope around the grouped-GEMM kernels (in HLO metadata)
+ROW_ALIGN = gk.ROW_ALIGN
 
 F32 = jnp.float32
 BACKENDS = ("auto", "pallas", "reference")
@@ -320,7 +322,7 @@ def _zero_ct(a):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
-    """FP8 ``y = x . W_e`` per group; ``state`` as `fp8jax._state.MAX_GRAD`."""
+    """FP8 ``y = x . W_e`` per group; ``state`` as `fp8jax.state.MAX_GRAD`."""
     y, _ = _fp8_fwd_impl(spec, x, w, layout, _state.values(state))
     return y
 

@@ -9,8 +9,8 @@ Softmax and its statistics stay in float32. ``q, k, v`` follow ``config.scaling`
 (delayed or current); ``s`` has the fixed scale 1/448 (flash attention quantizes
 ``exp(S - running row max)``, which is at most 1; on H100 any larger scale saturated);
 the other six are delayed (the kernel needs their scales before it runs), except
-``do`` under current scaling. As in `fp8jax._dot`, the new
-state is returned as the state's gradient, entering as `fp8jax._state.MAX_GRAD` values
+``do`` under current scaling. As in `fp8jax.ops.dot`, the new
+state is returned as the state's gradient, entering as `fp8jax.state.MAX_GRAD` values
 so that repeated uses of one state in a step combine by max.
 """
 
@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from . import _cudnn_attention as cudnn
-from . import _quant as qt
-from . import _state
-from .config import Fp8Config
+from ..kernels import cudnn_attention as cudnn
+from .. import quant as qt
+from .. import state as _state
+from ..config import Fp8Config
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn
@@ -187,7 +187,7 @@ def _backward_impl(spec: AttnSpec, tensors, scalars, state, g):
 # ----------------------------------------------------------------------------- vmap rules
 # Under jax.vmap over the activations, the vmapped axis is folded into the batch axis
 # (a free reshape in BTNH): one kernel call and one amax per tensor over the whole
-# vmapped batch, like `fp8jax._dot` does for GEMM rows.
+# vmapped batch, like `fp8jax.ops.dot` does for GEMM rows.
 def _fold(x, size):
     return None if x is None else x.reshape((size * x.shape[1],) + x.shape[2:])
 
@@ -267,7 +267,7 @@ def new_state(state, scales_used, combined):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def fp8_attention(spec: AttnSpec, q, k, v, q_len, kv_len, state):
-    """FP8 attention on BTNH arrays; ``state`` as `fp8jax._state.MAX_GRAD`."""
+    """FP8 attention on BTNH arrays; ``state`` as `fp8jax.state.MAX_GRAD`."""
     o, _ = forward_fn(spec, False)(q, k, v, q_len, kv_len, _state.values(state))
     return o
 

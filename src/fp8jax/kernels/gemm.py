@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _cast_kernel
-from . import _quant as q
+from . import cast as _cast_kernel
+from .. import quant as q
 
 F32 = jnp.float32
 # Lowering choices measured on H100 (benchmarks/RESULTS.md); module-level so the
@@ -58,7 +58,7 @@ def fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
 def quantize_both(t, scale, dtype, cast_kernel: bool = False):
     """FP8 copies of ``t: [B, P, C]`` in both layouts (``[B, P, C]`` and ``[B, C, P]``)
     and ``max |t|`` (non-finite when ``t`` holds NaN/Inf). ``cast_kernel``: one Pallas
-    pass (`fp8jax._cast_kernel`) where it can run, else XLA's cast + transpose."""
+    pass (`fp8jax.kernels.cast`) where it can run, else XLA's cast + transpose."""
     if cast_kernel and _cast_kernel.supported(t.shape)[0]:
         return _cast_kernel.cast_transpose(t, scale, dtype)
     tq = q.quantize(t, scale, dtype)

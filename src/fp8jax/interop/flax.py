@@ -1,0 +1,112 @@
+"""flax.linen adapter: `Fp8DotGeneralOp` for ``nn.Dense(dot_general_cls=...)`` and
+``nn.DenseGeneral``, and `Fp8Einsum` for ``nn.Einsum`` (``pip install fp8jax[flax]``).
+
+The state is exactly flax's own (``Fp8DirectDotGeneralOp``, ``Fp8Einsum``): the same six
+variables (names, shapes, order, initial values) in flax's ``"_overwrite_with_gradient"``
+collection, and the same amax-history layout (rolled each step, newest at index 0). So
+``flax.training.train_state.TrainState.apply_gradients`` writes the new state and keeps
+it out of the optimizer, as it does for flax's ops, and a flax FP8 checkpoint means the
+same here. fp8jax's non-finite step counter is not kept in flax's collection::
+
+    dense = nn.Dense(4096, dot_general_cls=fp8jax.flax.fp8_dot_general_cls(Fp8Config()))
+
+The GEMMs are fp8jax's (real FP8, K-major), not flax's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax.numpy as jnp
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
+from ..config import Fp8Config, resolve_config
+from ..dot_general import Fp8DotGeneral
+
+# flax's Fp8DotGeneralBase.setup order.
+FLAX_STATE = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history",
+              "input_scale", "kernel_scale", "output_grad_scale")
+
+
+def _check_config(owner: str, config) -> Fp8Config:
+    """`resolve_config` with ``owner`` named in its TypeError (and the class itself caught)."""
+    if isinstance(config, type) and issubclass(config, Fp8Config):
+        raise TypeError(f"{owner}: config is the class Fp8Config; expected an instance, "
+                        "e.g. Fp8Config().")
+    try:
+        return resolve_config(config)
+    except TypeError as e:
+        raise TypeError(f"{owner}: {e}.") from None
+
+
+def _array(owner: str, name: str, x):
+    """``x`` as a float16/bfloat16/float32 array, else a TypeError naming ``owner``."""
+    try:
+        x = jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: {name} must be an array, got {type(x).__name__}.") from None
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
+        raise TypeError(f"{owner}: {name} must be float16/bfloat16/float32, got dtype {x.dtype} "
+                        f"with shape {x.shape}.")
+    return x
+
+
+def _op(module: nn.Module, config: Fp8Config) -> Fp8DotGeneral:
+    """An `Fp8DotGeneral` over ``module``'s flax variables (made on first use)."""
+    template = Fp8DotGeneral(config)
+    state = {name: module.variable(OVERWRITE_WITH_GRADIENT, name,
+                                   lambda name=name: getattr(template, name)).value
+             for name in FLAX_STATE}
+    # Not a flax variable: a fresh zero each call, its "gradient" dropped.
+    state["nonfinite_count"] = jnp.zeros((1,), jnp.float32)
+    return Fp8DotGeneral.from_state(template.config, state)
+
+
+class Fp8DotGeneralOp(nn.Module):
+    """A linen module with ``jax.lax.dot_general``'s signature running `Fp8DotGeneral`."""
+
+    config: Fp8Config = Fp8Config()
+
+    def __post_init__(self):
+        _check_config("Fp8DotGeneralOp", self.config)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        return _op(self, self.config)(lhs, rhs, dimension_numbers, precision=precision,
+                                      preferred_element_type=preferred_element_type)
+
+
+class Fp8Einsum(nn.Module):
+    """flax's ``Fp8Einsum`` on fp8jax's GEMM: ``(eqn, lhs, rhs)``, ``rhs`` the kernel,
+    ``lhs`` cast to its dtype (flax's convention)."""
+
+    config: Fp8Config = Fp8Config()
+
+    def __post_init__(self):
+        _check_config("Fp8Einsum", self.config)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):
+        if not isinstance(eqn, str):
+            raise TypeError(f"Fp8Einsum: eqn={eqn!r} is not allowed; expected an einsum string "
+                            "such as 'bd,df->bf'.")
+        if eqn.split("->")[0].count(",") != 1:
+            raise ValueError(f"Fp8Einsum: eqn={eqn!r} is not allowed; expected two operands "
+                             "(lhs, kernel), such as 'bd,df->bf'.")
+        rhs = _array("Fp8Einsum", "rhs (the kernel)", rhs)
+        try:
+            lhs = jnp.asarray(lhs).astype(rhs.dtype)
+        except (TypeError, ValueError):
+            kind = type(lhs).__name__
+            raise TypeError(f"Fp8Einsum: lhs must be an array, got {kind}.") from None
+        return jnp.einsum(eqn, lhs, rhs, precision=precision,
+                          preferred_element_type=preferred_element_type,
+                          _dot_general=functools.partial(_op(self, self.config)))  # hashable
+
+
+def fp8_dot_general_cls(config: Fp8Config | None = None):
+    """What to pass as ``dot_general_cls`` to ``nn.Dense`` / ``nn.DenseGeneral``."""
+    return functools.partial(Fp8DotGeneralOp, config=_check_config("fp8_dot_general_cls", config))
