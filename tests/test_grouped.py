@@ -308,8 +308,12 @@ def test_layout_and_kernel_fallback_on_cpu():
     np.testing.assert_array_equal(layout.starts, [0, 128, 128, 384])
     assert int(layout.row_valid.sum()) == 134
     assert gr.resolve_backend("auto", layout, 128, 256, jnp.bfloat16) == "reference"
-    with pytest.raises(ValueError, match="Pallas kernel cannot run"):
-        gr.resolve_backend("pallas", layout, 128, 256, jnp.bfloat16)
+    for name in ("pallas", "kernel"):  # the family's name and dispatch's
+        with pytest.raises(ValueError, match="the kernel cannot run this call"):
+            gr.resolve_backend(name, layout, 128, 256, jnp.bfloat16)
+    assert gr.resolve_backend("reference", layout, 128, 256, jnp.bfloat16) == "reference"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gr.resolve_backend("triton", layout, 128, 256, jnp.bfloat16)
 
 
 def test_pinned_kernel_configs_are_found():

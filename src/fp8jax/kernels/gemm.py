@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import cast as _cast_kernel
+from . import dispatch
 from .. import quant as q
 
 F32 = jnp.float32
@@ -59,7 +60,8 @@ def quantize_both(t, scale, dtype, cast_kernel: bool = False):
     """FP8 copies of ``t: [B, P, C]`` in both layouts (``[B, P, C]`` and ``[B, C, P]``)
     and ``max |t|`` (non-finite when ``t`` holds NaN/Inf). ``cast_kernel``: one Pallas
     pass (`fp8jax.kernels.cast`) where it can run, else XLA's cast + transpose."""
-    if cast_kernel and _cast_kernel.supported(t.shape)[0]:
+    ok, why = _cast_kernel.supported(t.shape) if cast_kernel else (False, "")
+    if dispatch.choose("cast", "auto" if cast_kernel else "reference", None if ok else why) == "kernel":
         return _cast_kernel.cast_transpose(t, scale, dtype)
     tq = q.quantize(t, scale, dtype)
     if TUNING["cast_transposed"]:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..kernels import dispatch
 from ..ops import attention as _attention
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
@@ -100,8 +101,7 @@ def _check_scale(owner: str, scale) -> float | None:
 def _check_inputs(query, key, value, mode, backend, lengths):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    dispatch.check("fp8jax attention", backend, BACKENDS)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != 4:
             raise ValueError(f"dot_product_attention expects BTNH arrays [batch, seq, heads, head_dim]; "
@@ -131,26 +131,21 @@ _WARNED: set[str] = set()
 
 
 def _choose_backend(backend: str, query, key, has_lengths: bool) -> str:
-    """``backend`` checked, or for ``"auto"``: cuDNN where it can run this call, else the
-    reference (with one warning per reason on a GPU, where cuDNN was expected)."""
+    """``"cudnn"`` or ``"reference"`` by `fp8jax.kernels.dispatch.choose`: for ``"auto"``
+    cuDNN where it can run this call, else the reference (with one warning per reason on a
+    GPU, where cuDNN was expected)."""
     ok, why = _attention.cudnn.availability()
     if ok and has_lengths:
         why = "cuDNN's FP8 attention has no padding mask: sequence lengths need mode='bf16' or backend='reference'"
     elif ok:
         why = _attention.cudnn.limits(query.shape[-1], query.shape[1], key.shape[1])
-    if backend == "auto":
-        if ok and why is None:
-            return "cudnn"
-        if ok and why not in _WARNED:
-            _WARNED.add(why)
-            warnings.warn(f"fp8jax attention: {why}; running the plain-JAX reference backend (slow).", stacklevel=4)
-        return "reference"
-    if backend == "cudnn":
-        if not ok:
-            raise RuntimeError(f"backend='cudnn' cannot run here: {why}. Use backend='reference' (plain JAX, slow).")
-        if why is not None:
-            raise ValueError(why + (". Use mode='bf16' or backend='reference'." if not has_lengths else "."))
-    return backend
+    auto = dispatch.check("fp8jax attention", backend, BACKENDS) == "auto"
+    if auto and ok and why is not None and why not in _WARNED:  # on a GPU cuDNN was expected
+        _WARNED.add(why)
+        warnings.warn(f"fp8jax attention: {why}; running the plain-JAX reference backend (slow).",
+                      stacklevel=4)
+    chosen = dispatch.choose("fp8jax attention", backend, why, BACKENDS)
+    return "cudnn" if chosen == "kernel" else "reference"
 
 
 def dot_product_attention(
@@ -216,9 +211,7 @@ class DotProductAttention(eqx.Module):
                  backend: str = "auto", config: Fp8Config | None = None, stack_shape: tuple[int, ...] = ()):
         if mode not in MODES:
             raise ValueError(f"DotProductAttention: mode must be one of {MODES}, got {mode!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"DotProductAttention: backend must be one of {BACKENDS}, "
-                             f"got {backend!r}")
+        dispatch.check("DotProductAttention", backend, BACKENDS)
         scale = _check_scale("DotProductAttention", scale)
         try:
             config = resolve_config(config)

@@ -32,8 +32,7 @@ F32 = jnp.float32
 
 def _check_backend(owner: str, backend) -> str:
     """``backend`` if it is one of `_grouped.BACKENDS`, else a ValueError naming ``owner``."""
-    if not isinstance(backend, str) or backend not in gr.BACKENDS:
-        raise ValueError(f"{owner}: backend must be one of {gr.BACKENDS}, got {backend!r}.")
+    gr.check_backend(backend, owner)
     return backend
 
 

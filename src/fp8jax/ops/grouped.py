@@ -30,6 +30,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from . import dot as _dot
+from ..kernels import dispatch
 from ..kernels import grouped_gemm as gk
 from .. import quant as q
 from .. import state as _state
@@ -180,23 +181,19 @@ def _kernel_reason(layout: GroupLayout, k: int, n: int, dtype) -> str:
             or gk.wgrad_supported(m, k, n, wgrad_cfg))
 
 
-def check_backend(backend: str) -> str:
-    """``backend`` if it is one of `BACKENDS`, else a ValueError."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def check_backend(backend: str, owner: str = "grouped GEMM") -> str:
+    """``backend`` if it is one of `BACKENDS` (`fp8jax.kernels.dispatch`'s names accepted
+    too), else a ValueError naming ``owner``."""
+    dispatch.check(owner, backend, BACKENDS)
     return backend
 
 
 def resolve_backend(backend: str, layout: GroupLayout, k: int, n: int, dtype) -> str:
-    """``"pallas"`` or ``"reference"`` for a GEMM set of sizes ``[M_pad, k] x [G, k, n]``."""
-    if check_backend(backend) == "reference":
-        return backend
-    why = _kernel_reason(layout, k, n, dtype)
-    if not why:
-        return "pallas"
-    if backend == "pallas":
-        raise ValueError(f"grouped GEMM: the Pallas kernel cannot run this call ({why}); use backend='auto'.")
-    return "reference"
+    """``"pallas"`` or ``"reference"`` for a GEMM set of sizes ``[M_pad, k] x [G, k, n]``
+    (`fp8jax.kernels.dispatch.choose`)."""
+    why = _kernel_reason(layout, k, n, dtype) or None
+    chosen = dispatch.choose("grouped GEMM", backend, why, BACKENDS)
+    return "pallas" if chosen == "kernel" else "reference"
 
 
 # Tile choices measured on H100 (benchmarks/RESULTS.md, grouped_gemm sweep); `tune`
