@@ -24,9 +24,6 @@ TUNING = {
     # Produce the transposed (column-wise) FP8 copies by casting the transposed
     # high-precision tensor (one fused read) rather than transposing the FP8 copy.
     "cast_transposed": False,
-    # Write the GEMM as XLA's FP8 pattern, dot(convert(a) * sa, convert(b) * sb), so that
-    # XLA's GEMM rewriter hands the scales to cuBLASLt (no dequantizing multiply after it).
-    "scaled_dot": False,
 }
 
 
@@ -53,11 +50,6 @@ def fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
     sign: 2.9e-2 relative error against 2.4e-3; the promoted one costs 5-8% more
     GEMM time; benchmarks/RESULTS.md).
     """
-    if TUNING["scaled_dot"]:
-        dq = jnp.dtype(out_dtype)
-        a_dq = a.astype(dq) * a_scale.astype(dq).reshape(())
-        b_dq = b.astype(dq) * b_scale.astype(dq).reshape(())
-        return gemm(a_dq, b_dq, out_dtype, gemm_precision(fast_accumulation))
     acc_dtype = F32 if TUNING["f32_gemm_out"] else out_dtype
     y = gemm(a, b, acc_dtype, gemm_precision(fast_accumulation))
     scale = (a_scale * b_scale).reshape(()).astype(F32)
