@@ -52,7 +52,7 @@ def test_preferred_element_type(key):
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn, jnp.bool_])
 def test_non_float_inputs_raise(dtype):
     lhs = jnp.ones((32, 32), dtype)
-    with pytest.raises(TypeError, match=r"lhs must be a float16/bfloat16/float32 array, got lhs dtype"):
+    with pytest.raises(TypeError, match=r"lhs must be float16/bfloat16/float32, got dtype"):
         fp8jax.Fp8DotGeneral(CURRENT)(lhs, jnp.ones((32, 32)), (((1,), (1,)), ((), ())))
 
 

@@ -94,14 +94,14 @@ def re_tuple(shape):
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.float8_e4m3fn, jnp.complex64])
 def test_linear_rejects_input_dtype(layer, dtype):
     name = jnp.dtype(dtype).name
-    with pytest.raises(TypeError, match=rf"float16/bfloat16/float32 input, got dtype {name} "
+    with pytest.raises(TypeError, match=rf"x must be float16/bfloat16/float32, got dtype {name} "
                                         r"with shape \(4, 32\)"):
         layer(jnp.ones((4, 32), dtype))
 
 
 @pytest.mark.parametrize("x, name", [(None, "NoneType"), ("abc", "str")])
 def test_linear_rejects_non_arrays(layer, x, name):
-    with pytest.raises(TypeError, match=rf"expects an array input, got {name}"):
+    with pytest.raises(TypeError, match=rf"x must be an array, got {name}"):
         layer(x)
 
 
@@ -343,7 +343,7 @@ def test_attention_and_dot_general_reject():
     q = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"BTNH arrays .*query has shape \(128, 64\)"):
         attn(jnp.ones((128, 64)), q, q)
-    with pytest.raises(TypeError, match=r"query must be float16/bfloat16/float32, got int32"):
+    with pytest.raises(TypeError, match=r"query must be float16/bfloat16/float32, got dtype int32"):
         attn(q.astype(jnp.int32), q, q)
     with pytest.raises(TypeError, match=r"config must be an fp8jax.Fp8Config, got str"):
         fp8jax.Fp8DotGeneral("delayed")
@@ -385,10 +385,10 @@ def test_fused_mlp_rejects_config_inputs_and_norm_eps(key):
                                             r"got dict"):
             nn.FusedMLP(64, 128, config={}, fp8=fp8, key=key)
     mlp = nn.FusedMLP(64, 128, config=CFG, key=key)
-    with pytest.raises(TypeError, match=r"FusedMLP expects a float16/bfloat16/float32 input, "
+    with pytest.raises(TypeError, match=r"FusedMLP: x must be float16/bfloat16/float32, "
                                         r"got dtype int32 with shape \(2, 8, 64\)"):
         mlp(jnp.ones((2, 8, 64), jnp.int32))
-    with pytest.raises(TypeError, match=r"FusedMLP expects an array input, got NoneType"):
+    with pytest.raises(TypeError, match=r"FusedMLP: x must be an array, got NoneType"):
         mlp(None)
     with pytest.raises(ValueError, match=r"FusedMLP: eps=-1\.0 is not allowed"):
         nn.FusedMLP.from_modules(eqx.nn.RMSNorm(64, eps=-1.0), eqx.nn.Linear(64, 256, key=key),
@@ -430,9 +430,9 @@ def test_moe_names_itself_and_the_callers_input(key):
     for dtype in (jnp.int32, jnp.float8_e4m3fn):
         name = jnp.dtype(dtype).name
         with pytest.raises(TypeError, match=rf"MoE: x must be float16/bfloat16/float32, got "
-                                            rf"{name} with shape \(2, 8, 64\)"):
+                                            rf"dtype {name} with shape \(2, 8, 64\)"):
             moe(jnp.ones((2, 8, 64), dtype))
-    with pytest.raises(TypeError, match=r"MoE expects an array input, got NoneType"):
+    with pytest.raises(TypeError, match=r"MoE: x must be an array, got NoneType"):
         moe(None)
 
 

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from . import checks
 from . import state as _state
 from .config import Fp8Config, resolve_config
 from .ops import dot as _dot
-from .state import STATE_FIELDS, Fp8GemmState, OverwriteWithGradient, _init_state
+from .state import STATE_FIELDS, Fp8GemmState, _init_state
+from .state import OverwriteWithGradient  # noqa: F401  (re-exported: older imports)
 
 
 class Fp8DotGeneral(Fp8GemmState):
@@ -113,12 +115,7 @@ class Fp8DotGeneral(Fp8GemmState):
 def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):
     """Validate dtypes and shapes early, naming the offending operand; return the output dtype."""
     for name, arr in (("lhs", lhs), ("rhs", rhs)):
-        dtype = jnp.dtype(arr.dtype)
-        if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
-            raise TypeError(
-                f"Fp8DotGeneral: {name} must be a float16/bfloat16/float32 array, got {name} dtype {dtype} "
-                f"with shape {arr.shape}."
-            )
+        checks.float_array("Fp8DotGeneral", name, arr)
     try:
         (lc, rc), (lb, rb) = dimension_numbers
     except (TypeError, ValueError):

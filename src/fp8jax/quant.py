@@ -5,7 +5,6 @@ Scales are *dequantization* factors: ``real ~= fp8_value * scale``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 

@@ -21,35 +21,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from ..config import Fp8Config, resolve_config
+from .. import checks
+from ..config import Fp8Config
 from ..dot_general import Fp8DotGeneral
 
 # flax's Fp8DotGeneralBase.setup order.
 FLAX_STATE = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history",
               "input_scale", "kernel_scale", "output_grad_scale")
-
-
-def _check_config(owner: str, config) -> Fp8Config:
-    """`resolve_config` with ``owner`` named in its TypeError (and the class itself caught)."""
-    if isinstance(config, type) and issubclass(config, Fp8Config):
-        raise TypeError(f"{owner}: config is the class Fp8Config; expected an instance, "
-                        "e.g. Fp8Config().")
-    try:
-        return resolve_config(config)
-    except TypeError as e:
-        raise TypeError(f"{owner}: {e}.") from None
-
-
-def _array(owner: str, name: str, x):
-    """``x`` as a float16/bfloat16/float32 array, else a TypeError naming ``owner``."""
-    try:
-        x = jnp.asarray(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"{owner}: {name} must be an array, got {type(x).__name__}.") from None
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
-        raise TypeError(f"{owner}: {name} must be float16/bfloat16/float32, got dtype {x.dtype} "
-                        f"with shape {x.shape}.")
-    return x
 
 
 def _op(module: nn.Module, config: Fp8Config) -> Fp8DotGeneral:
@@ -69,7 +47,7 @@ class Fp8DotGeneralOp(nn.Module):
     config: Fp8Config = Fp8Config()
 
     def __post_init__(self):
-        _check_config("Fp8DotGeneralOp", self.config)
+        checks.config("Fp8DotGeneralOp", self.config)
         super().__post_init__()
 
     @nn.compact
@@ -85,7 +63,7 @@ class Fp8Einsum(nn.Module):
     config: Fp8Config = Fp8Config()
 
     def __post_init__(self):
-        _check_config("Fp8Einsum", self.config)
+        checks.config("Fp8Einsum", self.config)
         super().__post_init__()
 
     @nn.compact
@@ -96,7 +74,7 @@ class Fp8Einsum(nn.Module):
         if eqn.split("->")[0].count(",") != 1:
             raise ValueError(f"Fp8Einsum: eqn={eqn!r} is not allowed; expected two operands "
                              "(lhs, kernel), such as 'bd,df->bf'.")
-        rhs = _array("Fp8Einsum", "rhs (the kernel)", rhs)
+        rhs = checks.float_array("Fp8Einsum", "rhs (the kernel)", rhs)
         try:
             lhs = jnp.asarray(lhs).astype(rhs.dtype)
         except (TypeError, ValueError):
@@ -109,4 +87,4 @@ class Fp8Einsum(nn.Module):
 
 def fp8_dot_general_cls(config: Fp8Config | None = None):
     """What to pass as ``dot_general_cls`` to ``nn.Dense`` / ``nn.DenseGeneral``."""
-    return functools.partial(Fp8DotGeneralOp, config=_check_config("fp8_dot_general_cls", config))
+    return functools.partial(Fp8DotGeneralOp, config=checks.config("fp8_dot_general_cls", config))

@@ -34,11 +34,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..kernels import dispatch
 from ..ops import attention as _attention
+from .. import checks
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
 from ..state import OverwriteWithGradient
 from .linear import Linear, apply_linear
-from .mlp import _check_count
 
 MODES = ("bf16", "fp8_dpa", "fp8_mha")
 BACKENDS = ("auto", "cudnn", "reference")
@@ -106,8 +106,7 @@ def _check_inputs(query, key, value, mode, backend, lengths):
         if x.ndim != 4:
             raise ValueError(f"dot_product_attention expects BTNH arrays [batch, seq, heads, head_dim]; "
                              f"{name} has shape {x.shape}")
-        if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < 2:
-            raise TypeError(f"{name} must be float16/bfloat16/float32, got {x.dtype} (shape {x.shape})")
+        checks.float_array("fp8jax attention", name, x)
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     if key.shape != value.shape:
@@ -275,12 +274,12 @@ class MultiHeadAttention(eqx.Module):
                  mode: str = "fp8_mha", is_causal: bool = True, use_rotary: bool = True, rope_base: float = 10000.0,
                  use_bias: bool = False, backend: str = "auto", config: Fp8Config | None = None, dtype=None,
                  key: PRNGKeyArray):
-        dim = _check_count("MultiHeadAttention", "dim", dim)
-        num_heads = _check_count("MultiHeadAttention", "num_heads", num_heads)
+        dim = checks.count("MultiHeadAttention", "dim", dim)
+        num_heads = checks.count("MultiHeadAttention", "num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        num_kv_heads = _check_count("MultiHeadAttention", "num_kv_heads", num_kv_heads)
+        num_kv_heads = checks.count("MultiHeadAttention", "num_kv_heads", num_kv_heads)
         if head_dim is not None:
-            head_dim = _check_count("MultiHeadAttention", "head_dim", head_dim)
+            head_dim = checks.count("MultiHeadAttention", "head_dim", head_dim)
         if mode not in MODES:
             raise ValueError(f"MultiHeadAttention: mode must be one of {MODES}, got {mode!r}")
         try:

@@ -21,11 +21,12 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..ops import grouped as gr
+from .. import checks
 from .. import state as _state
 from ..ops.grouped import ROW_ALIGN, GroupLayout
 from ..config import Fp8Config, resolve_config
 from ..state import Fp8GemmState, _init_state
-from .mlp import ACTIVATIONS, _check_count, activate
+from .mlp import ACTIVATIONS, activate
 
 F32 = jnp.float32
 
@@ -34,14 +35,6 @@ def _check_backend(owner: str, backend) -> str:
     """``backend`` if it is one of `_grouped.BACKENDS`, else a ValueError naming ``owner``."""
     gr.check_backend(backend, owner)
     return backend
-
-
-def _config(owner: str, config) -> Fp8Config:
-    """`resolve_config` with ``owner`` named in its TypeError."""
-    try:
-        return resolve_config(config)
-    except TypeError as e:
-        raise TypeError(f"{owner}: {e}.") from None
 
 
 class Fp8GroupedState(Fp8GemmState):
@@ -96,11 +89,11 @@ class GroupedLinear(eqx.Module):
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, key: PRNGKeyArray,
                  fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
-        num_experts = _check_count("GroupedLinear", "num_experts", num_experts)
-        in_features = _check_count("GroupedLinear", "in_features", in_features)
-        out_features = _check_count("GroupedLinear", "out_features", out_features)
+        num_experts = checks.count("GroupedLinear", "num_experts", num_experts)
+        in_features = checks.count("GroupedLinear", "in_features", in_features)
+        out_features = checks.count("GroupedLinear", "out_features", out_features)
         backend = _check_backend("GroupedLinear", backend)
-        config = _config("GroupedLinear", config)
+        config = checks.config("GroupedLinear", config)
         bound = 1.0 / math.sqrt(in_features)
         self.weight = jax.random.uniform(key, (num_experts, in_features, out_features), dtype, -bound, bound)
         self.fp8_state = Fp8GroupedState(num_experts, config) if fp8 else None
@@ -154,12 +147,9 @@ class GroupedLinear(eqx.Module):
         return gr.grouped_fp8(spec, x, self.weight, layout, _state.enter(state.state()))
 
     def _check_input(self, x, name):
-        x = jnp.asarray(x)
+        x = checks.float_array("GroupedLinear", name, x)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"GroupedLinear: {name} must have shape (rows, {self.in_features}), got {x.shape}")
-        if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < 2:
-            raise TypeError(f"GroupedLinear: {name} must be float16/bfloat16/float32, got {x.dtype} "
-                            f"with shape {x.shape}")
         return x
 
 
@@ -195,11 +185,11 @@ class GroupedMLP(eqx.Module):
                  fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
         if activation not in ACTIVATIONS:
             raise ValueError(f"GroupedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}")
-        num_experts = _check_count("GroupedMLP", "num_experts", num_experts)
-        hidden = _check_count("GroupedMLP", "hidden", hidden)
-        ffn = _check_count("GroupedMLP", "ffn", ffn)
+        num_experts = checks.count("GroupedMLP", "num_experts", num_experts)
+        hidden = checks.count("GroupedMLP", "hidden", hidden)
+        ffn = checks.count("GroupedMLP", "ffn", ffn)
         backend = _check_backend("GroupedMLP", backend)
-        config = _config("GroupedMLP", config)
+        config = checks.config("GroupedMLP", config)
         gated = ACTIVATIONS[activation][1]
         k1, k2 = jax.random.split(key)
         self.fc1 = GroupedLinear(num_experts, hidden, ffn * (2 if gated else 1), key=k1, fp8=fp8, config=config,
@@ -259,11 +249,11 @@ class MoE(eqx.Module):
                  activation: str = "swiglu", score: Literal["softmax", "sigmoid"] = "softmax",
                  capacity_factor: float | None = None, normalize_weights: bool = True, fp8: bool = True,
                  config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
-        hidden = _check_count("MoE", "hidden", hidden)
-        ffn = _check_count("MoE", "ffn", ffn)
-        num_experts = _check_count("MoE", "num_experts", num_experts)
+        hidden = checks.count("MoE", "hidden", hidden)
+        ffn = checks.count("MoE", "ffn", ffn)
+        num_experts = checks.count("MoE", "num_experts", num_experts)
         backend = _check_backend("MoE", backend)
-        config = _config("MoE", config)
+        config = checks.config("MoE", config)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         if score not in ("softmax", "sigmoid"):
@@ -292,16 +282,10 @@ class MoE(eqx.Module):
 
     @jax.named_scope("fp8jax.nn.MoE")
     def __call__(self, x: Float[Array, "... hidden"]) -> tuple[Array, RoutingInfo]:
-        try:
-            x = jnp.asarray(x)
-        except (TypeError, ValueError):
-            raise TypeError(f"MoE expects an array input, got {type(x).__name__}.") from None
+        x = checks.float_array("MoE", "x", x)
         hidden = self.router.shape[0]
         if x.ndim == 0 or x.shape[-1] != hidden:
             raise ValueError(f"MoE: x must have shape (..., {hidden}), got {x.shape}")
-        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
-            raise TypeError(f"MoE: x must be float16/bfloat16/float32, got {x.dtype} "
-                            f"with shape {x.shape}.")
         lead = x.shape[:-1]
         tokens = x.reshape(-1, hidden)
         y, info = self._route_and_run(tokens)

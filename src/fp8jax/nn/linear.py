@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
+from .. import checks
 from ..config import Fp8Config
 from ..dot_general import Fp8DotGeneral
 
@@ -85,17 +86,7 @@ class Linear(eqx.Module):
     @jax.named_scope("fp8jax.nn.Linear")
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         del key
-        try:
-            x = jnp.asarray(x)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"fp8jax.nn.Linear expects an array input, got {type(x).__name__}."
-            ) from None
-        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
-            raise TypeError(
-                f"fp8jax.nn.Linear expects a float16/bfloat16/float32 input, got dtype {x.dtype} "
-                f"with shape {x.shape}."
-            )
+        x = checks.float_array("fp8jax.nn.Linear", "x", x)
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"fp8jax.nn.Linear expects inputs of shape (..., {self.in_features}), got {x.shape}."

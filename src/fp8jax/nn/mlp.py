@@ -26,10 +26,10 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .. import checks
 from .. import state as _state
 from ..ops import dot as _dot
 from ..ops import gated as _gated
@@ -157,8 +157,8 @@ class FusedMLP(eqx.Module):
         dtype=None,
         key: PRNGKeyArray,
     ):
-        hidden = _check_count("FusedMLP", "hidden", hidden)
-        ffn = _check_count("FusedMLP", "ffn", ffn)
+        hidden = checks.count("FusedMLP", "hidden", hidden)
+        ffn = checks.count("FusedMLP", "ffn", ffn)
         _check_kinds(norm, activation)
         gated = ACTIVATIONS[activation][1]
         k1, k2 = jax.random.split(key)
@@ -220,13 +220,7 @@ class FusedMLP(eqx.Module):
         """``x: [..., hidden]`` -> ``[..., hidden]`` (and a dict of intermediates when
         ``return_intermediates``, which needs ``fused=False``)."""
         del key
-        try:
-            x = jnp.asarray(x)
-        except (TypeError, ValueError):
-            raise TypeError(f"FusedMLP expects an array input, got {type(x).__name__}.") from None
-        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
-            raise TypeError(f"FusedMLP expects a float16/bfloat16/float32 input, got dtype "
-                            f"{x.dtype} with shape {x.shape}.")
+        x = checks.float_array("FusedMLP", "x", x)
         if x.ndim == 0 or x.shape[-1] != self.hidden:
             raise ValueError(f"FusedMLP expects inputs of shape (..., {self.hidden}), got {x.shape}")
         if return_intermediates:
@@ -241,22 +235,6 @@ class FusedMLP(eqx.Module):
         return _checkpointed_call(self, x)
 
 
-def _check_count(owner: str, name: str, value) -> int:
-    """``value`` if it is an int >= 1 (numpy ints too, not bools), else a ValueError."""
-    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if not is_int or value < 1:
-        raise ValueError(f"{owner}: {name}={value!r} is not allowed; expected an int >= 1.")
-    return int(value)
-
-
-def _check_eps(owner: str, eps) -> float:
-    """``eps`` as a float if it is a finite number > 0, else a ValueError."""
-    ok = isinstance(eps, (int, float, np.integer, np.floating)) and not isinstance(eps, bool)
-    if not (ok and 0 < eps < float("inf")):
-        raise ValueError(f"{owner}: eps={eps!r} is not allowed; expected a finite number > 0.")
-    return float(eps)
-
-
 def _check_kinds(norm: str, activation: str) -> None:
     if norm not in NORMS:
         raise ValueError(f"FusedMLP: unknown norm {norm!r}; choose from {NORMS}")
@@ -268,7 +246,7 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
           config, hidden=None):
     """Validate shapes and set the fields (shared by ``__init__`` and ``from_modules``)."""
     _check_kinds(norm, activation)
-    eps = _check_eps("FusedMLP", eps)
+    eps = checks.positive_number("FusedMLP", "eps", eps)
     try:
         config = resolve_config(config)
     except TypeError as e:
