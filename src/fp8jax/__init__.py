@@ -1,10 +1,10 @@
 """fp8jax: FP8 training for JAX on NVIDIA Hopper GPUs."""
 
 from . import nn
+from ._xla_flags import skip_triton_gemm_autotuning
 from .config import Fp8Config
 from .convert import ConversionReport, fp8_linear_layers, fp8_state
 from .dot_general import Fp8DotGeneral
-from .state import OverwriteWithGradient
 from .grad_overwrite import (
     accumulate_grads,
     apply_updates,
@@ -13,8 +13,8 @@ from .grad_overwrite import (
     scale_grads,
     trainable,
 )
-from ._xla_flags import skip_triton_gemm_autotuning
 from .inspect import GemmReport, assert_fp8, fp8_gemm_report, saved_activation_bytes
+from .state import OverwriteWithGradient
 
 __version__ = "0.1.0"
 

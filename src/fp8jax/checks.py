@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from .config import Fp8Config, resolve_config
@@ -17,8 +17,10 @@ def float_array(owner: str, name: str, x) -> Array:
     except (TypeError, ValueError):
         raise TypeError(f"{owner}: {name} must be an array, got {type(x).__name__}.") from None
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
-        raise TypeError(f"{owner}: {name} must be float16/bfloat16/float32, got dtype {x.dtype} "
-                        f"with shape {x.shape}.")
+        raise TypeError(
+            f"{owner}: {name} must be float16/bfloat16/float32, got dtype {x.dtype} "
+            f"with shape {x.shape}."
+        )
     return x
 
 
@@ -41,8 +43,9 @@ def positive_number(owner: str, name: str, value) -> float:
 def config(owner: str, value) -> Fp8Config:
     """`resolve_config` with ``owner`` named in its TypeError (the class itself caught too)."""
     if isinstance(value, type) and issubclass(value, Fp8Config):
-        raise TypeError(f"{owner}: config is the class Fp8Config; expected an instance, "
-                        "e.g. Fp8Config().")
+        raise TypeError(
+            f"{owner}: config is the class Fp8Config; expected an instance, e.g. Fp8Config()."
+        )
     try:
         return resolve_config(value)
     except TypeError as e:

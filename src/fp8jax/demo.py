@@ -45,7 +45,7 @@ def train(model, data, steps, batch=256, lr=2e-3):
     losses = []
     for i in range(steps):
         j = (i * batch) % x.shape[0]
-        model, opt_state, loss = step(model, opt_state, x[j:j + batch], y[j:j + batch])
+        model, opt_state, loss = step(model, opt_state, x[j : j + batch], y[j : j + batch])
         losses.append(float(loss))
     return model, losses
 
@@ -58,7 +58,10 @@ class MLP(eqx.Module):
     def __init__(self, dim, width, key):
         keys = jax.random.split(key, 3)
         sizes = [(dim, width), (width, width), (width, dim)]
-        self.layers = tuple(eqx.nn.Linear(i, o, dtype=jnp.bfloat16, key=k) for (i, o), k in zip(sizes, keys, strict=True))
+        self.layers = tuple(
+            eqx.nn.Linear(i, o, dtype=jnp.bfloat16, key=k)
+            for (i, o), k in zip(sizes, keys, strict=True)
+        )
 
     def __call__(self, x):
         for layer in self.layers[:-1]:
@@ -73,34 +76,53 @@ def main(argv=None) -> None:
 
 def run(argv=None) -> dict:
     """Run the demo; return ``{precision: (losses, seconds)}``."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps} is not allowed; expected an int >= 1")
     if args.width < 16 or args.width % 16:
-        parser.error(f"--width {args.width} is not allowed; expected a positive multiple of 16 "
-                     "(FP8 GEMM dims must be)")
+        parser.error(
+            f"--width {args.width} is not allowed; expected a positive multiple of 16 "
+            "(FP8 GEMM dims must be)"
+        )
     key = jax.random.PRNGKey(0)
     data = make_data(key)
     model = MLP(64, args.width, key)
     # Toy sizes: turn the "only where FP8 pays off" policy off so every layer converts.
-    fp8_model, report = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(selective=False), return_report=True)
+    fp8_model, report = fp8jax.fp8_linear_layers(
+        model, fp8jax.Fp8Config(selective=False), return_report=True
+    )
     print(report, "\n")
-    print(fp8jax.fp8_gemm_report(lambda m, x: m(x), fp8_model, data[0][:256].astype(jnp.bfloat16),
-                                 stage="lowered" if jax.devices()[0].platform == "cpu" else "compiled"), "\n")
+    print(
+        fp8jax.fp8_gemm_report(
+            lambda m, x: m(x),
+            fp8_model,
+            data[0][:256].astype(jnp.bfloat16),
+            stage="lowered" if jax.devices()[0].platform == "cpu" else "compiled",
+        ),
+        "\n",
+    )
     results = {}
     for name, m in (("bf16", model), ("fp8", fp8_model)):
         t0 = time.perf_counter()
         trained, losses = train(m, data, args.steps)
         results[name] = (losses, time.perf_counter() - t0)
-        print(f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps ({results[name][1]:.1f} s)")
+        print(
+            f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps "
+            f"({results[name][1]:.1f} s)"
+        )
     gap = abs(results["fp8"][0][-1] - results["bf16"][0][-1]) / results["bf16"][0][-1]
     print(f"final-loss gap fp8 vs bf16: {100 * gap:.2f}%")
     first = fp8jax.fp8_state(trained)[0][1]
-    print(f"layer 0 FP8 state after training: input_scale={float(first.input_scale[0]):.4g}, "
-          f"output_grad_scale={float(first.output_grad_scale[0]):.4g}, nonfinite_count={int(first.nonfinite_count[0])}")
+    print(
+        f"layer 0 FP8 state after training: input_scale={float(first.input_scale[0]):.4g}, "
+        f"output_grad_scale={float(first.output_grad_scale[0]):.4g}, "
+        f"nonfinite_count={int(first.nonfinite_count[0])}"
+    )
     return results
 
 

@@ -63,8 +63,11 @@ def _node_diff(ref: Any, tree: Any, prefix: str = "") -> tuple[str, str]:
             except Exception:  # noqa: BLE001 - values that cannot be compared
                 same = r is t
             if not same:
-                return _node_diff(r, t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(r) else (
-                    f"{prefix}{f.name}={_short(r)}", f"{prefix}{f.name}={_short(t)}")
+                return (
+                    _node_diff(r, t, f"{prefix}{f.name}.")
+                    if dataclasses.is_dataclass(r)
+                    else (f"{prefix}{f.name}={_short(r)}", f"{prefix}{f.name}={_short(t)}")
+                )
     if isinstance(ref, dict) and isinstance(tree, dict):
         return f"keys {sorted(map(str, ref))}"[:100], f"keys {sorted(map(str, tree))}"[:100]
     if isinstance(ref, (list, tuple)) and isinstance(tree, (list, tuple)):
@@ -183,8 +186,9 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     whole batch). ``accumulated=None`` starts a new accumulation."""
     if accumulated is None:
         return grads
-    _check_like("accumulate_grads", "gradients", accumulated, grads,
-                ref_name="accumulated gradients")
+    _check_like(
+        "accumulate_grads", "gradients", accumulated, grads, ref_name="accumulated gradients"
+    )
 
     def combine(a, g):
         if _is_overwrite(a):
@@ -193,7 +197,9 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
             return a if g is None else g
         return jax.tree_util.tree_map(jnp.add, a, g)
 
-    return jax.tree_util.tree_map(combine, accumulated, grads, is_leaf=lambda x: x is None or _is_overwrite(x))
+    return jax.tree_util.tree_map(
+        combine, accumulated, grads, is_leaf=lambda x: x is None or _is_overwrite(x)
+    )
 
 
 def scale_grads(grads: Any, factor: float) -> Any:

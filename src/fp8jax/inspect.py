@@ -46,7 +46,10 @@ class GemmReport:
         lines = [f"{len(self.gemms)} GEMMs on {self.platform}, {self.num_fp8} in FP8"]
         for g in self.gemms:
             kind = g.target or g.op
-            lines.append(f"  {'FP8 ' if g.is_fp8 else 'HIGH'}  {kind:<28} {', '.join(g.operand_types)} -> {g.result_type}")
+            lines.append(
+                f"  {'FP8 ' if g.is_fp8 else 'HIGH'}  {kind:<28} "
+                f"{', '.join(g.operand_types)} -> {g.result_type}"
+            )
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -76,7 +79,11 @@ def parse_gemms(hlo_text: str) -> list[GemmInfo]:
     gemms = []
     for name, op, rest, line in instrs:
         args = rest.split(")")[0]
-        operands = tuple(_element(shapes.get(a.strip(), "?")) for a in args.split(",") if a.strip().startswith("%"))
+        operands = tuple(
+            _element(shapes.get(a.strip(), "?"))
+            for a in args.split(",")
+            if a.strip().startswith("%")
+        )
         f8_operands = sum(t.startswith("f8") for t in operands)
         if op == "custom-call":
             target_match = _CUSTOM_CALL.search(line)
@@ -87,10 +94,18 @@ def parse_gemms(hlo_text: str) -> list[GemmInfo]:
             if ours:  # drop the small int32/f32 side inputs (group table, scales)
                 operands = tuple(t for t in operands if t not in ("s32", "f32")) or operands
                 f8_operands = sum(t.startswith("f8") for t in operands)
-            is_fp8 = "f8" in target.lower() or (bool(_OUR_KERNEL.search(target)) and not ours) or f8_operands >= 2
-            gemms.append(GemmInfo(op, target, operands[:2], _element(shapes[name]), is_fp8, line[:300]))
+            is_fp8 = (
+                "f8" in target.lower()
+                or (bool(_OUR_KERNEL.search(target)) and not ours)
+                or f8_operands >= 2
+            )
+            gemms.append(
+                GemmInfo(op, target, operands[:2], _element(shapes[name]), is_fp8, line[:300])
+            )
         elif op in ("dot", "convolution"):
-            gemms.append(GemmInfo(op, "", operands[:2], _element(shapes[name]), f8_operands >= 2, line[:300]))
+            gemms.append(
+                GemmInfo(op, "", operands[:2], _element(shapes[name]), f8_operands >= 2, line[:300])
+            )
     return gemms
 
 
@@ -121,17 +136,22 @@ def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs:
     import jax
 
     if stage not in ("compiled", "lowered"):
-        raise ValueError(f"fp8_gemm_report: stage={stage!r} is not allowed; "
-                         "expected 'compiled' or 'lowered'.")
+        raise ValueError(
+            f"fp8_gemm_report: stage={stage!r} is not allowed; expected 'compiled' or 'lowered'."
+        )
     platform = jax.devices()[0].platform
     if isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)):
         if args or kwargs:
-            raise TypeError(f"fp8_gemm_report: fn is a jax {type(fn).__name__} program, which "
-                            "takes no arguments; pass the function and its arguments instead.")
+            raise TypeError(
+                f"fp8_gemm_report: fn is a jax {type(fn).__name__} program, which "
+                "takes no arguments; pass the function and its arguments instead."
+            )
         if isinstance(fn, jax.stages.Compiled):
             if stage == "lowered":
-                raise ValueError("fp8_gemm_report: stage='lowered' needs a function or a jax "
-                                 "Lowered program, got a Compiled one.")
+                raise ValueError(
+                    "fp8_gemm_report: stage='lowered' needs a function or a jax "
+                    "Lowered program, got a Compiled one."
+                )
             return GemmReport(parse_gemms(fn.as_text()), platform)
         if stage == "lowered":
             return GemmReport(parse_stablehlo_gemms(fn.as_text()), platform + " (lowered)")
@@ -163,8 +183,10 @@ def _check_callable(where: str, fn: Any, args: tuple, kwargs: dict, arg: str = "
         signature.bind(*args, **kwargs)
     except TypeError as e:
         name = getattr(fn, "__name__", type(fn).__name__)
-        raise TypeError(f"{where}: {name} cannot be called with the {len(args)} positional and "
-                        f"{len(kwargs)} keyword arguments given ({e}).") from None
+        raise TypeError(
+            f"{where}: {name} cannot be called with the {len(args)} positional and "
+            f"{len(kwargs)} keyword arguments given ({e})."
+        ) from None
 
 
 def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> int:
@@ -176,25 +198,34 @@ def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> 
 
     _check_callable("saved_activation_bytes", model, inputs, {}, arg="model")
     if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
-        raise TypeError(f"saved_activation_bytes: dim={dim!r} is not allowed; "
-                        "expected an int or None.")
+        raise TypeError(
+            f"saved_activation_bytes: dim={dim!r} is not allowed; expected an int or None."
+        )
     params, static = eqx.partition(model, eqx.is_array)
 
     def residuals(params, inputs):
         return jax.vjp(lambda p, i: eqx.combine(p, static)(*i), params, inputs)[1]
 
     res = jax.eval_shape(residuals, params, inputs)
-    return sum(r.size * r.dtype.itemsize for r in jax.tree_util.tree_leaves(res) if dim is None or dim in r.shape)
+    return sum(
+        r.size * r.dtype.itemsize
+        for r in jax.tree_util.tree_leaves(res)
+        if dim is None or dim in r.shape
+    )
 
 
 def assert_fp8(fn: Callable, *args: Any, expected: int | None = None, **kwargs: Any) -> GemmReport:
     """Raise ``AssertionError`` unless every GEMM of ``fn`` runs in FP8 (and, if given,
     there are exactly ``expected`` of them)."""
-    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, int)
-                                 or expected < 0):
-        raise ValueError(f"assert_fp8: expected={expected!r} is not allowed; "
-                         "expected None or an int >= 0.")
+    if expected is not None and (
+        isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+    ):
+        raise ValueError(
+            f"assert_fp8: expected={expected!r} is not allowed; expected None or an int >= 0."
+        )
     report = fp8_gemm_report(fn, *args, **kwargs)
     if not report.all_fp8 or (expected is not None and len(report.gemms) != expected):
-        raise AssertionError(f"expected {expected if expected is not None else 'all'} FP8 GEMMs:\n{report}")
+        raise AssertionError(
+            f"expected {expected if expected is not None else 'all'} FP8 GEMMs:\n{report}"
+        )
     return report

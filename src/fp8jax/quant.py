@@ -8,7 +8,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-
 F32 = jnp.float32
 
 

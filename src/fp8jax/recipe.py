@@ -12,8 +12,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .kernels import gemm as _gemm
 from . import quant as q
+from .kernels import gemm as _gemm
 from .state import from_history
 
 F32 = jnp.float32
@@ -59,8 +59,9 @@ class PerTensor:
         del shape
         return (1,)
 
-    def scale(self, history: Array, old_scale: Array, dtype, amax: Array | None = None,
-              axis: int = -1) -> Array:
+    def scale(
+        self, history: Array, old_scale: Array, dtype, amax: Array | None = None, axis: int = -1
+    ) -> Array:
         """The scale to cast with this step: from ``history`` along ``axis`` (delayed) or
         from ``amax``, the tensor's own (current); ``old_scale`` where neither is usable."""
         if self.delayed:
@@ -84,7 +85,8 @@ class PerTensor:
     def dequantize(self, data: Array, scale: Array, dtype) -> Array:
         return (data.astype(F32) * scale.astype(F32)).astype(dtype)
 
-    def gemm(self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype,
-             fast_accumulation: bool) -> Array:
+    def gemm(
+        self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
+    ) -> Array:
         """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales."""
         return _gemm.fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from functools import partial
-
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -70,7 +69,9 @@ class Fp8GemmState(OverwriteWithGradient):
         return tuple(getattr(self, name) for name in STATE_FIELDS)
 
 
-def _init_state(config: "Fp8Config", stack_shape: tuple[int, ...] = (), experts: int | None = None) -> dict[str, Array]:
+def _init_state(
+    config: "Fp8Config", stack_shape: tuple[int, ...] = (), experts: int | None = None
+) -> dict[str, Array]:
     """Fresh values of the seven `STATE_FIELDS`: scales 1, histories 0. With
     ``experts``, the kernel's scale and history get a trailing ``[experts]`` dim (one
     per expert, `fp8jax.nn.Fp8GroupedState`)."""
@@ -93,7 +94,6 @@ def _init_state(config: "Fp8Config", stack_shape: tuple[int, ...] = (), experts:
         output_grad_amax_history=zeros((length,)),
         nonfinite_count=zeros((1,)),
     )
-
 
 
 # ----------------------------------------------------------------------------- combine rule
@@ -137,8 +137,9 @@ class _MaxGradRules:
         from jax._src import earray
         from jax._src.interpreters import pxla
 
-        physical = pxla.global_result_handlers[core.ShapedArray](core.physical_aval(aval), out_sharding,
-                                                                 committed)
+        physical = pxla.global_result_handlers[core.ShapedArray](
+            core.physical_aval(aval), out_sharding, committed
+        )
         return lambda bufs: earray.EArray(aval, physical(bufs))
 
 
@@ -218,7 +219,10 @@ def _enter_leaf(leaf):
     with core.set_current_trace(leaf._trace):
         value = _to_max_grad(leaf.astype(F32) if leaf.dtype != F32 else leaf)
     key = id(leaf)
-    _ENTERED[key] = (weakref.ref(leaf, lambda _, key=key, entered=_ENTERED: entered.pop(key, None)), value)
+    _ENTERED[key] = (
+        weakref.ref(leaf, lambda _, key=key, entered=_ENTERED: entered.pop(key, None)),
+        value,
+    )
     return value
 
 
@@ -232,6 +236,7 @@ def enter_tree(tree):
     """``tree`` with the leaves of every FP8 state in it `enter`ed: what to pass into a
     ``jax.checkpoint`` region (a state passed in as float32 would become a new leaf
     inside, and its uses in two regions would add)."""
+
     def is_state(x):
         return isinstance(x, OverwriteWithGradient)
 

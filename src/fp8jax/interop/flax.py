@@ -26,16 +26,25 @@ from ..config import Fp8Config
 from ..dot_general import Fp8DotGeneral
 
 # flax's Fp8DotGeneralBase.setup order.
-FLAX_STATE = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history",
-              "input_scale", "kernel_scale", "output_grad_scale")
+FLAX_STATE = (
+    "input_amax_history",
+    "kernel_amax_history",
+    "output_grad_amax_history",
+    "input_scale",
+    "kernel_scale",
+    "output_grad_scale",
+)
 
 
 def _op(module: nn.Module, config: Fp8Config) -> Fp8DotGeneral:
     """An `Fp8DotGeneral` over ``module``'s flax variables (made on first use)."""
     template = Fp8DotGeneral(config)
-    state = {name: module.variable(OVERWRITE_WITH_GRADIENT, name,
-                                   lambda name=name: getattr(template, name)).value
-             for name in FLAX_STATE}
+    state = {
+        name: module.variable(
+            OVERWRITE_WITH_GRADIENT, name, lambda name=name: getattr(template, name)
+        ).value
+        for name in FLAX_STATE
+    }
     # Not a flax variable: a fresh zero each call, its "gradient" dropped.
     state["nonfinite_count"] = jnp.zeros((1,), jnp.float32)
     return Fp8DotGeneral.from_state(template.config, state)
@@ -52,8 +61,13 @@ class Fp8DotGeneralOp(nn.Module):
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        return _op(self, self.config)(lhs, rhs, dimension_numbers, precision=precision,
-                                      preferred_element_type=preferred_element_type)
+        return _op(self, self.config)(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
 
 
 class Fp8Einsum(nn.Module):
@@ -69,20 +83,29 @@ class Fp8Einsum(nn.Module):
     @nn.compact
     def __call__(self, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):
         if not isinstance(eqn, str):
-            raise TypeError(f"Fp8Einsum: eqn={eqn!r} is not allowed; expected an einsum string "
-                            "such as 'bd,df->bf'.")
+            raise TypeError(
+                f"Fp8Einsum: eqn={eqn!r} is not allowed; expected an einsum string "
+                "such as 'bd,df->bf'."
+            )
         if eqn.split("->")[0].count(",") != 1:
-            raise ValueError(f"Fp8Einsum: eqn={eqn!r} is not allowed; expected two operands "
-                             "(lhs, kernel), such as 'bd,df->bf'.")
+            raise ValueError(
+                f"Fp8Einsum: eqn={eqn!r} is not allowed; expected two operands "
+                "(lhs, kernel), such as 'bd,df->bf'."
+            )
         rhs = checks.float_array("Fp8Einsum", "rhs (the kernel)", rhs)
         try:
             lhs = jnp.asarray(lhs).astype(rhs.dtype)
         except (TypeError, ValueError):
             kind = type(lhs).__name__
             raise TypeError(f"Fp8Einsum: lhs must be an array, got {kind}.") from None
-        return jnp.einsum(eqn, lhs, rhs, precision=precision,
-                          preferred_element_type=preferred_element_type,
-                          _dot_general=functools.partial(_op(self, self.config)))  # hashable
+        return jnp.einsum(
+            eqn,
+            lhs,
+            rhs,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            _dot_general=functools.partial(_op(self, self.config)),
+        )  # hashable
 
 
 def fp8_dot_general_cls(config: Fp8Config | None = None):

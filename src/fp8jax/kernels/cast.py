@@ -33,7 +33,10 @@ except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the inst
     _IMPORT_ERROR = e
 
 F32 = jnp.float32
-BLOCK_SIZES = (64, 32)  # tile edge candidates, largest first (64 was fastest on H100, benchmarks/RESULTS.md)
+BLOCK_SIZES = (
+    64,
+    32,
+)  # tile edge candidates, largest first (64 was fastest on H100, benchmarks/RESULTS.md)
 NUM_WARPS = 4
 
 
@@ -51,7 +54,10 @@ def supported(shape: tuple[int, ...], device=None) -> tuple[bool, str]:
         return False, f"no GPU (platform {device.platform})"
     capability = str(getattr(device, "compute_capability", ""))
     if not capability[:1].isdigit() or int(capability.split(".")[0]) < 9:
-        return False, f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}"
+        return (
+            False,
+            f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}",
+        )
     if len(shape) != 3 or _block(shape[1]) is None or _block(shape[2]) is None:
         return False, f"shape {shape} is not [B, P, C] with P and C multiples of {BLOCK_SIZES[-1]}"
     return True, ""
@@ -73,7 +79,14 @@ def _kernel(t_ref, inv_scale_ref, q_ref, qt_ref, amax_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block", "num_warps"))
-def cast_transpose(t3, scale, dtype, interpret: bool = False, block: int | None = None, num_warps: int | None = None):
+def cast_transpose(
+    t3,
+    scale,
+    dtype,
+    interpret: bool = False,
+    block: int | None = None,
+    num_warps: int | None = None,
+):
     """``(t3 / scale)`` saturated to ``dtype`` as ``[B, P, C]`` and ``[B, C, P]``, plus
     ``max |t3|`` (inf where ``t3`` holds a NaN or an inf) as a float32 scalar.
 
@@ -83,7 +96,10 @@ def cast_transpose(t3, scale, dtype, interpret: bool = False, block: int | None 
     batch, rows, cols = t3.shape
     block_rows, block_cols = (block, block) if block else (_block(rows), _block(cols))
     if block_rows is None or block_cols is None or rows % block_rows or cols % block_cols:
-        raise ValueError(f"cast_transpose: shape {t3.shape} needs P and C multiples of {block or BLOCK_SIZES[-1]}")
+        raise ValueError(
+            f"cast_transpose: shape {t3.shape} needs P and C multiples of "
+            f"{block or BLOCK_SIZES[-1]}"
+        )
     grid = (batch, rows // block_rows, cols // block_cols)
     inv_scale = (1.0 / scale.astype(F32)).reshape(1)
     quantized, transposed, tile_amax = pl.pallas_call(

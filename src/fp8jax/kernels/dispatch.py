@@ -31,6 +31,8 @@ def choose(owner: str, backend, why_not: str | None, accepted: tuple[str, ...] =
     if why_not is None:
         return "kernel"
     if backend == "kernel":
-        raise ValueError(f"{owner}: the kernel cannot run this call ({why_not}); "
-                         "use backend='auto' or backend='reference'.")
+        raise ValueError(
+            f"{owner}: the kernel cannot run this call ({why_not}); "
+            "use backend='auto' or backend='reference'."
+        )
     return "reference"

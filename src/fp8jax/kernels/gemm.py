@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .. import quant as q
 from . import cast as _cast_kernel
 from . import dispatch
-from .. import quant as q
 
 F32 = jnp.float32
 # Lowering choices measured on H100 (benchmarks/RESULTS.md); module-level so the
@@ -61,7 +61,10 @@ def quantize_both(t, scale, dtype, cast_kernel: bool = False):
     and ``max |t|`` (non-finite when ``t`` holds NaN/Inf). ``cast_kernel``: one Pallas
     pass (`fp8jax.kernels.cast`) where it can run, else XLA's cast + transpose."""
     ok, why = _cast_kernel.supported(t.shape) if cast_kernel else (False, "")
-    if dispatch.choose("cast", "auto" if cast_kernel else "reference", None if ok else why) == "kernel":
+    if (
+        dispatch.choose("cast", "auto" if cast_kernel else "reference", None if ok else why)
+        == "kernel"
+    ):
         return _cast_kernel.cast_transpose(t, scale, dtype)
     tq = q.quantize(t, scale, dtype)
     if TUNING["cast_transposed"]:

@@ -80,7 +80,10 @@ def _num_sms() -> int:
 
 def _smem_transforms(block_minor: int, dtype):
     swizzle = plgpu.find_swizzle(block_minor * jnp.dtype(dtype).itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+    return (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
 
 
 # ----------------------------------------------------------------------------- configs
@@ -163,10 +166,18 @@ def grouped_rows(lhs, rhs, block_group, scales, *, out_dtype, config: RowsConfig
                 grid=(k_iters,),
                 memory_registers=40,
                 in_specs=[
-                    plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=lhs_transforms,
-                                    memory_space=plgpu.SMEM),
-                    plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=rhs_transforms,
-                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec(
+                        (tile_m, tile_k),
+                        lambda kk: (0, kk),
+                        transforms=lhs_transforms,
+                        memory_space=plgpu.SMEM,
+                    ),
+                    plgpu.BlockSpec(
+                        (cta_n, tile_k),
+                        lambda kk: (0, kk),
+                        transforms=rhs_transforms,
+                        memory_space=plgpu.SMEM,
+                    ),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=2,
@@ -174,12 +185,15 @@ def grouped_rows(lhs, rhs, block_group, scales, *, out_dtype, config: RowsConfig
                 compute_context=compute_context,
             )
 
-        ignore = lambda *_, **__: None
+        def ignore(*_, **__):
+            return None
 
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
-            out_smem=plgpu.SMEM((2, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms),
+            out_smem=plgpu.SMEM(
+                (2, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms
+            ),
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem):
@@ -188,7 +202,9 @@ def grouped_rows(lhs, rhs, block_group, scales, *, out_dtype, config: RowsConfig
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _mn_loop(loop_info):
                 (lin,) = loop_info.index
-                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 1, config.grid_tile_width)
+                m_idx, n_idx = plgpu.planar_snake(
+                    lin, (m_iters, n_iters), 1, config.grid_tile_width
+                )
                 group = block_group_gmem[m_idx // blocks_per_align]
                 m_slice = pl.ds(m_idx * tile_m, tile_m)
                 n_slice = pl.ds(n_idx * cta_n, cta_n)
@@ -199,7 +215,9 @@ def grouped_rows(lhs, rhs, block_group, scales, *, out_dtype, config: RowsConfig
                     scale = scales_gmem[group]
 
                     def compute_context(eval_pipeline):
-                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                        @functools.partial(
+                            pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32)
+                        )
                         def _acc_scope(acc_ref):
                             eval_pipeline(acc_ref)
                             acc = (acc_ref[...] * scale).astype(out_dtype)
@@ -243,15 +261,25 @@ def grouped_rows(lhs, rhs, block_group, scales, *, out_dtype, config: RowsConfig
 
 
 # ----------------------------------------------------------------------------- wgrad
-def grouped_wgrad(lhs_t, rhs_t, group_starts, group_padded_sizes, scale, *, out_dtype,
-                  config: WgradConfig = WgradConfig()):
+def grouped_wgrad(
+    lhs_t,
+    rhs_t,
+    group_starts,
+    group_padded_sizes,
+    scale,
+    *,
+    out_dtype,
+    config: WgradConfig = WgradConfig(),
+):
     """``lhs_t [K, M]``, ``rhs_t [N, M]``, ``group_starts [G]`` and
     ``group_padded_sizes [G]`` (row offsets and row counts, multiples of `ROW_ALIGN`),
     ``scale`` scalar float32 -> ``[G, K, N]``: per group the product over its rows."""
     k, m = lhs_t.shape
     n, m2 = rhs_t.shape
     if m != m2:
-        raise ValueError(f"grouped_wgrad: lhs_t {lhs_t.shape} and rhs_t {rhs_t.shape} disagree on M")
+        raise ValueError(
+            f"grouped_wgrad: lhs_t {lhs_t.shape} and rhs_t {rhs_t.shape} disagree on M"
+        )
     why = wgrad_supported(m, k, n, config)
     if why:
         raise ValueError(f"grouped_wgrad: {why}")
@@ -267,7 +295,9 @@ def grouped_wgrad(lhs_t, rhs_t, group_starts, group_padded_sizes, scale, *, out_
         @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
         def _loop(loop_info):
             g_i = loop_info.index[0]
-            m_i, n_i = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, config.grid_tile_width)
+            m_i, n_i = plgpu.planar_snake(
+                loop_info.index[1], (grid_m, grid_n), 1, config.grid_tile_width
+            )
             start = pl.multiple_of(starts_gmem[g_i], bk)
             rows = pl.ds(start, m)  # may run past M: the pipeline only reads this group's blocks
             num_blocks = blocks_gmem[g_i]
@@ -284,10 +314,18 @@ def grouped_wgrad(lhs_t, rhs_t, group_starts, group_padded_sizes, scale, *, out_
                         step,
                         grid=(num_blocks,),
                         in_specs=[
-                            plgpu.BlockSpec((bm, bk), lambda r: (m_i, r), transforms=lhs_transforms,
-                                            delay_release=1 if steps > 1 else 0),
-                            plgpu.BlockSpec((bn, bk), lambda r: (n_i, r), transforms=rhs_transforms,
-                                            delay_release=1 if steps > 1 else 0),
+                            plgpu.BlockSpec(
+                                (bm, bk),
+                                lambda r: (m_i, r),
+                                transforms=lhs_transforms,
+                                delay_release=1 if steps > 1 else 0,
+                            ),
+                            plgpu.BlockSpec(
+                                (bn, bk),
+                                lambda r: (n_i, r),
+                                transforms=rhs_transforms,
+                                delay_release=1 if steps > 1 else 0,
+                            ),
                         ],
                         max_concurrent_steps=steps,
                     )(a_gmem.at[:, rows], b_gmem.at[:, rows])
@@ -297,11 +335,15 @@ def grouped_wgrad(lhs_t, rhs_t, group_starts, group_padded_sizes, scale, *, out_
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
             out = (acc * scale_gmem[0]).astype(out_dtype)
 
-            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=out_transforms))
+            @functools.partial(
+                pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=out_transforms)
+            )
             def _store(o_smem):
                 o_smem[...] = out
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn, bn)])
+                plgpu.copy_smem_to_gmem(
+                    o_smem, o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn, bn)]
+                )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
@@ -312,5 +354,10 @@ def grouped_wgrad(lhs_t, rhs_t, group_starts, group_padded_sizes, scale, *, out_
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     group_blocks = group_padded_sizes.astype(jnp.int32) // bk
-    return kernel(group_starts.astype(jnp.int32), group_blocks,
-                  jnp.asarray(scale, jnp.float32).reshape(1), lhs_t, rhs_t)
+    return kernel(
+        group_starts.astype(jnp.int32),
+        group_blocks,
+        jnp.asarray(scale, jnp.float32).reshape(1),
+        lhs_t,
+        rhs_t,
+    )

@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..kernels import dispatch
-from ..ops import attention as _attention
 from .. import checks
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
+from ..kernels import dispatch
+from ..ops import attention as _attention
 from ..state import OverwriteWithGradient
 from .linear import Linear, apply_linear
 
@@ -57,9 +57,12 @@ class Fp8AttentionState(OverwriteWithGradient):
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
         config = resolve_config(config)
         stack_shape = tuple(stack_shape)
-        self.scales = jnp.broadcast_to(jnp.asarray(_attention.INITIAL_SCALES, jnp.float32),
-                                       stack_shape + (len(TENSORS),)).copy()
-        self.amax_history = jnp.zeros(stack_shape + (len(TENSORS), config.history_length), jnp.float32)
+        self.scales = jnp.broadcast_to(
+            jnp.asarray(_attention.INITIAL_SCALES, jnp.float32), stack_shape + (len(TENSORS),)
+        ).copy()
+        self.amax_history = jnp.zeros(
+            stack_shape + (len(TENSORS), config.history_length), jnp.float32
+        )
         self.nonfinite_count = jnp.zeros(stack_shape + (1,), jnp.float32)
         self.config = config
 
@@ -90,11 +93,14 @@ def _check_scale(owner: str, scale) -> float | None:
     """``scale`` as a float if it is a finite number > 0, None if None, else a ValueError."""
     if scale is None:
         return None
-    number = (isinstance(scale, (int, float, np.integer, np.floating))
-              and not isinstance(scale, bool))
+    number = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(
+        scale, bool
+    )
     if not (number and 0 < scale < float("inf")):
-        raise ValueError(f"{owner}: scale={scale!r} is not allowed; expected a finite number > 0 "
-                         "or None (1/sqrt(head_dim)).")
+        raise ValueError(
+            f"{owner}: scale={scale!r} is not allowed; expected a finite number > 0 "
+            "or None (1/sqrt(head_dim))."
+        )
     return float(scale)
 
 
@@ -104,26 +110,41 @@ def _check_inputs(query, key, value, mode, backend, lengths):
     dispatch.check("fp8jax attention", backend, BACKENDS)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != 4:
-            raise ValueError(f"dot_product_attention expects BTNH arrays [batch, seq, heads, head_dim]; "
-                             f"{name} has shape {x.shape}")
+            raise ValueError(
+                f"dot_product_attention expects BTNH arrays [batch, seq, heads, head_dim]; "
+                f"{name} has shape {x.shape}"
+            )
         checks.float_array("fp8jax attention", name, x)
     if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}"
+        )
     if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
+        raise ValueError(
+            f"key and value must have the same shape, got {key.shape} and {value.shape}"
+        )
     b, _, n, h = query.shape
     if key.shape[3] != h:
-        raise ValueError(f"query head_dim ({h}) and key head_dim ({key.shape[3]}) must be equal; "
-                         f"got query {query.shape} and key {key.shape}")
+        raise ValueError(
+            f"query head_dim ({h}) and key head_dim ({key.shape[3]}) must be equal; "
+            f"got query {query.shape} and key {key.shape}"
+        )
     if key.shape[0] != b:
-        raise ValueError(f"query {query.shape} and key {key.shape} must agree on batch and head_dim")
+        raise ValueError(
+            f"query {query.shape} and key {key.shape} must agree on batch and head_dim"
+        )
     if n % key.shape[2]:
-        raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({key.shape[2]}) for GQA")
+        raise ValueError(
+            f"query heads ({n}) must be a multiple of key/value heads ({key.shape[2]}) for GQA"
+        )
     for name, x in lengths.items():
         if x is None:
             continue
         if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be an int array of shape ({b},), got {x.dtype}{list(x.shape)}")
+            raise ValueError(
+                f"{name} must be an int array of shape ({b},), got {x.dtype}{list(x.shape)}"
+            )
 
 
 _WARNED: set[str] = set()
@@ -135,14 +156,19 @@ def _choose_backend(backend: str, query, key, has_lengths: bool) -> str:
     GPU, where cuDNN was expected)."""
     ok, why = _attention.cudnn.availability()
     if ok and has_lengths:
-        why = "cuDNN's FP8 attention has no padding mask: sequence lengths need mode='bf16' or backend='reference'"
+        why = (
+            "cuDNN's FP8 attention has no padding mask: sequence lengths need mode='bf16' "
+            "or backend='reference'"
+        )
     elif ok:
         why = _attention.cudnn.limits(query.shape[-1], query.shape[1], key.shape[1])
     auto = dispatch.check("fp8jax attention", backend, BACKENDS) == "auto"
     if auto and ok and why is not None and why not in _WARNED:  # on a GPU cuDNN was expected
         _WARNED.add(why)
-        warnings.warn(f"fp8jax attention: {why}; running the plain-JAX reference backend (slow).",
-                      stacklevel=4)
+        warnings.warn(
+            f"fp8jax attention: {why}; running the plain-JAX reference backend (slow).",
+            stacklevel=4,
+        )
     chosen = dispatch.choose("fp8jax attention", backend, why, BACKENDS)
     return "cudnn" if chosen == "kernel" else "reference"
 
@@ -167,33 +193,58 @@ def dot_product_attention(
     ``backend``: ``"cudnn"`` (Hopper; head_dim 128 with sequence lengths that are
     multiples of 128), ``"reference"`` (plain JAX with the same quantization:
     any size, on any device, materializes the [T, S] scores) or ``"auto"`` (cuDNN
-    where it can run this call, else the reference, with a warning on a GPU). Sequence lengths (padding) work in ``"bf16"`` mode and on the
-    reference backend; cuDNN's FP8 kernel has no padding mask.
+    where it can run this call, else the reference, with a warning on a GPU); ``"kernel"``
+    is `fp8jax.kernels.dispatch`'s name for ``"cudnn"``. Sequence lengths (padding) work
+    in ``"bf16"`` mode and on the reference backend; cuDNN's FP8 kernel has no padding mask.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     scale = _check_scale("dot_product_attention", scale)
-    lengths = {"query_seq_lengths": query_seq_lengths, "key_value_seq_lengths": key_value_seq_lengths}
+    lengths = {
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+    }
     _check_inputs(query, key, value, mode, backend, lengths)
     if mode == "bf16":
         on_gpu = jax.devices()[0].platform == "gpu"
         fast = on_gpu and backend != "reference" and query.dtype in (jnp.bfloat16, jnp.float16)
         return jax.nn.dot_product_attention(
-            query, key, value, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths, implementation="cudnn" if fast else None)
+            query,
+            key,
+            value,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            implementation="cudnn" if fast else None,
+        )
     if not isinstance(state, Fp8AttentionState):
-        raise TypeError(f"mode={mode!r} needs an Fp8AttentionState (got {type(state).__name__}); "
-                        "keep one in your model, or use fp8jax.nn.DotProductAttention.")
+        raise TypeError(
+            f"mode={mode!r} needs an Fp8AttentionState (got {type(state).__name__}); "
+            "keep one in your model, or use fp8jax.nn.DotProductAttention."
+        )
     if state.scales.ndim != 1:
-        raise ValueError(f"Fp8AttentionState has stack shape {state.scales.shape[:-1]}: run a stacked state one "
-                         "slice at a time (jax.lax.scan or eqx.filter_vmap).")
+        raise ValueError(
+            f"Fp8AttentionState has stack shape {state.scales.shape[:-1]}: run a stacked state one "
+            "slice at a time (jax.lax.scan or eqx.filter_vmap)."
+        )
     has_lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
     chosen = _choose_backend(backend, query, key, has_lengths)
     softmax_scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    spec = _attention.AttnSpec(state.config, chosen, bool(is_causal), softmax_scale, np.dtype(query.dtype),
-                               np.dtype(query.dtype))
+    spec = _attention.AttnSpec(
+        state.config,
+        chosen,
+        bool(is_causal),
+        softmax_scale,
+        np.dtype(query.dtype),
+        np.dtype(query.dtype),
+    )
     q_len = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths, jnp.int32)
-    kv_len = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths, jnp.int32)
-    return _attention.fp8_attention(spec, query, key, value, q_len, kv_len, _state.enter(state.state()))
+    kv_len = (
+        None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths, jnp.int32)
+    )
+    return _attention.fp8_attention(
+        spec, query, key, value, q_len, kv_len, _state.enter(state.state())
+    )
 
 
 class DotProductAttention(eqx.Module):
@@ -206,8 +257,16 @@ class DotProductAttention(eqx.Module):
     scale: float | None = eqx.field(static=True)
     backend: str = eqx.field(static=True)
 
-    def __init__(self, mode: str = "fp8_dpa", *, is_causal: bool = False, scale: float | None = None,
-                 backend: str = "auto", config: Fp8Config | None = None, stack_shape: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        mode: str = "fp8_dpa",
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        backend: str = "auto",
+        config: Fp8Config | None = None,
+        stack_shape: tuple[int, ...] = (),
+    ):
         if mode not in MODES:
             raise ValueError(f"DotProductAttention: mode must be one of {MODES}, got {mode!r}")
         dispatch.check("DotProductAttention", backend, BACKENDS)
@@ -224,21 +283,39 @@ class DotProductAttention(eqx.Module):
         single = jnp.ndim(query) == 3
         if single:
             query, key, value = query[None], key[None], value[None]
-            query_seq_lengths = None if query_seq_lengths is None else jnp.reshape(query_seq_lengths, (1,))
-            key_value_seq_lengths = None if key_value_seq_lengths is None else jnp.reshape(
-                key_value_seq_lengths, (1,))
+            query_seq_lengths = (
+                None if query_seq_lengths is None else jnp.reshape(query_seq_lengths, (1,))
+            )
+            key_value_seq_lengths = (
+                None if key_value_seq_lengths is None else jnp.reshape(key_value_seq_lengths, (1,))
+            )
         out = dot_product_attention(
-            query, key, value, self.state, mode=self.mode, is_causal=self.is_causal, scale=self.scale,
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths, backend=self.backend)
+            query,
+            key,
+            value,
+            self.state,
+            mode=self.mode,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            backend=self.backend,
+        )
         return out[0] if single else out
 
 
-def rotary(x: Float[Array, "*B T N H"], base: float = 10000.0, positions=None) -> Float[Array, "*B T N H"]:
+def rotary(
+    x: Float[Array, "*B T N H"], base: float = 10000.0, positions=None
+) -> Float[Array, "*B T N H"]:
     """Rotary position embedding (GPT-NeoX half-split convention) over the T axis."""
     *_, t, _, h = x.shape
     if h % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {h}")
-    positions = jnp.arange(t, dtype=jnp.float32) if positions is None else jnp.asarray(positions, jnp.float32)
+    positions = (
+        jnp.arange(t, dtype=jnp.float32)
+        if positions is None
+        else jnp.asarray(positions, jnp.float32)
+    )
     inv = 1.0 / (base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     angles = positions[:, None] * inv[None, :]  # [T, H/2]
     cos = jnp.cos(angles)[:, None, None, :]  # [T, 1, 1, H/2]: over heads and both halves
@@ -270,10 +347,23 @@ class MultiHeadAttention(eqx.Module):
     use_rotary: bool = eqx.field(static=True)
     rope_base: float = eqx.field(static=True)
 
-    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 mode: str = "fp8_mha", is_causal: bool = True, use_rotary: bool = True, rope_base: float = 10000.0,
-                 use_bias: bool = False, backend: str = "auto", config: Fp8Config | None = None, dtype=None,
-                 key: PRNGKeyArray):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mode: str = "fp8_mha",
+        is_causal: bool = True,
+        use_rotary: bool = True,
+        rope_base: float = 10000.0,
+        use_bias: bool = False,
+        backend: str = "auto",
+        config: Fp8Config | None = None,
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
         dim = checks.count("MultiHeadAttention", "dim", dim)
         num_heads = checks.count("MultiHeadAttention", "num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -287,42 +377,66 @@ class MultiHeadAttention(eqx.Module):
         except TypeError as e:
             raise TypeError(f"MultiHeadAttention: {e}.") from None
         if num_heads % num_kv_heads:
-            raise ValueError(f"MultiHeadAttention: num_heads ({num_heads}) must be a multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"MultiHeadAttention: num_heads ({num_heads}) must be a multiple of "
+                f"num_kv_heads ({num_kv_heads})"
+            )
         if head_dim is None:
             if dim % num_heads:
-                raise ValueError(f"MultiHeadAttention: dim ({dim}) must divide by num_heads "
-                                 f"({num_heads}), or pass head_dim")
+                raise ValueError(
+                    f"MultiHeadAttention: dim ({dim}) must divide by num_heads "
+                    f"({num_heads}), or pass head_dim"
+                )
             head_dim = dim // num_heads
         kqkv, kout = jax.random.split(key)
         qkv_features = (num_heads + 2 * num_kv_heads) * head_dim
         if mode == "fp8_mha":
             self.qkv = Linear(dim, qkv_features, use_bias, dtype=dtype, config=config, key=kqkv)
-            self.out = Linear(num_heads * head_dim, dim, use_bias, dtype=dtype, config=config, key=kout)
+            self.out = Linear(
+                num_heads * head_dim, dim, use_bias, dtype=dtype, config=config, key=kout
+            )
         else:
             self.qkv = eqx.nn.Linear(dim, qkv_features, use_bias, dtype=dtype, key=kqkv)
             self.out = eqx.nn.Linear(num_heads * head_dim, dim, use_bias, dtype=dtype, key=kout)
-        self.attention = DotProductAttention(mode, is_causal=is_causal, backend=backend, config=config)
+        self.attention = DotProductAttention(
+            mode, is_causal=is_causal, backend=backend, config=config
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.use_rotary, self.rope_base = bool(use_rotary), float(rope_base)
 
     @jax.named_scope("fp8jax.nn.MultiHeadAttention")
-    def __call__(self, x: Float[Array, "*B T dim"], *, query_seq_lengths=None, key_value_seq_lengths=None,
-                 key: PRNGKeyArray | None = None) -> Float[Array, "*B T dim"]:
+    def __call__(
+        self,
+        x: Float[Array, "*B T dim"],
+        *,
+        query_seq_lengths=None,
+        key_value_seq_lengths=None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*B T dim"]:
         del key
         x = jnp.asarray(x)
         if x.ndim < 2:
-            raise ValueError(f"MultiHeadAttention expects [..., T, dim] inputs, got shape {x.shape}")
+            raise ValueError(
+                f"MultiHeadAttention expects [..., T, dim] inputs, got shape {x.shape}"
+            )
         if x.shape[-1] != self.qkv.in_features:
-            raise ValueError(f"MultiHeadAttention expects inputs of shape (..., T, "
-                             f"{self.qkv.in_features}), got {x.shape}")
+            raise ValueError(
+                f"MultiHeadAttention expects inputs of shape (..., T, "
+                f"{self.qkv.in_features}), got {x.shape}"
+            )
         lead, t = x.shape[:-2], x.shape[-2]
         xb = x.reshape((-1, t, x.shape[-1]))
         n, nk, h = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = apply_linear(self.qkv, xb).reshape(xb.shape[0], t, n + 2 * nk, h)
-        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + nk], qkv[:, :, n + nk:]
+        q, k, v = qkv[:, :, :n], qkv[:, :, n : n + nk], qkv[:, :, n + nk :]
         if self.use_rotary:
             q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
-        o = self.attention(q, k, v, query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+        o = self.attention(
+            q,
+            k,
+            v,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+        )
         y = apply_linear(self.out, o.reshape(xb.shape[0], t, n * h))
         return y.reshape(lead + (t, y.shape[-1]))

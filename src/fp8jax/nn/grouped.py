@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..ops import grouped as gr
 from .. import checks
 from .. import state as _state
-from ..ops.grouped import ROW_ALIGN, GroupLayout
 from ..config import Fp8Config, resolve_config
+from ..ops import grouped as gr
+from ..ops.grouped import ROW_ALIGN, GroupLayout
 from ..state import Fp8GemmState, _init_state
 from .mlp import ACTIVATIONS, activate
 
@@ -56,7 +56,13 @@ class Fp8GroupedState(Fp8GemmState):
     nonfinite_count: Float[Array, "*stack 1"]
     config: Fp8Config = eqx.field(static=True)
 
-    def __init__(self, num_experts: int, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        num_experts: int,
+        config: Fp8Config | None = None,
+        *,
+        stack_shape: tuple[int, ...] = (),
+    ):
         config = resolve_config(config)
         for name, value in _init_state(config, tuple(stack_shape), experts=num_experts).items():
             setattr(self, name, value)
@@ -87,15 +93,27 @@ class GroupedLinear(eqx.Module):
     fp8_state: Fp8GroupedState | None
     backend: str = eqx.field(static=True)
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, *, key: PRNGKeyArray,
-                 fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        key: PRNGKeyArray,
+        fp8: bool = True,
+        config: Fp8Config | None = None,
+        dtype=F32,
+        backend: str = "auto",
+    ):
         num_experts = checks.count("GroupedLinear", "num_experts", num_experts)
         in_features = checks.count("GroupedLinear", "in_features", in_features)
         out_features = checks.count("GroupedLinear", "out_features", out_features)
         backend = _check_backend("GroupedLinear", backend)
         config = checks.config("GroupedLinear", config)
         bound = 1.0 / math.sqrt(in_features)
-        self.weight = jax.random.uniform(key, (num_experts, in_features, out_features), dtype, -bound, bound)
+        self.weight = jax.random.uniform(
+            key, (num_experts, in_features, out_features), dtype, -bound, bound
+        )
         self.fp8_state = Fp8GroupedState(num_experts, config) if fp8 else None
         self.backend = gr.check_backend(backend)
 
@@ -120,7 +138,9 @@ class GroupedLinear(eqx.Module):
         return new
 
     @jax.named_scope("fp8jax.nn.GroupedLinear")
-    def __call__(self, x_sorted: Float[Array, "rows in"], group_sizes: Int[Array, " experts"]) -> Array:
+    def __call__(
+        self, x_sorted: Float[Array, "rows in"], group_sizes: Int[Array, " experts"]
+    ) -> Array:
         """``x_sorted [rows, in]`` grouped by expert (``group_sizes[e]`` rows for expert
         ``e``, in order; groups may be empty) -> ``[rows, out]``. Rows past
         ``sum(group_sizes)`` get zeros. Pads to the kernel layout and back."""
@@ -131,15 +151,26 @@ class GroupedLinear(eqx.Module):
         calls). Output rows that are not ``layout.row_valid`` are undefined."""
         x = self._check_input(x, "x")
         if x.shape[0] != layout.num_rows:
-            raise ValueError(f"GroupedLinear: x has {x.shape[0]} rows, the layout {layout.num_rows}")
+            raise ValueError(
+                f"GroupedLinear: x has {x.shape[0]} rows, the layout {layout.num_rows}"
+            )
         if layout.num_groups != self.num_experts:
-            raise ValueError(f"GroupedLinear: the layout has {layout.num_groups} groups, the layer "
-                             f"{self.num_experts} experts")
+            raise ValueError(
+                f"GroupedLinear: the layout has {layout.num_groups} groups, the layer "
+                f"{self.num_experts} experts"
+            )
         if self.weight.ndim != 3:
-            raise ValueError(f"GroupedLinear: weight has stack shape {self.weight.shape[:-3]}: run a stacked "
-                             "layer one slice at a time (jax.lax.scan or eqx.filter_vmap).")
-        backend = gr.resolve_backend(self.backend, layout, self.in_features, self.out_features, x.dtype
-                                     if self.fp8_state is None else jnp.float8_e4m3fn)
+            raise ValueError(
+                f"GroupedLinear: weight has stack shape {self.weight.shape[:-3]}: run a stacked "
+                "layer one slice at a time (jax.lax.scan or eqx.filter_vmap)."
+            )
+        backend = gr.resolve_backend(
+            self.backend,
+            layout,
+            self.in_features,
+            self.out_features,
+            x.dtype if self.fp8_state is None else jnp.float8_e4m3fn,
+        )
         if self.fp8_state is None:
             return gr.grouped_plain(backend, x, self.weight, layout)
         state = self.fp8_state
@@ -149,7 +180,9 @@ class GroupedLinear(eqx.Module):
     def _check_input(self, x, name):
         x = checks.float_array("GroupedLinear", name, x)
         if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"GroupedLinear: {name} must have shape (rows, {self.in_features}), got {x.shape}")
+            raise ValueError(
+                f"GroupedLinear: {name} must have shape (rows, {self.in_features}), got {x.shape}"
+            )
         return x
 
 
@@ -164,9 +197,13 @@ def _apply_sorted(module, first: GroupedLinear, x_sorted, group_sizes):
     return gr.unpad_rows(y, layout, x_sorted.shape[0])
 
 
-def make_layout(group_sizes: Int[Array, " experts"], num_rows: int, align: int = ROW_ALIGN) -> GroupLayout:
+def make_layout(
+    group_sizes: Int[Array, " experts"], num_rows: int, align: int = ROW_ALIGN
+) -> GroupLayout:
     """The padded layout for ``num_rows`` real rows split into ``group_sizes``."""
-    return gr.layout_from_sizes(group_sizes, gr.padded_rows(num_rows, group_sizes.shape[0], align), align)
+    return gr.layout_from_sizes(
+        group_sizes, gr.padded_rows(num_rows, group_sizes.shape[0], align), align
+    )
 
 
 class GroupedMLP(eqx.Module):
@@ -181,10 +218,23 @@ class GroupedMLP(eqx.Module):
     fc2: GroupedLinear
     activation: str = eqx.field(static=True)
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, *, key: PRNGKeyArray, activation: str = "swiglu",
-                 fp8: bool = True, config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn: int,
+        *,
+        key: PRNGKeyArray,
+        activation: str = "swiglu",
+        fp8: bool = True,
+        config: Fp8Config | None = None,
+        dtype=F32,
+        backend: str = "auto",
+    ):
         if activation not in ACTIVATIONS:
-            raise ValueError(f"GroupedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}")
+            raise ValueError(
+                f"GroupedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}"
+            )
         num_experts = checks.count("GroupedMLP", "num_experts", num_experts)
         hidden = checks.count("GroupedMLP", "hidden", hidden)
         ffn = checks.count("GroupedMLP", "ffn", ffn)
@@ -192,10 +242,19 @@ class GroupedMLP(eqx.Module):
         config = checks.config("GroupedMLP", config)
         gated = ACTIVATIONS[activation][1]
         k1, k2 = jax.random.split(key)
-        self.fc1 = GroupedLinear(num_experts, hidden, ffn * (2 if gated else 1), key=k1, fp8=fp8, config=config,
-                                 dtype=dtype, backend=backend)
-        self.fc2 = GroupedLinear(num_experts, ffn, hidden, key=k2, fp8=fp8, config=config, dtype=dtype,
-                                 backend=backend)
+        self.fc1 = GroupedLinear(
+            num_experts,
+            hidden,
+            ffn * (2 if gated else 1),
+            key=k1,
+            fp8=fp8,
+            config=config,
+            dtype=dtype,
+            backend=backend,
+        )
+        self.fc2 = GroupedLinear(
+            num_experts, ffn, hidden, key=k2, fp8=fp8, config=config, dtype=dtype, backend=backend
+        )
         self.activation = activation
 
     def __call__(self, x_sorted: Array, group_sizes: Array) -> Array:
@@ -245,27 +304,54 @@ class MoE(eqx.Module):
     capacity_factor: float | None = eqx.field(static=True)
     normalize_weights: bool = eqx.field(static=True)
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, *, key: PRNGKeyArray, top_k: int = 2,
-                 activation: str = "swiglu", score: Literal["softmax", "sigmoid"] = "softmax",
-                 capacity_factor: float | None = None, normalize_weights: bool = True, fp8: bool = True,
-                 config: Fp8Config | None = None, dtype=F32, backend: str = "auto"):
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        *,
+        key: PRNGKeyArray,
+        top_k: int = 2,
+        activation: str = "swiglu",
+        score: Literal["softmax", "sigmoid"] = "softmax",
+        capacity_factor: float | None = None,
+        normalize_weights: bool = True,
+        fp8: bool = True,
+        config: Fp8Config | None = None,
+        dtype=F32,
+        backend: str = "auto",
+    ):
         hidden = checks.count("MoE", "hidden", hidden)
         ffn = checks.count("MoE", "ffn", ffn)
         num_experts = checks.count("MoE", "num_experts", num_experts)
         backend = _check_backend("MoE", backend)
         config = checks.config("MoE", config)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+            raise ValueError(
+                f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+            )
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"MoE: score must be 'softmax' or 'sigmoid', got {score!r}")
-        number = (isinstance(capacity_factor, (int, float, np.integer, np.floating))
-                  and not isinstance(capacity_factor, bool))
+        number = isinstance(
+            capacity_factor, (int, float, np.integer, np.floating)
+        ) and not isinstance(capacity_factor, bool)
         if capacity_factor is not None and not (number and capacity_factor > 0):
             raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {capacity_factor!r}")
         k_router, k_experts = jax.random.split(key)
-        self.router = jax.random.normal(k_router, (hidden, num_experts), F32) * (1.0 / math.sqrt(hidden))
-        self.experts = GroupedMLP(num_experts, hidden, ffn, key=k_experts, activation=activation, fp8=fp8,
-                                  config=config, dtype=dtype, backend=backend)
+        self.router = jax.random.normal(k_router, (hidden, num_experts), F32) * (
+            1.0 / math.sqrt(hidden)
+        )
+        self.experts = GroupedMLP(
+            num_experts,
+            hidden,
+            ffn,
+            key=k_experts,
+            activation=activation,
+            fp8=fp8,
+            config=config,
+            dtype=dtype,
+            backend=backend,
+        )
         self.top_k, self.score = top_k, score
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.normalize_weights = normalize_weights
@@ -294,7 +380,9 @@ class MoE(eqx.Module):
     def _route_and_run(self, tokens):
         num_tokens, g, k = tokens.shape[0], self.num_experts, self.top_k
         logits = jnp.dot(tokens.astype(F32), self.router)
-        probs = jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
+        probs = (
+            jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
+        )
         weights, experts = jax.lax.top_k(probs, k)  # ties: lower expert index first
         if self.normalize_weights and (k > 1 or self.score == "sigmoid"):
             weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
@@ -317,18 +405,27 @@ class MoE(eqx.Module):
 
         big = gr._BIG
         pos_sorted = jnp.where(keep_sorted, layout.starts[sorted_expert] + rank, big)
-        pos = jnp.zeros((num_assign,), jnp.int32).at[order].set(pos_sorted)  # padded row of each assignment
-        token_of_row = jnp.full((rows,), num_tokens, jnp.int32).at[pos].set(
-            jnp.arange(num_assign, dtype=jnp.int32) // k, mode="drop")
+        pos = (
+            jnp.zeros((num_assign,), jnp.int32).at[order].set(pos_sorted)
+        )  # padded row of each assignment
+        token_of_row = (
+            jnp.full((rows,), num_tokens, jnp.int32)
+            .at[pos]
+            .set(jnp.arange(num_assign, dtype=jnp.int32) // k, mode="drop")
+        )
         x_pad = jnp.take(tokens, token_of_row, axis=0, mode="fill", fill_value=0)
         y_pad = self.experts.apply_padded(x_pad, layout)
         kept = (pos < big).reshape(num_tokens, k)
-        gathered = jnp.take(y_pad, pos, axis=0, mode="fill", fill_value=0).reshape(num_tokens, k, -1)
+        gathered = jnp.take(y_pad, pos, axis=0, mode="fill", fill_value=0).reshape(
+            num_tokens, k, -1
+        )
         w = jnp.where(kept, weights, 0.0).astype(gathered.dtype)
         y = jnp.einsum("tk,tkh->th", w, gathered, preferred_element_type=F32).astype(tokens.dtype)
 
         share = counts.astype(F32) / num_assign
-        mean_prob = jnp.mean(probs if self.score == "softmax" else probs / jnp.sum(probs, -1, keepdims=True), axis=0)
+        mean_prob = jnp.mean(
+            probs if self.score == "softmax" else probs / jnp.sum(probs, -1, keepdims=True), axis=0
+        )
         info = RoutingInfo(
             load_balancing_loss=g * jnp.sum(share * mean_prob),
             router_z_loss=jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
@@ -347,9 +444,14 @@ def _slice_grouped(layer: GroupedLinear, lo: int, hi: int) -> GroupedLinear:
     weight = layer.weight[..., lo:hi, :, :]
     state = layer.fp8_state
     if state is not None:
-        state = eqx.tree_at(lambda s: (s.kernel_scale, s.kernel_amax_history), state,
-                            (state.kernel_scale[..., lo:hi], state.kernel_amax_history[..., lo:hi]))
-    return eqx.tree_at(lambda l: (l.weight, l.fp8_state), layer, (weight, state), is_leaf=lambda x: x is None)
+        state = eqx.tree_at(
+            lambda s: (s.kernel_scale, s.kernel_amax_history),
+            state,
+            (state.kernel_scale[..., lo:hi], state.kernel_amax_history[..., lo:hi]),
+        )
+    return eqx.tree_at(
+        lambda lay: (lay.weight, lay.fp8_state), layer, (weight, state), is_leaf=lambda x: x is None
+    )
 
 
 def split_experts(tree: Any, num_shards: int) -> list[Any]:
@@ -364,10 +466,19 @@ def split_experts(tree: Any, num_shards: int) -> list[Any]:
         raise ValueError("split_experts: no fp8jax.nn.GroupedLinear in the tree")
     num = {layer.num_experts for layer in layers}
     if len(num) != 1 or next(iter(num)) % num_shards:
-        raise ValueError(f"split_experts: expert counts {sorted(num)} cannot be split into {num_shards} equal shards")
+        raise ValueError(
+            f"split_experts: expert counts {sorted(num)} cannot be split into {num_shards} "
+            "equal shards"
+        )
     per = next(iter(num)) // num_shards
-    return [jax.tree_util.tree_map(lambda x, i=i: _slice_grouped(x, i * per, (i + 1) * per) if _is_grouped(x) else x,
-                                   tree, is_leaf=_is_grouped) for i in range(num_shards)]
+    return [
+        jax.tree_util.tree_map(
+            lambda x, i=i: _slice_grouped(x, i * per, (i + 1) * per) if _is_grouped(x) else x,
+            tree,
+            is_leaf=_is_grouped,
+        )
+        for i in range(num_shards)
+    ]
 
 
 def merge_experts(shards: Sequence[Any]) -> Any:
@@ -385,13 +496,32 @@ def merge_experts(shards: Sequence[Any]) -> Any:
         state = layers[0].fp8_state
         if state is not None:
             states = [lay.fp8_state for lay in layers]
-            per_tensor = ("input_scale", "output_grad_scale", "input_amax_history", "output_grad_amax_history",
-                          "nonfinite_count")
-            values = [jnp.max(jnp.stack([getattr(s, f) for s in states]), axis=0) for f in per_tensor]
-            state = eqx.tree_at(lambda s: tuple(getattr(s, f) for f in per_tensor), state, tuple(values))
-            state = eqx.tree_at(lambda s: (s.kernel_scale, s.kernel_amax_history), state,
-                                (jnp.concatenate([s.kernel_scale for s in states], axis=-1),
-                                 jnp.concatenate([s.kernel_amax_history for s in states], axis=-1)))
-        return eqx.tree_at(lambda l: (l.weight, l.fp8_state), layers[0], (weight, state), is_leaf=lambda x: x is None)
+            per_tensor = (
+                "input_scale",
+                "output_grad_scale",
+                "input_amax_history",
+                "output_grad_amax_history",
+                "nonfinite_count",
+            )
+            values = [
+                jnp.max(jnp.stack([getattr(s, f) for s in states]), axis=0) for f in per_tensor
+            ]
+            state = eqx.tree_at(
+                lambda s: tuple(getattr(s, f) for f in per_tensor), state, tuple(values)
+            )
+            state = eqx.tree_at(
+                lambda s: (s.kernel_scale, s.kernel_amax_history),
+                state,
+                (
+                    jnp.concatenate([s.kernel_scale for s in states], axis=-1),
+                    jnp.concatenate([s.kernel_amax_history for s in states], axis=-1),
+                ),
+            )
+        return eqx.tree_at(
+            lambda lay: (lay.weight, lay.fp8_state),
+            layers[0],
+            (weight, state),
+            is_leaf=lambda x: x is None,
+        )
 
     return jax.tree_util.tree_map(merge, *shards, is_leaf=_is_grouped)

@@ -79,9 +79,15 @@ class Linear(eqx.Module):
 
     def to_linear(self) -> eqx.nn.Linear:
         """The plain `eqx.nn.Linear` with the same arrays (drops the FP8 state)."""
-        base = eqx.nn.Linear(self.in_features, self.out_features, self.use_bias, key=jax.random.PRNGKey(0))
-        return eqx.tree_at(lambda l: (l.weight, l.bias), base, (self.weight, self.bias),
-                           is_leaf=lambda x: x is None)
+        base = eqx.nn.Linear(
+            self.in_features, self.out_features, self.use_bias, key=jax.random.PRNGKey(0)
+        )
+        return eqx.tree_at(
+            lambda lin: (lin.weight, lin.bias),
+            base,
+            (self.weight, self.bias),
+            is_leaf=lambda x: x is None,
+        )
 
     @jax.named_scope("fp8jax.nn.Linear")
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
@@ -89,7 +95,8 @@ class Linear(eqx.Module):
         x = checks.float_array("fp8jax.nn.Linear", "x", x)
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"fp8jax.nn.Linear expects inputs of shape (..., {self.in_features}), got {x.shape}."
+                f"fp8jax.nn.Linear expects inputs of shape (..., {self.in_features}), "
+                f"got {x.shape}."
             )
         y = self.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
         if self.bias is not None:

@@ -31,9 +31,9 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import checks
 from .. import state as _state
+from ..config import Fp8Config, resolve_config
 from ..ops import dot as _dot
 from ..ops import gated as _gated
-from ..config import Fp8Config, resolve_config
 from .linear import Linear, apply_linear
 
 F32 = jnp.float32
@@ -93,8 +93,14 @@ def activate(h: Array, activation: str) -> Array:
     return fn(h)
 
 
-def normalize(x: Array, weight: Array | None, bias: Array | None, kind: str, eps: float,
-              zero_centered_gamma: bool = False) -> Array:
+def normalize(
+    x: Array,
+    weight: Array | None,
+    bias: Array | None,
+    kind: str,
+    eps: float,
+    zero_centered_gamma: bool = False,
+) -> Array:
     """LayerNorm or RMSNorm over the last dim, statistics in f32, output in ``x.dtype``.
     With ``zero_centered_gamma`` the scale applied is ``1 + weight`` (TE's option)."""
     x32 = x.astype(F32)
@@ -162,20 +168,45 @@ class FusedMLP(eqx.Module):
         _check_kinds(norm, activation)
         gated = ACTIVATIONS[activation][1]
         k1, k2 = jax.random.split(key)
-        fc1 = eqx.nn.Linear(hidden, ffn * (2 if gated else 1), use_bias=fc1_bias, dtype=dtype, key=k1)
+        fc1 = eqx.nn.Linear(
+            hidden, ffn * (2 if gated else 1), use_bias=fc1_bias, dtype=dtype, key=k1
+        )
         fc2 = eqx.nn.Linear(ffn, hidden, use_bias=fc2_bias, dtype=dtype, key=k2)
         param_dtype = fc1.weight.dtype
         gamma = jnp.zeros if zero_centered_gamma else jnp.ones
         weight = gamma((hidden,), param_dtype)
         use_norm_bias = norm == "layernorm" if norm_bias is None else norm_bias
         bias = jnp.zeros((hidden,), param_dtype) if use_norm_bias else None
-        _init(self, weight, bias, fc1, fc2, norm=norm, activation=activation, eps=eps,
-              zero_centered_gamma=zero_centered_gamma, residual=residual, fused=fused, fp8=fp8, config=config)
+        _init(
+            self,
+            weight,
+            bias,
+            fc1,
+            fc2,
+            norm=norm,
+            activation=activation,
+            eps=eps,
+            zero_centered_gamma=zero_centered_gamma,
+            residual=residual,
+            fused=fused,
+            fp8=fp8,
+            config=config,
+        )
 
     @classmethod
-    def from_modules(cls, norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm, fc1, fc2, *, activation: str,
-                     residual: bool = False, fused: bool = True, fp8: bool = True,
-                     config: Fp8Config | None = None, zero_centered_gamma: bool = False) -> "FusedMLP":
+    def from_modules(
+        cls,
+        norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm,
+        fc1,
+        fc2,
+        *,
+        activation: str,
+        residual: bool = False,
+        fused: bool = True,
+        fp8: bool = True,
+        config: Fp8Config | None = None,
+        zero_centered_gamma: bool = False,
+    ) -> "FusedMLP":
         """Build from an existing norm and two linears (``eqx.nn.Linear`` or
         `fp8jax.nn.Linear`), sharing their arrays: no copies are made."""
         if isinstance(norm, eqx.nn.LayerNorm):
@@ -183,19 +214,39 @@ class FusedMLP(eqx.Module):
         elif isinstance(norm, eqx.nn.RMSNorm):
             kind = "rmsnorm"
         else:
-            raise TypeError(f"FusedMLP.from_modules: norm must be eqx.nn.LayerNorm or eqx.nn.RMSNorm, "
-                            f"got {type(norm).__name__}")
+            raise TypeError(
+                f"FusedMLP.from_modules: norm must be eqx.nn.LayerNorm or eqx.nn.RMSNorm, "
+                f"got {type(norm).__name__}"
+            )
         shape = norm.shape if isinstance(norm.shape, tuple) else (norm.shape,)
         if len(shape) != 1:
-            raise ValueError(f"FusedMLP.from_modules: the norm must normalize one (the last) dim, got shape {shape}")
+            raise ValueError(
+                f"FusedMLP.from_modules: the norm must normalize one (the last) dim, "
+                f"got shape {shape}"
+            )
         for name, layer in (("fc1", fc1), ("fc2", fc2)):
             if not isinstance(layer, (eqx.nn.Linear, Linear)):
-                raise TypeError(f"FusedMLP.from_modules: {name} must be eqx.nn.Linear or fp8jax.nn.Linear, "
-                                f"got {type(layer).__name__}")
+                raise TypeError(
+                    f"FusedMLP.from_modules: {name} must be eqx.nn.Linear or fp8jax.nn.Linear, "
+                    f"got {type(layer).__name__}"
+                )
         self = object.__new__(cls)
-        _init(self, norm.weight, norm.bias, fc1, fc2, norm=kind, activation=activation, eps=float(norm.eps),
-              zero_centered_gamma=zero_centered_gamma, residual=residual, fused=fused, fp8=fp8, config=config,
-              hidden=shape[0])
+        _init(
+            self,
+            norm.weight,
+            norm.bias,
+            fc1,
+            fc2,
+            norm=kind,
+            activation=activation,
+            eps=float(norm.eps),
+            zero_centered_gamma=zero_centered_gamma,
+            residual=residual,
+            fused=fused,
+            fp8=fp8,
+            config=config,
+            hidden=shape[0],
+        )
         return self
 
     def with_fused(self, fused: bool) -> "FusedMLP":
@@ -206,7 +257,9 @@ class FusedMLP(eqx.Module):
 
     # ------------------------------------------------------------------ math
     def _unfused(self, x):
-        normed = normalize(x, self.norm_weight, self.norm_bias, self.norm, self.eps, self.zero_centered_gamma)
+        normed = normalize(
+            x, self.norm_weight, self.norm_bias, self.norm, self.eps, self.zero_centered_gamma
+        )
         fc1_out = apply_linear(self.fc1, normed)
         act = activate(checkpoint_name(fc1_out, FC1_OUT), self.activation)
         y = apply_linear(self.fc2, act)
@@ -215,18 +268,27 @@ class FusedMLP(eqx.Module):
         return y, dict(normed=normed, fc1_out=fc1_out, activation=act)
 
     @jax.named_scope("fp8jax.nn.FusedMLP")
-    def __call__(self, x: Float[Array, "*batch hidden"], *, return_intermediates: bool = False,
-                 key: PRNGKeyArray | None = None):
+    def __call__(
+        self,
+        x: Float[Array, "*batch hidden"],
+        *,
+        return_intermediates: bool = False,
+        key: PRNGKeyArray | None = None,
+    ):
         """``x: [..., hidden]`` -> ``[..., hidden]`` (and a dict of intermediates when
         ``return_intermediates``, which needs ``fused=False``)."""
         del key
         x = checks.float_array("FusedMLP", "x", x)
         if x.ndim == 0 or x.shape[-1] != self.hidden:
-            raise ValueError(f"FusedMLP expects inputs of shape (..., {self.hidden}), got {x.shape}")
+            raise ValueError(
+                f"FusedMLP expects inputs of shape (..., {self.hidden}), got {x.shape}"
+            )
         if return_intermediates:
             if self.fused:
-                raise ValueError("FusedMLP: return_intermediates needs fused=False (fusion does not keep "
-                                 "the intermediates); call mlp.with_fused(False)(x, return_intermediates=True).")
+                raise ValueError(
+                    "FusedMLP: return_intermediates needs fused=False (fusion does not keep "
+                    "the intermediates); call mlp.with_fused(False)(x, return_intermediates=True)."
+                )
             return self._unfused(x)
         if not self.fused:
             return self._unfused(x)[0]
@@ -239,11 +301,28 @@ def _check_kinds(norm: str, activation: str) -> None:
     if norm not in NORMS:
         raise ValueError(f"FusedMLP: unknown norm {norm!r}; choose from {NORMS}")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"FusedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}")
+        raise ValueError(
+            f"FusedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}"
+        )
 
 
-def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_gamma, residual, fused, fp8,
-          config, hidden=None):
+def _init(
+    self,
+    weight,
+    bias,
+    fc1,
+    fc2,
+    *,
+    norm,
+    activation,
+    eps,
+    zero_centered_gamma,
+    residual,
+    fused,
+    fp8,
+    config,
+    hidden=None,
+):
     """Validate shapes and set the fields (shared by ``__init__`` and ``from_modules``)."""
     _check_kinds(norm, activation)
     eps = checks.positive_number("FusedMLP", "eps", eps)
@@ -254,18 +333,26 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
     gated = ACTIVATIONS[activation][1]
     hidden = fc1.in_features if hidden is None else hidden
     if fc1.in_features != hidden:
-        raise ValueError(f"FusedMLP: fc1 takes {fc1.in_features} features but the norm has {hidden}")
+        raise ValueError(
+            f"FusedMLP: fc1 takes {fc1.in_features} features but the norm has {hidden}"
+        )
     width = fc1.out_features
     if gated and width % 2:
-        raise ValueError(f"FusedMLP: gated activation {activation!r} splits fc1's output in two halves, "
-                         f"but fc1 has an odd number of outputs ({width})")
+        raise ValueError(
+            f"FusedMLP: gated activation {activation!r} splits fc1's output in two halves, "
+            f"but fc1 has an odd number of outputs ({width})"
+        )
     ffn = width // 2 if gated else width
     if fc2.in_features != ffn:
-        raise ValueError(f"FusedMLP: fc2 takes {fc2.in_features} features but {activation!r} gives {ffn} "
-                         f"(fc1 outputs {width})")
+        raise ValueError(
+            f"FusedMLP: fc2 takes {fc2.in_features} features but {activation!r} gives {ffn} "
+            f"(fc1 outputs {width})"
+        )
     if residual and fc2.out_features != hidden:
-        raise ValueError(f"FusedMLP: residual=True needs fc2 to output hidden={hidden} features, "
-                         f"got {fc2.out_features}")
+        raise ValueError(
+            f"FusedMLP: residual=True needs fc2 to output hidden={hidden} features, "
+            f"got {fc2.out_features}"
+        )
     for name, arr in (("norm weight", weight), ("norm bias", bias)):
         if arr is not None and arr.shape != (hidden,):
             raise ValueError(f"FusedMLP: {name} has shape {arr.shape}, expected ({hidden},)")
@@ -273,21 +360,34 @@ def _init(self, weight, bias, fc1, fc2, *, norm, activation, eps, zero_centered_
         dims = dict(hidden=hidden, fc1_out=width, ffn=ffn, fc2_out=fc2.out_features)
         bad = {k: v for k, v in dims.items() if v % config.alignment}
         if bad:
-            raise ValueError(f"FusedMLP: with FP8 on, feature dims must be multiples of {config.alignment}; "
-                             f"got {bad}. Pad the dims or pass fp8=False.")
+            raise ValueError(
+                f"FusedMLP: with FP8 on, feature dims must be multiples of {config.alignment}; "
+                f"got {bad}. Pad the dims or pass fp8=False."
+            )
         fc1 = fc1 if isinstance(fc1, Linear) else Linear.from_linear(fc1, config)
         fc2 = fc2 if isinstance(fc2, Linear) else Linear.from_linear(fc2, config)
-    for name, value in dict(norm_weight=weight, norm_bias=bias, fc1=fc1, fc2=fc2, hidden=hidden, ffn=ffn,
-                            norm=norm, activation=activation, eps=float(eps),
-                            zero_centered_gamma=bool(zero_centered_gamma), residual=bool(residual),
-                            fused=bool(fused)).items():
+    for name, value in dict(
+        norm_weight=weight,
+        norm_bias=bias,
+        fc1=fc1,
+        fc2=fc2,
+        hidden=hidden,
+        ffn=ffn,
+        norm=norm,
+        activation=activation,
+        eps=float(eps),
+        zero_centered_gamma=bool(zero_centered_gamma),
+        residual=bool(residual),
+        fused=bool(fused),
+    ).items():
         object.__setattr__(self, name, value)
 
 
 # ----------------------------------------------------------------------------- fused path
 def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     """Whether `fp8jax.ops.gated` (one custom VJP, Pallas activation kernels) runs this call:
-    both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``; the activation, scaling and sizes as `_gated.usable` says."""
+    both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``;
+    the activation, scaling and sizes as `_gated.usable` says."""
     fc1, fc2 = mlp.fc1, mlp.fc2
     if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
         return False
@@ -305,15 +405,30 @@ def _gated_core_runs(mlp: FusedMLP, x) -> bool:
 
 def _gated_call(mlp: FusedMLP, x):
     # The norm is recomputed in the backward (one cheap pass) rather than keeping its output.
-    norm = jax.checkpoint(functools.partial(normalize, kind=mlp.norm, eps=mlp.eps,
-                                            zero_centered_gamma=mlp.zero_centered_gamma))
+    norm = jax.checkpoint(
+        functools.partial(
+            normalize, kind=mlp.norm, eps=mlp.eps, zero_centered_gamma=mlp.zero_centered_gamma
+        )
+    )
     normed = norm(x, mlp.norm_weight, mlp.norm_bias)
     x2 = normed.reshape(-1, mlp.hidden)
     fc1, fc2 = mlp.fc1, mlp.fc2
-    spec = _gated.Spec(fc1.dot_general.config, fc2.dot_general.config, x2.dtype, fc1.weight.dtype, fc2.weight.dtype,
-                       mlp.activation)
-    y = _gated.gated_mlp(spec, x2, fc1.weight, _state.enter(fc1.dot_general.state()), fc2.weight,
-                         _state.enter(fc2.dot_general.state()))
+    spec = _gated.Spec(
+        fc1.dot_general.config,
+        fc2.dot_general.config,
+        x2.dtype,
+        fc1.weight.dtype,
+        fc2.weight.dtype,
+        mlp.activation,
+    )
+    y = _gated.gated_mlp(
+        spec,
+        x2,
+        fc1.weight,
+        _state.enter(fc1.dot_general.state()),
+        fc2.weight,
+        _state.enter(fc2.dot_general.state()),
+    )
     y = y.reshape(*x.shape[:-1], fc2.out_features)
     return y + x.astype(y.dtype) if mlp.residual else y
 

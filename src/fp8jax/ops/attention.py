@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from ..kernels import cudnn_attention as cudnn
 from .. import quant as qt
 from .. import state as _state
 from ..config import Fp8Config
+from ..kernels import cudnn_attention as cudnn
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn
@@ -87,11 +87,13 @@ def _reference_forward(spec, q8, k8, v8, sc, q_len, kv_len):
     b, t, n, h = q8.shape
     # Like flash attention: the FP8 P.V GEMM takes the numerator exp(S - row max), the
     # division by the row sum (kept in f32) comes after it.
-    numerator, total, _, _ = _probs(spec, q8, k8, sc[IDX["q"]], sc[IDX["k"]], q_len, kv_len, normalize=False)
+    numerator, total, _, _ = _probs(
+        spec, q8, k8, sc[IDX["q"]], sc[IDX["k"]], q_len, kv_len, normalize=False
+    )
     amax_s = qt.amax(numerator / total)
     pf = qt.quantize(numerator, sc[IDX["s"]], E4M3).astype(F32) * sc[IDX["s"]]
     vf = v8.astype(F32) * sc[IDX["v"]]
-    o = (jnp.einsum("bkgts,bskh->bkgth", pf, vf) / total)
+    o = jnp.einsum("bkgts,bskh->bkgth", pf, vf) / total
     o = jnp.moveaxis(o, 3, 1).reshape(b, t, n, h)
     return qt.quantize(o, sc[IDX["o"]], E4M3), amax_s, qt.amax(o), None
 
@@ -126,9 +128,19 @@ def _backend_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
     # Always cuDNN's training kernel: its inference variant gave wrong outputs without a
     # mask on H100 (jax 0.11.2, tests/test_gpu.py); the extra softmax stats are small.
     o8, amax_s, amax_o, stats = cudnn.forward(
-        q8, k8, v8, descale_q=sc[IDX["q"]], descale_k=sc[IDX["k"]], descale_v=sc[IDX["v"]],
-        descale_s=sc[IDX["s"]], scale_s=1.0 / sc[IDX["s"]], scale_o=1.0 / sc[IDX["o"]],
-        softmax_scale=spec.softmax_scale, causal=spec.causal, training=True)
+        q8,
+        k8,
+        v8,
+        descale_q=sc[IDX["q"]],
+        descale_k=sc[IDX["k"]],
+        descale_v=sc[IDX["v"]],
+        descale_s=sc[IDX["s"]],
+        scale_s=1.0 / sc[IDX["s"]],
+        scale_o=1.0 / sc[IDX["o"]],
+        softmax_scale=spec.softmax_scale,
+        causal=spec.causal,
+        training=True,
+    )
     return o8, amax_s, amax_o, stats if training else None
 
 
@@ -136,11 +148,27 @@ def _backend_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
     if spec.backend == "reference":
         return _reference_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len)
     return cudnn.backward(
-        q8, k8, v8, o8, do8, stats, descale_q=sc[IDX["q"]], descale_k=sc[IDX["k"]], descale_v=sc[IDX["v"]],
-        descale_o=sc[IDX["o"]], descale_do=sc[IDX["do"]], descale_s=sc[IDX["s"]], descale_dp=sc[IDX["dp"]],
-        scale_s=1.0 / sc[IDX["s"]], scale_dq=1.0 / sc[IDX["dq"]], scale_dk=1.0 / sc[IDX["dk"]],
-        scale_dv=1.0 / sc[IDX["dv"]], scale_dp=1.0 / sc[IDX["dp"]], softmax_scale=spec.softmax_scale,
-        causal=spec.causal)
+        q8,
+        k8,
+        v8,
+        o8,
+        do8,
+        stats,
+        descale_q=sc[IDX["q"]],
+        descale_k=sc[IDX["k"]],
+        descale_v=sc[IDX["v"]],
+        descale_o=sc[IDX["o"]],
+        descale_do=sc[IDX["do"]],
+        descale_s=sc[IDX["s"]],
+        descale_dp=sc[IDX["dp"]],
+        scale_s=1.0 / sc[IDX["s"]],
+        scale_dq=1.0 / sc[IDX["dq"]],
+        scale_dk=1.0 / sc[IDX["dk"]],
+        scale_dv=1.0 / sc[IDX["dv"]],
+        scale_dp=1.0 / sc[IDX["dp"]],
+        softmax_scale=spec.softmax_scale,
+        causal=spec.causal,
+    )
 
 
 # ----------------------------------------------------------------------------- compute
@@ -177,9 +205,12 @@ def _backward_impl(spec: AttnSpec, tensors, scalars, state, g):
     sc = sc.at[do].set(cfg.recipe.scale(state[1][do], state[0][do], E4M3, amax_do))
     do8 = qt.quantize(g, sc[IDX["do"]], E4M3)
     dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp = _backend_backward(
-        spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len)
-    grads = tuple((x8.astype(F32) * sc[IDX[name]]).astype(spec.in_dtype)
-                  for x8, name in zip((dq8, dk8, dv8), ("dq", "dk", "dv")))
+        spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len
+    )
+    grads = tuple(
+        (x8.astype(F32) * sc[IDX[name]]).astype(spec.in_dtype)
+        for x8, name in zip((dq8, dk8, dv8), ("dq", "dk", "dv"))
+    )
     amaxes = jnp.concatenate([fwd_amax, jnp.stack([amax_do, amax_dp, amax_dq, amax_dk, amax_dv])])
     return grads, (sc, amaxes)
 
@@ -218,7 +249,8 @@ def forward_fn(spec: AttnSpec, training: bool):
         qb, kb, vb, qlb, kvlb, sb = in_batched
         if _any(sb) or not (qb or kb or vb):
             out = jax.vmap(impl, in_axes=tuple(0 if _any(b) else None for b in in_batched))(
-                q, k, v, q_len, kv_len, state)
+                q, k, v, q_len, kv_len, state
+            )
             return out, jax.tree_util.tree_map(lambda _: True, out)
         q, k, v = (_broadcast_unbatched(x, b, axis_size) for x, b in ((q, qb), (k, kb), (v, vb)))
         q_len = _broadcast_unbatched(q_len, _any(qlb), axis_size)
@@ -244,15 +276,27 @@ def backward_fn(spec: AttnSpec):
         tb, cb, sb, gb = in_batched
         if _any(cb) or _any(sb):
             out = jax.vmap(impl, in_axes=(0, 0 if _any(cb) else None, 0 if _any(sb) else None, 0))(
-                *(jax.tree_util.tree_map(lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + x.shape),
-                                         tensors, tb), scalars, state,
-                  g if gb else jnp.broadcast_to(g, (axis_size,) + g.shape)))
+                *(
+                    jax.tree_util.tree_map(
+                        lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + x.shape),
+                        tensors,
+                        tb,
+                    ),
+                    scalars,
+                    state,
+                    g if gb else jnp.broadcast_to(g, (axis_size,) + g.shape),
+                )
+            )
             return out, jax.tree_util.tree_map(lambda _: True, out)
-        tensors = jax.tree_util.tree_map(lambda x, b: _fold(_broadcast_unbatched(x, b, axis_size), axis_size),
-                                         tensors, tb)
+        tensors = jax.tree_util.tree_map(
+            lambda x, b: _fold(_broadcast_unbatched(x, b, axis_size), axis_size), tensors, tb
+        )
         g = _fold(_broadcast_unbatched(g, gb, axis_size), axis_size)
         grads, scalars_out = fn(tensors, scalars, state, g)
-        return (tuple(_unfold(x, axis_size) for x in grads), scalars_out), ((True, True, True), (False, False))
+        return (tuple(_unfold(x, axis_size) for x in grads), scalars_out), (
+            (True, True, True),
+            (False, False),
+        )
 
     return fn
 
@@ -283,9 +327,13 @@ def _fp8_attention_bwd(spec, residuals, cotangents):
     tensors, scalars, state = residuals
     (dq, dk, dv), (sc, amaxes) = backward_fn(spec)(tensors, scalars, state, g)
     observed, bad = qt.sanitize_amax(amaxes)
-    state_ct = _state.proposal(new_state(state, sc, jnp.concatenate([observed, jnp.max(bad).reshape(1)])))
+    state_ct = _state.proposal(
+        new_state(state, sc, jnp.concatenate([observed, jnp.max(bad).reshape(1)]))
+    )
     _, _, _, _, _, q_len, kv_len = tensors
-    lens_ct = tuple(None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (q_len, kv_len))
+    lens_ct = tuple(
+        None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (q_len, kv_len)
+    )
     return (dq, dk, dv, *lens_ct, state_ct)
 
 

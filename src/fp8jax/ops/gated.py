@@ -1,4 +1,5 @@
-"""FP8 gated MLP core (fc1 -> swiglu/geglu/reglu/... -> fc2) as one custom VJP with one-pass activation kernels.
+"""FP8 gated MLP core (fc1 -> swiglu/geglu/reglu/... -> fc2) as one custom VJP with one-pass
+activation kernels.
 
 Through XLA, the FP8 MLP spends as much time in memory passes over fc1's output as it
 saves in the GEMMs (`benchmarks/RESULTS.md`, the trainer profile): the dequantize of
@@ -34,18 +35,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..kernels import cast as _cast_kernel
-from . import dot as _dot
-from ..kernels import gemm as _gemm
 from .. import quant as q
 from .. import state as _state
 from ..config import Fp8Config
+from ..kernels import cast as _cast_kernel
+from ..kernels import gemm as _gemm
+from . import dot as _dot
 
 pl = _cast_kernel.pl  # the guarded Pallas import (None where it does not import)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 BLOCK = 64  # tile width of the kernels in features, and the interleaving block of fc1's rows
-TILE = {"rows": 64, "num_warps": 4}  # token rows per tile and warps (module-level for the tuning probe)
+TILE = {
+    "rows": 64,
+    "num_warps": 4,
+}  # token rows per tile and warps (module-level for the tuning probe)
 # "auto": kernels where `_cast_kernel.supported` says Pallas Triton runs (Hopper), else
 # the plain-JAX activation; "kernel": the kernels (compiled); "interpret": kernels in
 # interpret mode (CPU tests); "xla": the plain-JAX activation.
@@ -77,7 +81,9 @@ def _halves(h, block: int = BLOCK):
 def _join(gate, up, block: int = BLOCK):
     """Inverse of `_halves`."""
     m, f = gate.shape
-    return jnp.stack([gate.reshape(m, f // block, block), up.reshape(m, f // block, block)], axis=2).reshape(m, 2 * f)
+    return jnp.stack(
+        [gate.reshape(m, f // block, block), up.reshape(m, f // block, block)], axis=2
+    ).reshape(m, 2 * f)
 
 
 # ----------------------------------------------------------------------------- math
@@ -137,11 +143,20 @@ def _fwd_kernel(h_ref, scalars_ref, aq_ref, *out_refs, block, activation):
         at_ref[0][...] = aq.T
 
 
-def _bwd_kernel(h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *, block, activation):
-    h_scale, da_scale, inv_dh_scale, inv_a_scale = scalars_ref[0], scalars_ref[1], scalars_ref[2], scalars_ref[3]
+def _bwd_kernel(
+    h_ref, da_ref, scalars_ref, dh_ref, dht_ref, amax_ref, at_ref, *, block, activation
+):
+    h_scale, da_scale, inv_dh_scale, inv_a_scale = (
+        scalars_ref[0],
+        scalars_ref[1],
+        scalars_ref[2],
+        scalars_ref[3],
+    )
     gate = h_ref[:, :block].astype(F32) * h_scale
     up = h_ref[:, block:].astype(F32) * h_scale
-    at_ref[...] = q.saturate(_glu(activation, gate, up), inv_a_scale, at_ref.dtype).T  # fc2's wgrad operand
+    at_ref[...] = q.saturate(
+        _glu(activation, gate, up), inv_a_scale, at_ref.dtype
+    ).T  # fc2's wgrad operand
     d_gate, d_up = _glu_grad(activation, gate, up, da_ref[...].astype(F32) * da_scale)
     amax_ref[...] = jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)).reshape(1, 1)
     gq = q.saturate(d_gate, inv_dh_scale, dh_ref.dtype)
@@ -158,44 +173,115 @@ def _rows(m: int) -> int:
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, num_warps, *args):
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=interpret, **_cast_kernel.triton_params(interpret, num_warps))(*args)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        **_cast_kernel.triton_params(interpret, num_warps),
+    )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "activation", "interpret", "rows", "num_warps", "transposed"))
-def _fwd_pallas(h, h_scale, a_scale, dtype, activation="swiglu", interpret=False, rows=BLOCK, num_warps=4,
-                transposed=True):
+@functools.partial(
+    jax.jit, static_argnames=("dtype", "activation", "interpret", "rows", "num_warps", "transposed")
+)
+def _fwd_pallas(
+    h,
+    h_scale,
+    a_scale,
+    dtype,
+    activation="swiglu",
+    interpret=False,
+    rows=BLOCK,
+    num_warps=4,
+    transposed=True,
+):
     m, two_f = h.shape
     f, b, r = two_f // 2, BLOCK, rows
     grid = (m // r, f // b)
     scalars = jnp.stack([h_scale.reshape(()), 1.0 / a_scale.reshape(())]).astype(F32)
-    t_spec, t_shape = [pl.BlockSpec((b, r), lambda i, j: (j, i))], [jax.ShapeDtypeStruct((f, m), dtype)]
+    t_spec, t_shape = (
+        [pl.BlockSpec((b, r), lambda i, j: (j, i))],
+        [jax.ShapeDtypeStruct((f, m), dtype)],
+    )
     aq, *at, tile_amax = _call(
-        functools.partial(_fwd_kernel, block=b, activation=activation), grid,
+        functools.partial(_fwd_kernel, block=b, activation=activation),
+        grid,
         [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2,), lambda i, j: (0,))],
-        [pl.BlockSpec((r, b), lambda i, j: (i, j)), *t_spec[:transposed], pl.BlockSpec((1, 1), lambda i, j: (i, j))],
-        [jax.ShapeDtypeStruct((m, f), dtype), *t_shape[:transposed], jax.ShapeDtypeStruct(grid, F32)],
-        interpret, num_warps, h, scalars)
+        [
+            pl.BlockSpec((r, b), lambda i, j: (i, j)),
+            *t_spec[:transposed],
+            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        ],
+        [
+            jax.ShapeDtypeStruct((m, f), dtype),
+            *t_shape[:transposed],
+            jax.ShapeDtypeStruct(grid, F32),
+        ],
+        interpret,
+        num_warps,
+        h,
+        scalars,
+    )
     return aq, (at[0] if transposed else None), jnp.max(tile_amax)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "a_dtype", "activation", "interpret", "rows", "num_warps"))
-def _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, activation="swiglu", interpret=False,
-                rows=BLOCK, num_warps=4):
+@functools.partial(
+    jax.jit, static_argnames=("dtype", "a_dtype", "activation", "interpret", "rows", "num_warps")
+)
+def _bwd_pallas(
+    h,
+    h_scale,
+    da,
+    da_scale,
+    dh_scale,
+    a_scale,
+    dtype,
+    a_dtype,
+    activation="swiglu",
+    interpret=False,
+    rows=BLOCK,
+    num_warps=4,
+):
     m, two_f = h.shape
     f, b, r = two_f // 2, BLOCK, rows
     grid = (m // r, f // b)
-    scalars = jnp.stack([h_scale.reshape(()), da_scale.reshape(()), 1.0 / dh_scale.reshape(()),
-                         1.0 / a_scale.reshape(())]).astype(F32)
+    scalars = jnp.stack(
+        [
+            h_scale.reshape(()),
+            da_scale.reshape(()),
+            1.0 / dh_scale.reshape(()),
+            1.0 / a_scale.reshape(()),
+        ]
+    ).astype(F32)
     dh, dht, tile_amax, at = _call(
-        functools.partial(_bwd_kernel, block=b, activation=activation), grid,
-        [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((r, b), lambda i, j: (i, j)),
-         pl.BlockSpec((4,), lambda i, j: (0,))],
-        [pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)), pl.BlockSpec((2, b, r), lambda i, j: (0, j, i)),
-         pl.BlockSpec((1, 1), lambda i, j: (i, j)), pl.BlockSpec((b, r), lambda i, j: (j, i))],
-        [jax.ShapeDtypeStruct((m, two_f), dtype), jax.ShapeDtypeStruct((2, f, m), dtype),
-         jax.ShapeDtypeStruct(grid, F32), jax.ShapeDtypeStruct((f, m), a_dtype)],
-        interpret, num_warps, h, da, scalars)
+        functools.partial(_bwd_kernel, block=b, activation=activation),
+        grid,
+        [
+            pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)),
+            pl.BlockSpec((r, b), lambda i, j: (i, j)),
+            pl.BlockSpec((4,), lambda i, j: (0,)),
+        ],
+        [
+            pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)),
+            pl.BlockSpec((2, b, r), lambda i, j: (0, j, i)),
+            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+            pl.BlockSpec((b, r), lambda i, j: (j, i)),
+        ],
+        [
+            jax.ShapeDtypeStruct((m, two_f), dtype),
+            jax.ShapeDtypeStruct((2, f, m), dtype),
+            jax.ShapeDtypeStruct(grid, F32),
+            jax.ShapeDtypeStruct((f, m), a_dtype),
+        ],
+        interpret,
+        num_warps,
+        h,
+        da,
+        scalars,
+    )
     return dh, dht.reshape(two_f, m), jnp.max(tile_amax), at
 
 
@@ -212,15 +298,26 @@ def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu", transposed=T
     unless ``transposed`` (the MLP core's backward recomputes it, so its forward skips it)."""
     mode = _mode(h.shape)
     if mode != "xla":
-        return _fwd_pallas(h, h_scale, a_scale, dtype, activation, interpret=mode == "interpret",
-                           rows=_rows(h.shape[0]), num_warps=TILE["num_warps"], transposed=transposed)
+        return _fwd_pallas(
+            h,
+            h_scale,
+            a_scale,
+            dtype,
+            activation,
+            interpret=mode == "interpret",
+            rows=_rows(h.shape[0]),
+            num_warps=TILE["num_warps"],
+            transposed=transposed,
+        )
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     a = _glu(activation, gate, up)
     aq = q.saturate(a, 1.0 / a_scale.reshape(()), dtype)
     return aq, (aq.T if transposed else None), q.tile_amax(a)
 
 
-def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu"):
+def activation_grad_fp8(
+    h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu"
+):
     """Gradient of `activation_fp8` w.r.t. ``h`` for the output gradient ``da * da_scale``,
     cast to ``dtype`` (scale ``dh_scale``): ``(dhq [M, 2F], dhq^T [2F, M], amax, aq^T)``.
     ``dhq`` is interleaved like ``h`` (fc1's dgrad contracts it with the interleaved weight);
@@ -230,15 +327,31 @@ def activation_grad_fp8(h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dt
     pass, so the forward need not keep it."""
     mode = _mode(h.shape)
     if mode != "xla":
-        return _bwd_pallas(h, h_scale, da, da_scale, dh_scale, a_scale, dtype, a_dtype, activation,
-                           interpret=mode == "interpret", rows=_rows(h.shape[0]), num_warps=TILE["num_warps"])
+        return _bwd_pallas(
+            h,
+            h_scale,
+            da,
+            da_scale,
+            dh_scale,
+            a_scale,
+            dtype,
+            a_dtype,
+            activation,
+            interpret=mode == "interpret",
+            rows=_rows(h.shape[0]),
+            num_warps=TILE["num_warps"],
+        )
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     d_gate, d_up = _glu_grad(activation, gate, up, da.astype(F32) * da_scale.reshape(()))
     inv = 1.0 / dh_scale.reshape(())
     gate_q, up_q = q.saturate(d_gate, inv, dtype), q.saturate(d_up, inv, dtype)
     aq = q.saturate(_glu(activation, gate, up), 1.0 / a_scale.reshape(()), a_dtype)
-    return (_join(gate_q, up_q), jnp.concatenate([gate_q.T, up_q.T]),
-            jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)), aq.T)
+    return (
+        _join(gate_q, up_q),
+        jnp.concatenate([gate_q.T, up_q.T]),
+        jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)),
+        aq.T,
+    )
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -253,16 +366,28 @@ class Spec(NamedTuple):
     activation: str = "swiglu"  # one of `ACTIVATIONS`
 
 
-def usable(config1: Fp8Config, config2: Fp8Config, m: int, hidden: int, ffn: int, out: int,
-           activation: str = "swiglu") -> bool:
+def usable(
+    config1: Fp8Config,
+    config2: Fp8Config,
+    m: int,
+    hidden: int,
+    ffn: int,
+    out: int,
+    activation: str = "swiglu",
+) -> bool:
     """Whether the core can run this MLP (else `FusedMLP` takes its XLA path)."""
     if activation not in ACTIVATIONS:
         return False
-    if MODE["activation"] == "auto" and (activation not in GPU_TESTED
-                                         or not _cast_kernel.supported((1, m, 2 * ffn))[0]):
+    if MODE["activation"] == "auto" and (
+        activation not in GPU_TESTED or not _cast_kernel.supported((1, m, 2 * ffn))[0]
+    ):
         return False  # the plain-JAX activation is no faster than XLA's own fusions
     aligned = m % BLOCK == 0 and ffn % BLOCK == 0 and hidden % 16 == 0 and out % 16 == 0
-    return aligned and config1.recipe.scale_known_before_cast and config2.recipe.scale_known_before_cast
+    return (
+        aligned
+        and config1.recipe.scale_known_before_cast
+        and config2.recipe.scale_known_before_cast
+    )
 
 
 def _scale(history, old, dtype, cfg: Fp8Config):
@@ -279,7 +404,9 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     sw2 = _scale(k2_h, k2, c2.kernel_dtype, c2)
     xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
     w1q, w1Tq, aw1 = _gemm.quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
-    h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[0]  # [M, 2F] interleaved, not dequantized
+    h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[
+        0
+    ]  # [M, 2F] interleaved, not dequantized
     h_scale = (sx * sw1).reshape(())
     aq, _, aa = activation_fp8(h, h_scale, sa, c2.input_dtype, spec.activation, transposed=False)
     w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
@@ -311,13 +438,26 @@ def _bwd(spec, saved, g):
     _, _, g_s, _, _, g_h, _ = state2
     sg = _scale(g_h, g_s, c2.grad_dtype, c2)
     gq, gTq, ag = _gemm.quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
-    da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[0]  # [M, F], not dequantized
+    da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[
+        0
+    ]  # [M, F], not dequantized
     sdh = _scale(dh_h, dh_s, c1.grad_dtype, c1)
-    dhq, dhTq, adh, aTq = activation_grad_fp8(h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh,
-                                              c1.grad_dtype, sa, c2.input_dtype, spec.activation)
+    dhq, dhTq, adh, aTq = activation_grad_fp8(
+        h,
+        (sx * sw1).reshape(()),
+        da,
+        (sg * sw2).reshape(()),
+        sdh,
+        c1.grad_dtype,
+        sa,
+        c2.input_dtype,
+        spec.activation,
+    )
     dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
-    dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]  # natural row order
+    dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[
+        0
+    ]  # natural row order
 
     state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
     state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))

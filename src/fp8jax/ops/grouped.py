@@ -29,14 +29,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from . import dot as _dot
-from ..kernels import dispatch
-from ..kernels import grouped_gemm as gk
 from .. import quant as q
 from .. import state as _state
 from ..config import Fp8Config
+from ..kernels import dispatch
+from ..kernels import grouped_gemm as gk
+from . import dot as _dot
 
-GROUPED_SCOPE = "fp8jax_grouped_gemm"  # named scope around the grouped-GEMM kernels (in HLO metadata)
+GROUPED_SCOPE = (
+    "fp8jax_grouped_gemm"  # named scope around the grouped-GEMM kernels (in HLO metadata)
+)
 ROW_ALIGN = gk.ROW_ALIGN
 
 F32 = jnp.float32
@@ -71,7 +73,9 @@ class GroupLayout(eqx.Module):
     def row_group(self) -> Int[Array, " M_pad"]:
         """Group of each padded row (``G`` after the last group)."""
         ends = jnp.cumsum(self.padded_sizes)
-        return jnp.searchsorted(ends, jnp.arange(self.num_rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+        return jnp.searchsorted(
+            ends, jnp.arange(self.num_rows, dtype=jnp.int32), side="right"
+        ).astype(jnp.int32)
 
 
 def padded_rows(num_rows: int, num_groups: int, align: int) -> int:
@@ -84,7 +88,9 @@ def _round_up(x, m):
     return -(-x // m) * m
 
 
-def layout_from_sizes(group_sizes: Int[Array, " G"], num_padded_rows: int, align: int) -> GroupLayout:
+def layout_from_sizes(
+    group_sizes: Int[Array, " G"], num_padded_rows: int, align: int
+) -> GroupLayout:
     """Padded layout for real groups of ``group_sizes`` rows in ``num_padded_rows`` rows."""
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
     if group_sizes.ndim != 1:
@@ -102,7 +108,14 @@ def layout_from_sizes(group_sizes: Int[Array, " G"], num_padded_rows: int, align
         block_group = group[::block]
     else:
         block_group = jnp.full((0,), g, jnp.int32)
-    return GroupLayout(group_sizes, starts.astype(jnp.int32), padded.astype(jnp.int32), row_valid, block_group, align)
+    return GroupLayout(
+        group_sizes,
+        starts.astype(jnp.int32),
+        padded.astype(jnp.int32),
+        row_valid,
+        block_group,
+        align,
+    )
 
 
 def clip_group_sizes(group_sizes: Int[Array, " G"], num_rows: int) -> Int[Array, " G"]:
@@ -117,7 +130,9 @@ def check_group_sizes(group_sizes, num_rows: int, num_experts: int) -> None:
     """Raise early on bad group sizes where they are concrete (not traced)."""
     shape = np.shape(group_sizes)
     if shape != (num_experts,):
-        raise ValueError(f"group_sizes must have shape ({num_experts},) (one per expert), got {shape}")
+        raise ValueError(
+            f"group_sizes must have shape ({num_experts},) (one per expert), got {shape}"
+        )
     if not jnp.issubdtype(jnp.asarray(group_sizes).dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integers, got dtype {jnp.asarray(group_sizes).dtype}")
     if isinstance(group_sizes, jax.core.Tracer):
@@ -126,7 +141,9 @@ def check_group_sizes(group_sizes, num_rows: int, num_experts: int) -> None:
     if (sizes < 0).any():
         raise ValueError(f"group_sizes must be >= 0, got {sizes.tolist()}")
     if sizes.sum() > num_rows:
-        raise ValueError(f"group_sizes sum to {int(sizes.sum())}, more than the {num_rows} rows of x")
+        raise ValueError(
+            f"group_sizes sum to {int(sizes.sum())}, more than the {num_rows} rows of x"
+        )
 
 
 def source_rows(layout: GroupLayout) -> Int[Array, " M_pad"]:
@@ -173,12 +190,20 @@ def _kernel_reason(layout: GroupLayout, k: int, n: int, dtype) -> str:
     if not ok:
         return why
     if layout.align % gk.ROW_ALIGN:
-        return f"the layout's groups are aligned to {layout.align} rows, the kernel needs {gk.ROW_ALIGN}"
+        return (
+            f"the layout's groups are aligned to {layout.align} rows, "
+            f"the kernel needs {gk.ROW_ALIGN}"
+        )
     m, g = layout.num_rows, layout.num_groups
-    fwd_rows, wgrad_cfg = kernel_configs(dtype, g, (m, k, n))  # the keys `rows_gemm` / `wgrad_gemm` look up
+    fwd_rows, wgrad_cfg = kernel_configs(
+        dtype, g, (m, k, n)
+    )  # the keys `rows_gemm` / `wgrad_gemm` look up
     dgrad_rows, _ = kernel_configs(dtype, g, (m, n, k))
-    return (gk.rows_supported(m, k, n, fwd_rows) or gk.rows_supported(m, n, k, dgrad_rows)
-            or gk.wgrad_supported(m, k, n, wgrad_cfg))
+    return (
+        gk.rows_supported(m, k, n, fwd_rows)
+        or gk.rows_supported(m, n, k, dgrad_rows)
+        or gk.wgrad_supported(m, k, n, wgrad_cfg)
+    )
 
 
 def check_backend(backend: str, owner: str = "grouped GEMM") -> str:
@@ -204,18 +229,26 @@ _TUNED: dict[tuple, tuple[gk.RowsConfig, gk.WgradConfig]] = {}
 def kernel_configs(dtype, num_groups: int, shape: tuple[int, int, int] | None = None):
     """(rows, wgrad) kernel configs for operands of ``dtype``: pinned for this shape,
     else pinned for any shape, else the measured defaults."""
-    for key in ((jnp.dtype(dtype).name, num_groups, shape), (jnp.dtype(dtype).name, num_groups, None)):
+    for key in (
+        (jnp.dtype(dtype).name, num_groups, shape),
+        (jnp.dtype(dtype).name, num_groups, None),
+    ):
         if key in _TUNED:
             return _TUNED[key]
     fp8 = jnp.dtype(dtype).itemsize == 1
     tile_k = 128 if fp8 else 64
-    rows = gk.RowsConfig(tile_k=tile_k, max_concurrent_steps=3 if fp8 else 4,
-                         grid_tile_width=8 if num_groups <= 16 or fp8 else 16)
+    rows = gk.RowsConfig(
+        tile_k=tile_k,
+        max_concurrent_steps=3 if fp8 else 4,
+        grid_tile_width=8 if num_groups <= 16 or fp8 else 16,
+    )
     wgrad = gk.WgradConfig(block_k=tile_k, max_concurrent_steps=6)
     return rows, wgrad
 
 
-def set_kernel_configs(dtype, num_groups: int, rows: gk.RowsConfig, wgrad: gk.WgradConfig, shape=None) -> None:
+def set_kernel_configs(
+    dtype, num_groups: int, rows: gk.RowsConfig, wgrad: gk.WgradConfig, shape=None
+) -> None:
     """Pin the kernel tiles for ``dtype`` and ``num_groups``: for every shape, or for one
     ``(M_pad, K, N)`` (K: the contracting size of ``rows_gemm``; for ``wgrad_gemm`` the
     output ``[K, N]``)."""
@@ -230,7 +263,9 @@ def _ragged(lhs, rhs_kn, layout: GroupLayout):
     group = layout.row_group()
     out = jnp.zeros((lhs.shape[0], rhs_kn.shape[-1]), F32)
     for e in range(layout.num_groups):
-        out = out + jnp.where((group == e)[:, None], jnp.dot(lhs, rhs_kn[e], preferred_element_type=F32), 0.0)
+        out = out + jnp.where(
+            (group == e)[:, None], jnp.dot(lhs, rhs_kn[e], preferred_element_type=F32), 0.0
+        )
     return out
 
 
@@ -254,8 +289,12 @@ def rows_gemm(backend, lhs, rhs_nk, layout: GroupLayout, scales, out_dtype):
     """``[M_pad, K] x [G, N, K] -> [M_pad, N]`` per group, times ``scales[g]``."""
     if backend == "pallas":
         with jax.named_scope(GROUPED_SCOPE):
-            rows_cfg, _ = kernel_configs(lhs.dtype, layout.num_groups, (layout.num_rows, lhs.shape[1], rhs_nk.shape[1]))
-            return gk.grouped_rows(lhs, rhs_nk, layout.block_group, scales, out_dtype=out_dtype, config=rows_cfg)
+            rows_cfg, _ = kernel_configs(
+                lhs.dtype, layout.num_groups, (layout.num_rows, lhs.shape[1], rhs_nk.shape[1])
+            )
+            return gk.grouped_rows(
+                lhs, rhs_nk, layout.block_group, scales, out_dtype=out_dtype, config=rows_cfg
+            )
     return _rows_reference(lhs, rhs_nk, layout, scales, out_dtype)
 
 
@@ -263,9 +302,18 @@ def wgrad_gemm(backend, lhs_t, rhs_t, layout: GroupLayout, scale, out_dtype):
     """``[K, M_pad] x [N, M_pad] -> [G, K, N]``, each group over its own rows."""
     if backend == "pallas":
         with jax.named_scope(GROUPED_SCOPE):
-            _, wgrad_cfg = kernel_configs(lhs_t.dtype, layout.num_groups, (layout.num_rows, lhs_t.shape[0], rhs_t.shape[0]))
-            return gk.grouped_wgrad(lhs_t, rhs_t, layout.starts, layout.padded_sizes, scale, out_dtype=out_dtype,
-                                    config=wgrad_cfg)
+            _, wgrad_cfg = kernel_configs(
+                lhs_t.dtype, layout.num_groups, (layout.num_rows, lhs_t.shape[0], rhs_t.shape[0])
+            )
+            return gk.grouped_wgrad(
+                lhs_t,
+                rhs_t,
+                layout.starts,
+                layout.padded_sizes,
+                scale,
+                out_dtype=out_dtype,
+                config=wgrad_cfg,
+            )
     return _wgrad_reference(lhs_t, rhs_t, layout, scale, out_dtype)
 
 
@@ -282,8 +330,14 @@ def grouped_plain(backend: str, x, w, layout: GroupLayout):
 
 def _plain_fwd(backend, x, w, layout):
     xm = _masked(x, layout)
-    y = rows_gemm(backend, xm, jnp.swapaxes(w, 1, 2).astype(x.dtype), layout, jnp.ones((layout.num_groups,), F32),
-                  x.dtype)
+    y = rows_gemm(
+        backend,
+        xm,
+        jnp.swapaxes(w, 1, 2).astype(x.dtype),
+        layout,
+        jnp.ones((layout.num_groups,), F32),
+        x.dtype,
+    )
     return y, (xm, w, layout)
 
 
@@ -333,7 +387,9 @@ def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     sw = cfg.recipe.scale(k_h, k_s, cfg.kernel_dtype, aw, axis=0)  # one per expert
     xq = q.quantize(xm, sx, cfg.input_dtype)
     limit = q.fp8_max(cfg.kernel_dtype)
-    wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(cfg.kernel_dtype)  # [G, in, out]
+    wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(
+        cfg.kernel_dtype
+    )  # [G, in, out]
     y = rows_gemm(spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
     return y, (xq.T, wq, sx, sw, ax, aw)
 
@@ -371,4 +427,3 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
 
 
 grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
-
