@@ -1,7 +1,13 @@
 """fp8jax: FP8 training for JAX on NVIDIA Hopper GPUs."""
 
+# First, before anything can start JAX's backend: no Triton GEMM autotuning (see compilation).
+from .compilation import apply_at_import as _apply_at_import
+
+_apply_at_import()
+
+
 from . import nn
-from ._xla_flags import skip_triton_gemm_autotuning
+from .compilation import enable_compilation_cache, skip_triton_gemm_autotuning
 from .config import Fp8Config
 from .convert import ConversionReport, fp8_linear_layers, fp8_state
 from .dot_general import Fp8DotGeneral
@@ -27,6 +33,7 @@ __all__ = [
     "accumulate_grads",
     "apply_updates",
     "assert_fp8",
+    "enable_compilation_cache",
     "fp8_gemm_report",
     "fp8_linear_layers",
     "fp8_state",

@@ -140,6 +140,8 @@ def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs:
             f"fp8_gemm_report: stage={stage!r} is not allowed; expected 'compiled' or 'lowered'."
         )
     platform = jax.devices()[0].platform
+    # equinox's filter_jit(...).lower(...) / .compile() wrap jax's stages
+    fn = getattr(fn, "compiled", None) or getattr(fn, "lowered", None) or fn
     if isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)):
         if args or kwargs:
             raise TypeError(

@@ -34,7 +34,7 @@ import optax
 from ..config import Fp8Config
 from ..convert import fp8_linear_layers
 from ..grad_overwrite import optax_step, trainable
-from .._xla_flags import skip_triton_gemm_autotuning
+from .. import compilation
 from ..inspect import parse_gemms
 from .data import load_corpus
 from .model import ModelConfig, Transformer, cast_for_compute
@@ -503,6 +503,26 @@ def to_records(results: dict[str, dict], run: RunConfig, preset: str, meta: dict
 
 
 # ----------------------------------------------------------------------------- CLI
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed; expected an int >= {low}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; expected a number > 0")
+    return value
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="fp8jax-train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -510,24 +530,26 @@ def parse_args(argv):
     p.add_argument("--precision", choices=["bf16", "fp8"], default=None,
                    help="train one precision (default: --compare both)")
     p.add_argument("--compare", action="store_true", help="bf16 then fp8, same seed and data order (default)")
-    p.add_argument("--interleave", type=int, default=0, metavar="K",
+    p.add_argument("--interleave", type=_at_least(0), default=0, metavar="K",
                    help="with --compare: train both in one process, K steps of each in turn, so both are timed on "
                         "the same GPU state (a GPU at its power cap runs slower than a cool one); needs memory "
                         "for both models")
     p.add_argument("--data", default=None, help="text file or directory (default: the Python stdlib sources)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    for name, typ in (("steps", int), ("batch", int), ("lr", float), ("warmup", int), ("eval-every", int),
-                      ("eval-batches", int), ("checkpoint-every", int), ("seed", int)):
+    for name, typ in (("steps", _at_least(1)), ("batch", _at_least(1)), ("lr", _positive),
+                      ("warmup", _at_least(0)), ("eval-every", _at_least(1)),
+                      ("eval-batches", _at_least(1)), ("checkpoint-every", _at_least(0)),
+                      ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
     for name in ("dim", "layers", "heads", "kv-heads", "ffn", "seq", "experts", "top-k"):
-        p.add_argument(f"--{name}", type=int, default=None, help="model size override")
+        p.add_argument(f"--{name}", type=_at_least(1), default=None, help="model size override")
     p.add_argument("--scaling", choices=["delayed", "current"], default="delayed")
     p.add_argument("--fast-accumulation", choices=["forward", "all", "none"], default="forward",
                    help="FP8 GEMMs allowed Hopper's fast accumulation (default: forward only, as TE)")
     p.add_argument("--cast-kernel", action="store_true",
                    help="FP8 casts through the one-pass Pallas cast + transpose + amax kernel (Hopper)")
-    p.add_argument("--scan-unroll", type=int, default=None,
+    p.add_argument("--scan-unroll", type=_at_least(1), default=None,
                    help="layers per scan iteration; = --layers unrolls fully (no residual stacking between layers)")
     p.add_argument("--fp8-everywhere", action="store_true", help="turn the size policy off (FP8 on every block linear)")
     p.add_argument("--fp8-attention", action="store_true",
@@ -536,7 +558,11 @@ def parse_args(argv):
     p.add_argument("--xla-triton-gemm", action="store_true",
                    help="keep XLA's Triton GEMM autotuning (off by default here: on an H100 it spent ~190 s "
                         "compiling the fp8 step, then chose cuBLASLt for every FP8 GEMM anyway)")
-    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="corpus size cap")
+    p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache: a restart loads the compiled steps "
+                        f"(default {compilation.DEFAULT_CACHE}, or $FP8JAX_CACHE_DIR)")
+    p.add_argument("--no-compile-cache", action="store_true", help="compile from scratch")
+    p.add_argument("--max-bytes", type=_at_least(1), default=64 * 2**20, help="corpus size cap")
     p.add_argument("--record", type=Path, default=None, help="append benchmark records (JSON lines) here")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -566,8 +592,11 @@ def run_config(args) -> RunConfig:
 def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> dict[str, dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if not args.xla_triton_gemm:
-        skip_triton_gemm_autotuning(warn=False)  # in a fresh process: the fp8 step compiles in seconds
+    if args.xla_triton_gemm:  # undo what importing fp8jax set, while the backend has not started
+        flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "")
+        os.environ["XLA_FLAGS"] = " ".join(flags.split())
+    if not args.no_compile_cache:
+        compilation.enable_compilation_cache(args.compile_cache)
     run = run_config(args)
     precisions = [args.precision] if (args.precision and not args.compare) else ["bf16", "fp8"]
     if args.interleave < 0 or (args.interleave and len(precisions) < 2):

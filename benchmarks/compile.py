@@ -1,0 +1,171 @@
+"""Benchmark: how long a user's FP8 train step takes to compile, against bf16.
+
+Each variant compiles in a fresh process (XLA reads its flags once per process), with the
+flags a user has by default (``import fp8jax`` turns XLA's Triton GEMM autotuning off):
+
+* ``bf16``        the step in bf16
+* ``fp8``         the same step after ``fp8jax.fp8_linear_layers`` (empty compile cache)
+* ``fp8-cached``  ``fp8`` started again with the persistent compilation cache of the last run
+
+Models: ``two-block`` (issue 21's user model: two 4096 -> 14336 -> 4096 gelu MLP blocks,
+16384 tokens, adamw through ``fp8jax.optax_step``, a plain ``eqx.filter_jit`` step) and
+``1b-trainer`` (``fp8jax-train --preset 1b``'s step, its own ``compile_s``).
+
+    python -m benchmarks.compile                      # both models, records on a GPU
+    python -m benchmarks.compile --flags triton       # XLA's default autotuning kept (slow)
+    python -m benchmarks.compile --quick              # CPU smoke run, writes nothing
+
+``compile_s`` is lower + compile. ``step_ms`` (two-block) is one step after compiling, the
+median of 10, to show the GEMMs run as fast either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compile.jsonl"
+VARIANTS = ("bf16", "fp8", "fp8-cached")
+
+# One process: build the model, lower + compile its step, time a few steps, print JSON.
+PROGRAM = """
+import json, statistics, sys, time
+import jax, jax.numpy as jnp, equinox as eqx, optax, fp8jax
+precision, dim, hidden, tokens, cache = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+if cache != "-":
+    fp8jax.enable_compilation_cache(cache)
+keys = jax.random.split(jax.random.PRNGKey(0), 4)
+model = [eqx.nn.Linear(i, o, key=k, dtype=jnp.bfloat16)
+         for (i, o), k in zip([(dim, hidden), (hidden, dim)] * 2, keys)]
+if precision == "fp8":
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(selective=False))
+opt = optax.adamw(1e-4)
+opt_state = opt.init(fp8jax.trainable(model))
+
+def loss_fn(model, x):
+    for up, down in (model[:2], model[2:]):
+        x = x + jax.vmap(down)(jax.nn.gelu(jax.vmap(up)(x)))
+    return jnp.mean(x.astype(jnp.float32) ** 2)
+
+@eqx.filter_jit
+def step(model, opt_state, x):
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
+    model, opt_state = fp8jax.optax_step(opt, model, grads, opt_state)
+    return model, opt_state, loss
+
+x = jax.random.normal(jax.random.PRNGKey(1), (tokens, dim), jnp.bfloat16)
+start = time.perf_counter()
+lowered = step.lower(model, opt_state, x)
+compiled = lowered.compile()
+compile_s = time.perf_counter() - start
+report = fp8jax.fp8_gemm_report(compiled)
+times = []
+for _ in range(12):
+    t0 = time.perf_counter()
+    model, opt_state, loss = step(model, opt_state, x)
+    loss.block_until_ready()
+    times.append(time.perf_counter() - t0)
+print(json.dumps(dict(compile_s=compile_s, step_ms=1e3 * statistics.median(times[2:]),
+                      fp8_gemms=sum(g.is_fp8 for g in report.gemms), gemms=len(report.gemms),
+                      device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
+                      jax=jax.__version__)))
+"""
+
+
+def _env(flags: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FP8JAX_KEEP_TRITON_GEMM")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    if flags == "triton":
+        env["FP8JAX_KEEP_TRITON_GEMM"] = "1"
+    return env
+
+
+def _run(cmd: list[str], flags: str, timeout: int) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, env=_env(flags), capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"{shlex.join(cmd[:4])} failed:\n{out.stderr[-2000:]}")
+    return out
+
+
+def two_block(variant: str, sizes: tuple[int, int, int], cache: str, flags: str) -> dict:
+    precision = "bf16" if variant == "bf16" else "fp8"
+    cmd = [sys.executable, "-c", PROGRAM, precision, *map(str, sizes),
+           cache if variant != "bf16" else "-"]
+    return json.loads(_run(cmd, flags, timeout=900).stdout.strip().splitlines()[-1])
+
+
+def trainer(variant: str, cache: str, flags: str, quick: bool) -> dict:
+    precision = "bf16" if variant == "bf16" else "fp8"
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "fp8jax.train", "--preset", "tiny" if quick else "1b",
+               "--precision", precision, "--steps", "2", "--eval-every", "2",
+               "--checkpoint-every", "0", "--eval-batches", "1", "--no-plot", "--quiet",
+               "--max-bytes", str(2**20), "--out", out]
+        cmd += ["--compile-cache", cache] if variant != "bf16" else ["--no-compile-cache"]
+        _run(cmd, flags, timeout=900)
+        result = json.loads((Path(out) / f"result-{precision}.json").read_text())
+    return dict(compile_s=result["compile_s"], fp8_gemms=result.get("fp8_gemms"),
+                gemms=result.get("gemms"))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["two-block", "1b-trainer"],
+                   choices=["two-block", "1b-trainer"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--flags", choices=["default", "triton"], default="default",
+                   help="default: what a user gets; triton: FP8JAX_KEEP_TRITON_GEMM=1")
+    p.add_argument("--quick", action="store_true", help="tiny CPU-sized run, writes nothing")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    sizes = (64, 128, 64) if args.quick else (4096, 14336, 16384)
+    rows = []
+    with tempfile.TemporaryDirectory() as cache_root:
+        for model in args.models:
+            cache = str(Path(cache_root) / model)  # empty for "fp8", warm for "fp8-cached"
+            for variant in args.variants:
+                if model == "two-block":
+                    row = two_block(variant, sizes, cache, args.flags)
+                else:
+                    row = trainer(variant, cache, args.flags, args.quick)
+                row.update(model=model, variant=variant)
+                rows.append(row)
+                extra = f", step {row['step_ms']:.2f} ms" if "step_ms" in row else ""
+                print(f"{model:<11} {variant:<11} compile {row['compile_s']:7.1f} s, "
+                      f"FP8 GEMMs {row.get('fp8_gemms')}/{row.get('gemms')}{extra}", flush=True)
+    if not args.quick:
+        _write(rows, args, argv)
+    return rows
+
+
+def _write(rows: list[dict], args, argv) -> None:
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return
+    command = " ".join(["python -m benchmarks.compile", *map(shlex.quote, argv or sys.argv[1:])])
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        for r in rows:
+            rec = dict(bench="compile", params=dict(model=r["model"], flags=args.flags),
+                       variant=r["variant"], device=device.device_kind, date=date,
+                       jax=jax.__version__, command=command, compile_s=round(r["compile_s"], 2),
+                       fp8_gemms=r.get("fp8_gemms"), gemm_count=r.get("gemms"))
+            if "step_ms" in r:
+                rec["ms"] = round(r["step_ms"], 3)
+            f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Compile tax: ``import fp8jax`` turns XLA's Triton GEMM autotuning off where it can (FP8
+steps compile in seconds, not minutes), says so once where it cannot, and the persistent
+compilation cache makes a second start load its executables. Each case runs in a fresh
+process: XLA reads its flags once per process."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from conftest import gpu
+from fp8jax import compilation
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+def _run(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", compilation.KEEP_ENV)}
+    base["PYTHONPATH"] = os.pathsep.join([SRC, os.path.dirname(__file__)])
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**base, **(env or {})},
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_import_turns_triton_gemm_autotuning_off_and_jax_runs():
+    out = _run("import fp8jax, os, jax; print(jax.numpy.ones(2).sum(), os.environ['XLA_FLAGS'])")
+    assert out.stdout.split() == ["2.0", compilation.TRITON_GEMM_OFF]
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({compilation.KEEP_ENV: "1"}, "<unset>"),  # the opt-out
+    ({"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}, "--xla_gpu_enable_triton_gemm=true"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+     "--xla_force_host_platform_device_count=2 " + compilation.TRITON_GEMM_OFF),
+])
+def test_the_users_choice_wins(env, expected):
+    out = _run("import os, fp8jax; print(os.environ.get('XLA_FLAGS', '<unset>'))", env)
+    assert out.stdout.strip() == expected
+
+
+def test_too_late_warns_once_and_changes_nothing():
+    out = _run("""
+        import os, warnings, jax
+        jax.numpy.ones(1).block_until_ready()  # the backend starts before fp8jax is imported
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import fp8jax
+            import fp8jax.nn
+        print(sum("started before fp8jax" in str(w.message) for w in caught))
+        print(os.environ.get("XLA_FLAGS", "<unset>"))
+    """)
+    assert out.stdout.split() == ["1", "<unset>"]
+
+
+def test_second_start_hits_the_persistent_cache(tmp_path):
+    code = f"""
+        import jax, jax.numpy as jnp, equinox as eqx, fp8jax
+        hits = []
+        jax.monitoring.register_event_listener(
+            lambda name, **kw: hits.append(name) if "cache_hits" in name else None)
+        fp8jax.enable_compilation_cache({str(tmp_path)!r}, min_compile_s=0)
+        model = fp8jax.fp8_linear_layers(eqx.nn.Linear(64, 64, key=jax.random.PRNGKey(0)),
+                                         fp8jax.Fp8Config(selective=False))
+        step = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))
+        step(model, jnp.ones((32, 64)))
+        print(len(hits))
+    """
+    assert int(_run(code).stdout.split()[-1]) == 0  # first start: compiles, fills the cache
+    assert any(tmp_path.iterdir())
+    assert int(_run(code).stdout.split()[-1]) >= 1  # second start: loads from it
+
+
+def test_cache_dir_errors_name_the_path(tmp_path):
+    import fp8jax
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot create"):
+        fp8jax.enable_compilation_cache(blocker / "sub")
+
+
+@gpu
+def test_fp8_step_compiles_within_1_5x_bf16_with_default_flags():
+    """The README's step as a user writes it (plain ``eqx.filter_jit``, no fp8jax flag call):
+    the FP8 step's compile time is at most 1.5x the bf16 step's (plus 1 s of noise)."""
+    from benchmarks.compile import two_block
+
+    with tempfile.TemporaryDirectory() as cache:
+        rows = {v: two_block(v, (2048, 8192, 8192), cache, "default") for v in ("bf16", "fp8")}
+    seconds = {v: r["compile_s"] for v, r in rows.items()}
+    assert rows["fp8"]["fp8_gemms"] == rows["fp8"]["gemms"] > 0, rows
+    assert seconds["fp8"] <= 1.5 * seconds["bf16"] + 1.0, seconds
+
+
+def test_compile_benchmark_runs_on_cpu():
+    """The harness itself (tiny shapes, writes nothing): every variant compiles."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import compile as bench
+
+    rows = bench.main(["--quick", "--models", "two-block"])
+    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in rows)
