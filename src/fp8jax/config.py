@@ -45,7 +45,8 @@ class Fp8Config:
     Selection (used by `fp8_linear_layers`):
       targets: ``None`` (every linear), a regex over the dotted path
         (``"layers\\.\\d+\\.mlp.*"``), a list of exact names or regexes, or a
-        predicate ``(path, module) -> bool``.
+        predicate ``(path, module) -> bool``; haliax layers also follow haliax's rules
+        (a prefix match, a list entry equal to the last path component): `matches`.
       selective: skip layers where FP8 cannot pay off (size thresholds below).
         ``False`` converts every layer whose dims allow FP8 at all.
       alignment: every FP8 GEMM dim must be a multiple of this (Hopper: 16).
@@ -179,12 +180,25 @@ class Fp8Config:
         return jnp.float8_e5m2 if self.fp8_format == "hybrid" else jnp.float8_e4m3fn
 
     def matches(self, path: str, module: Any) -> bool:
-        """Whether ``targets`` selects the layer at dotted ``path``."""
+        """Whether ``targets`` selects the layer at dotted ``path`` (e.g. ``"blocks.0.mlp.up"``).
+
+        A regex string must match the whole path; a list entry must equal the whole path or
+        match it as a regex. For haliax layers haliax's own rules apply too (as in
+        ``haliax.quantization``): a regex string may match a prefix of the path
+        (``re.match``) and a list entry may equal the path's last component, so
+        ``targets=["up_proj"]`` selects every ``...up_proj`` and ``"layers.0"`` the first
+        layer. A predicate gets ``(path, module)``."""
         if self.targets is None:
             return True
         if callable(self.targets) and not isinstance(self.targets, str):
             return bool(self.targets(path, module))
-        return any(path == p or re.fullmatch(p, path) for p in _patterns(self.targets))
+        haliax = type(module).__module__.startswith("haliax")
+        if isinstance(self.targets, str):
+            found = re.match if haliax else re.fullmatch
+            return found(self.targets, path) is not None
+        last = path.rsplit(".", 1)[-1]
+        return any(path == p or re.fullmatch(p, path) or (haliax and last == p)
+                   for p in self.targets)
 
 
 def resolve_config(config: "Fp8Config | None") -> Fp8Config:
