@@ -132,7 +132,7 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
                                            stack, True, "already FP8"))
             continue
         if hlinear is not None and isinstance(layer, hlinear):
-            from .haliax import convert_haliax_linear, haliax_linear_dims
+            from .interop.haliax import convert_haliax_linear, haliax_linear_dims
 
             in_f, out_f, stack = haliax_linear_dims(layer)
             if isinstance(layer.dot_general, Fp8DotGeneral):
