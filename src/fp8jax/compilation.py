@@ -64,8 +64,9 @@ def apply_at_import() -> bool:
     return skip_triton_gemm_autotuning(warn=True)
 
 
-def enable_compilation_cache(path: str | os.PathLike | None = None, *,
-                             min_compile_s: float = 0.5) -> Path:
+def enable_compilation_cache(
+    path: str | os.PathLike | None = None, *, min_compile_s: float = 0.5
+) -> Path:
     """Turn on JAX's persistent compilation cache in ``path`` (default ``$FP8JAX_CACHE_DIR`` or
     ``~/.cache/fp8jax/jax-compile``): a second start of the same program loads its compiled
     executables instead of compiling them. Caches every program that took at least

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
 import jax.numpy as jnp
+import numpy as np
 
 from .recipe import PerTensor
-import numpy as np
 
 Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
 
@@ -98,8 +98,13 @@ class Fp8Config:
                 bad(name, value, "True or False")
         if self.on_unsupported not in ("warn", "silent", "raise"):
             bad("on_unsupported", self.on_unsupported, "'warn', 'silent' or 'raise'")
-        int_fields = (("amax_history_length", 1), ("alignment", 1), ("min_features", 0),
-                      ("min_weight_elements", 0), ("min_tokens", 0))
+        int_fields = (
+            ("amax_history_length", 1),
+            ("alignment", 1),
+            ("min_features", 0),
+            ("min_weight_elements", 0),
+            ("min_tokens", 0),
+        )
         for name, low in int_fields:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
@@ -137,8 +142,11 @@ class Fp8Config:
                     bad(f"targets[{i}]", t, "a string (an exact dotted path or a regex)")
             object.__setattr__(self, "targets", tuple(targets))
         else:
-            bad("targets", targets,
-                "None, a regex string, a list of names/regexes or a predicate (path, module)")
+            bad(
+                "targets",
+                targets,
+                "None, a regex string, a list of names/regexes or a predicate (path, module)",
+            )
         for pattern in _patterns(self.targets):
             try:
                 re.compile(pattern)
@@ -149,8 +157,12 @@ class Fp8Config:
     @property
     def recipe(self) -> PerTensor:
         """The recipe object the ops ask for scales, casts and the scaled GEMM."""
-        return PerTensor(delayed=self.scaling == "delayed", algo=self.amax_compute_algo,
-                         margin=self.margin, cast_kernel=self.cast_kernel)
+        return PerTensor(
+            delayed=self.scaling == "delayed",
+            algo=self.amax_compute_algo,
+            margin=self.margin,
+            cast_kernel=self.cast_kernel,
+        )
 
     @property
     def history_length(self) -> int:
@@ -197,8 +209,9 @@ class Fp8Config:
             found = re.match if haliax else re.fullmatch
             return found(self.targets, path) is not None
         last = path.rsplit(".", 1)[-1]
-        return any(path == p or re.fullmatch(p, path) or (haliax and last == p)
-                   for p in self.targets)
+        return any(
+            path == p or re.fullmatch(p, path) or (haliax and last == p) for p in self.targets
+        )
 
 
 def resolve_config(config: "Fp8Config | None") -> Fp8Config:

@@ -33,20 +33,25 @@ class ConversionReport:
 
     @property
     def converted(self) -> list[str]:
-        return [l.path for l in self.layers if l.converted]
+        return [lay.path for lay in self.layers if lay.converted]
 
     @property
     def skipped(self) -> dict[str, str]:
-        return {l.path: l.reason for l in self.layers if not l.converted}
+        return {lay.path: lay.reason for lay in self.layers if not lay.converted}
 
     def __str__(self) -> str:
-        width = max([len(l.path) for l in self.layers] + [5])
-        lines = [f"fp8jax: {len(self.converted)} of {len(self.layers)} linear layers in FP8",
-                 f"  {'layer':<{width}}  {'in':>6} {'out':>6}  decision"]
-        for l in self.layers:
-            stack = f" x{'x'.join(map(str, l.stack))} stacked" if l.stack else ""
-            verdict = "FP8" if l.converted else "skipped"
-            lines.append(f"  {l.path:<{width}}  {l.in_features:>6} {l.out_features:>6}  {verdict}: {l.reason}{stack}")
+        width = max([len(lay.path) for lay in self.layers] + [5])
+        lines = [
+            f"fp8jax: {len(self.converted)} of {len(self.layers)} linear layers in FP8",
+            f"  {'layer':<{width}}  {'in':>6} {'out':>6}  decision",
+        ]
+        for lay in self.layers:
+            stack = f" x{'x'.join(map(str, lay.stack))} stacked" if lay.stack else ""
+            verdict = "FP8" if lay.converted else "skipped"
+            lines.append(
+                f"  {lay.path:<{width}}  {lay.in_features:>6} {lay.out_features:>6}  "
+                f"{verdict}: {lay.reason}{stack}"
+            )
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -81,7 +86,10 @@ def _decide(path: str, in_f, out_f, module, config: Fp8Config) -> tuple[bool, st
         if min(in_f, out_f) < config.min_features:
             return False, f"too small to gain: min(in, out) < min_features={config.min_features}"
         if in_f * out_f < config.min_weight_elements:
-            return False, f"too small to gain: in*out < min_weight_elements={config.min_weight_elements}"
+            return (
+                False,
+                f"too small to gain: in*out < min_weight_elements={config.min_weight_elements}",
+            )
     return True, "converted"
 
 
@@ -118,8 +126,8 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     found = [(path, leaf) for path, leaf in flat if is_layer(leaf)]
     if not found:
         raise ValueError(
-            f"fp8_linear_layers: no linear layer (eqx.nn.Linear{' or haliax.nn.Linear' if hlinear else ''}) "
-            f"found in {type(model).__name__}."
+            "fp8_linear_layers: no linear layer (eqx.nn.Linear"
+            f"{' or haliax.nn.Linear' if hlinear else ''}) found in {type(model).__name__}."
         )
     decisions, replace_where, replace_with = [], [], []
     matched_targets = False
@@ -128,8 +136,17 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
         if isinstance(layer, Linear):
             stack = tuple(layer.weight.shape[:-2])
             matched_targets |= config.matches(name, layer)
-            decisions.append(LayerDecision(name, "fp8jax.nn.Linear", layer.in_features, layer.out_features,
-                                           stack, True, "already FP8"))
+            decisions.append(
+                LayerDecision(
+                    name,
+                    "fp8jax.nn.Linear",
+                    layer.in_features,
+                    layer.out_features,
+                    stack,
+                    True,
+                    "already FP8",
+                )
+            )
             continue
         if hlinear is not None and isinstance(layer, hlinear):
             from .interop.haliax import convert_haliax_linear, haliax_linear_dims
@@ -137,7 +154,9 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             in_f, out_f, stack = haliax_linear_dims(layer)
             if isinstance(layer.dot_general, Fp8DotGeneral):
                 matched_targets |= config.matches(name, layer)
-                decisions.append(LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, True, "already FP8"))
+                decisions.append(
+                    LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, True, "already FP8")
+                )
                 continue
             ok, reason = _decide(name, in_f, out_f, layer, config)
             matched_targets |= reason != "not in targets"
@@ -145,7 +164,9 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
                 new, reason = convert_haliax_linear(layer, config, stack)
                 replace_where.append(layer)
                 replace_with.append(new)
-            decisions.append(LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, ok, reason))
+            decisions.append(
+                LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, ok, reason)
+            )
             continue
         in_f, out_f = layer.in_features, layer.out_features
         stack = tuple(layer.weight.shape[:-2])
@@ -161,13 +182,15 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             + ", ".join(d.path for d in decisions)
         )
     if replace_where:
-        ids = {id(l): i for i, l in enumerate(replace_where)}
+        ids = {id(layer): i for i, layer in enumerate(replace_where)}
         model = jax.tree_util.tree_map(
             lambda x: replace_with[ids[id(x)]] if id(x) in ids else x, model, is_leaf=is_layer
         )
     report = ConversionReport(decisions)
     if not report.converted:
-        warnings.warn(f"fp8_linear_layers converted no layer; every one was skipped:\n{report}", stacklevel=2)
+        warnings.warn(
+            f"fp8_linear_layers converted no layer; every one was skipped:\n{report}", stacklevel=2
+        )
     return (model, report) if return_report else model
 
 
@@ -175,5 +198,7 @@ def fp8_state(model: Any) -> list[tuple[str, OverwriteWithGradient]]:
     """Every FP8 scaling state in ``model`` with its dotted path (for inspection):
     linear layers' `Fp8DotGeneral`, grouped experts' ``Fp8GroupedState`` and FP8
     attention's ``Fp8AttentionState``."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient))
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient)
+    )
     return [(_path_str(p), x) for p, x in flat if isinstance(x, OverwriteWithGradient)]

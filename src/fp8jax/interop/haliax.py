@@ -32,5 +32,5 @@ def convert_haliax_linear(layer, config: Fp8Config, stack: tuple[int, ...]):
     """``layer`` with an `Fp8DotGeneral` as its ``dot_general`` (no-op if it has one)."""
     if isinstance(layer.dot_general, Fp8DotGeneral):
         return layer, "already FP8"
-    new = eqx.tree_at(lambda l: l.dot_general, layer, Fp8DotGeneral(config, stack_shape=stack))
+    new = eqx.tree_at(lambda lay: lay.dot_general, layer, Fp8DotGeneral(config, stack_shape=stack))
     return new, "converted (dot_general)"
