@@ -10,6 +10,7 @@ from . import nn
 from .compilation import enable_compilation_cache, skip_triton_gemm_autotuning
 from .config import Fp8Config
 from .convert import ConversionReport, fp8_linear_layers, fp8_state
+from .distributed import record_fsdp, shard_model
 from .dot_general import Fp8DotGeneral
 from .grad_overwrite import (
     accumulate_grads,
@@ -40,8 +41,10 @@ __all__ = [
     "nn",
     "optax_step",
     "partition_for_grad_overwrite",
+    "record_fsdp",
     "saved_activation_bytes",
     "scale_grads",
+    "shard_model",
     "skip_triton_gemm_autotuning",
     "trainable",
 ]

@@ -37,12 +37,16 @@ class Fp8DotGeneral(Fp8GemmState):
     output_grad_amax_history: Float[Array, "*stack history"]
     nonfinite_count: Float[Array, "*stack 1"]
     config: Fp8Config = eqx.field(static=True)
+    # FSDP: how the kernel is sharded and gathered (`fp8jax.shard_model` sets it); None:
+    # no constraint, the single-device path.
+    weight_sharding: _dot.WeightSharding | None = eqx.field(static=True, default=None)
 
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
         config = resolve_config(config)
         for name, value in _init_state(config, tuple(stack_shape)).items():
             setattr(self, name, value)
         self.config = config
+        self.weight_sharding = None
 
     @classmethod
     def from_state(cls, config: Fp8Config, state: dict[str, Array]) -> "Fp8DotGeneral":
@@ -55,6 +59,7 @@ class Fp8DotGeneral(Fp8GemmState):
         for name in STATE_FIELDS:
             object.__setattr__(op, name, state[name])
         object.__setattr__(op, "config", resolve_config(config))
+        object.__setattr__(op, "weight_sharding", None)
         return op
 
     # ------------------------------------------------------------------ inspection
@@ -107,7 +112,10 @@ class Fp8DotGeneral(Fp8GemmState):
         pad = -m % cfg.alignment if not _dot._under_vmap(x3) else 0
         if pad:
             x3 = jnp.pad(x3, ((0, 0), (0, pad), (0, 0)))
-        spec = _dot.Spec(cfg, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype), rhs_k_first)
+        ws = self.weight_sharding
+        w_shardings = ws and _dot.w3_shardings(ws, rb, rf, rc, rhs_k_first)  # FSDP only
+        spec = _dot.Spec(cfg, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype),
+                         rhs_k_first, w_shardings)
         y3 = _dot.fp8_dot3(spec, x3, w3, _state.enter(self.state()))
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)
 

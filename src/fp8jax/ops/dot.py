@@ -49,6 +49,57 @@ class Spec(NamedTuple):
     x_dtype: np.dtype  # dtypes of the operands: their gradients come back in these
     w_dtype: np.dtype
     rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
+    # FSDP only (None otherwise): (shard, gathered) NamedShardings of w3, see `w3_shardings`.
+    w_shardings: tuple | None = None
+
+
+class WeightSharding(NamedTuple):
+    """How a layer's kernel (the ``rhs``, as called) is sharded, and the mesh axes
+    (``gather``) it is all-gathered over before the GEMM (FSDP). Set by
+    `fp8jax.distributed`; hashable, so it can be a static field."""
+
+    mesh: jax.sharding.Mesh
+    spec: tuple  # PartitionSpec entries of the rhs, one per dim
+    gather: tuple[str, ...]
+
+
+def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
+    """(shard, gathered) NamedShardings of the canonical ``w3`` for a kernel sharded as
+    ``ws``; None when nothing is gathered or a merged dim would need a reshard (then
+    the partitioner decides, as without a mesh)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    spec = tuple(ws.spec) + (None,) * (len(rb) + len(rf) + len(rc) - len(ws.spec))
+    merged = []
+    for group in (rb, rc, rf) if rhs_k_first else (rb, rf, rc):
+        sharded = [spec[i] for i in group if spec[i] is not None]
+        if len(sharded) > 1 or (sharded and spec[group[0]] is None):
+            return None  # only a group's leading dim may be sharded for a free reshape
+        merged.append(sharded[0] if sharded else None)
+
+    def drop(entry):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in axes if a is not None and a not in ws.gather)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    gathered = [drop(e) for e in merged]
+    if gathered == merged:
+        return None
+    return (NamedSharding(ws.mesh, PartitionSpec(*merged)),
+            NamedSharding(ws.mesh, PartitionSpec(*gathered)))
+
+
+def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
+    """FSDP: pin ``a`` (w3's layout, or its transpose) to the kernel's shard layout, or
+    to the gathered one. A constraint pair shard -> gathered makes XLA all-gather ``a``
+    itself (FP8, 1 byte/element) instead of choosing what to move. No-op without a mesh."""
+    if spec.w_shardings is None:
+        return a
+    s = spec.w_shardings[gathered]
+    if transposed:
+        b, p, c = s.spec
+        s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(b, c, p))
+    return jax.lax.with_sharding_constraint(a, s)
 
 
 _WARNED: set[str] = set()
@@ -86,8 +137,13 @@ def _fwd_impl(spec: Spec, x3, w3, state):
         zero = jnp.zeros((), F32)
         return y, (x3, w3, in_s, k_s, zero, zero)
     x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype)
-    w = recipe.quantize_both(w3, k_s, k_h, cfg.kernel_dtype)
+    # FSDP: each device casts its own shard (global amax: a scalar all-reduce), the FP8
+    # copy is all-gathered for the GEMM and kept sharded as the residual.
+    w = recipe.quantize_both(_fsdp(spec, w3, False, False), k_s, k_h, cfg.kernel_dtype)
     w_nk, w_kn = (w.data_t, w.data) if spec.rhs_k_first else (w.data, w.data_t)
+    t = spec.rhs_k_first  # w_nk is w3's transpose
+    w_nk = _fsdp(spec, _fsdp(spec, w_nk, t, False), t, True)
+    w_kn = _fsdp(spec, w_kn, not t, False)
     y = recipe.gemm(x.data, x.scale, w_nk, w.scale, out_dtype, cfg.fast_forward)
     return y, (x.data_t, w_kn, x.scale, w.scale, x.amax, w.amax)
 
@@ -101,7 +157,7 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         gT, xT = jnp.swapaxes(g3, 1, 2), jnp.swapaxes(xr, 1, 2)
         dw = _gemm.gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm.gemm(gT, xT, wr.dtype)
         return dx, dw, jnp.zeros((), F32), g_scale
-    xTq, w_kn = xr, wr
+    xTq, w_kn = xr, _fsdp(spec, wr, not spec.rhs_k_first, True)  # FSDP: all-gather FP8 again
     g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype)
     fast = cfg.fast_backward
     dx = recipe.gemm(g.data, g.scale, w_kn, sw, spec.x_dtype, fast)
@@ -109,6 +165,7 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         dw = recipe.gemm(xTq, sx, g.data_t, g.scale, spec.w_dtype, fast)
     else:
         dw = recipe.gemm(g.data_t, g.scale, xTq, sx, spec.w_dtype, fast)
+    dw = _fsdp(spec, dw, False, False)  # FSDP: reduce-scatter in the gradient dtype
     return dx, dw, g.amax, g.scale
 
 

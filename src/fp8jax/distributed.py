@@ -1,0 +1,228 @@
+"""Sharded FP8 training on a `jax.sharding.Mesh` (GSPMD): place a converted model's
+weights (FSDP, Megatron column/row tensor parallel), replicate its FP8 state, and
+record each layer's weight sharding so its op all-gathers the weight in FP8.
+
+Every amax is a ``jnp.max`` over a (sharded) global array, which GSPMD turns into a
+scalar all-reduce: all devices quantize with the same scale and the replicated state
+stays bit-identical. `hlo_collectives` lists a step's collectives with their dtypes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import tempfile
+from typing import Any, NamedTuple, Sequence
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .convert import _path_str
+from .nn.linear import Linear
+from .ops.dot import WeightSharding
+from .state import OverwriteWithGradient
+
+
+def _axis_size(mesh: Mesh, axis: str | None) -> int:
+    if axis is None:
+        return 1
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"shard_model: mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}."
+        )
+    return mesh.shape[axis]
+
+
+def _matches(path: str, patterns: Sequence[str]) -> bool:
+    return any(path == p or fnmatch.fnmatchcase(path, p) for p in patterns)
+
+
+def _layers(model: Any) -> list[tuple[str, Any]]:
+    is_layer = lambda x: isinstance(x, (Linear, eqx.nn.Linear))  # noqa: E731
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)
+    return [(_path_str(p), x) for p, x in flat if is_layer(x)]
+
+
+def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel) -> tuple:
+    """PartitionSpec entries of a ``[*stack, out, in]`` weight (the last two dims)."""
+    out_f, in_f = shape[-2:]
+    spec: list = [None, None]  # out, in
+    if parallel == "column":
+        spec[0] = tensor_axis
+    elif parallel == "row":
+        spec[1] = tensor_axis
+    if _axis_size(mesh, fsdp_axis) > 1:
+        free = [i for i in (0, 1) if spec[i] is None]
+        spec[max(free, key=lambda i: (shape[-2:][i], -i))] = fsdp_axis  # the larger dim
+    names = ("out_features", "in_features")
+    for i, axis in enumerate(spec):
+        n = _axis_size(mesh, axis)
+        if axis is not None and (out_f, in_f)[i] % n:
+            raise ValueError(
+                f"shard_model: layer {path!r}: {names[i]}={(out_f, in_f)[i]} "
+                f"(weight {tuple(shape)}) is not divisible by mesh axis {axis!r} of size {n}."
+            )
+    return tuple(spec)
+
+
+def shard_model(
+    model: Any,
+    mesh: Mesh,
+    fsdp_axis: str | None = "fsdp",
+    tensor_axis: str | None = None,
+    *,
+    column_parallel: Sequence[str] = (),
+    row_parallel: Sequence[str] = (),
+    fp8_all_gather: bool = True,
+) -> Any:
+    """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
+    ``fsdp_axis`` along its larger dim (FSDP) and, for layers whose dotted path matches
+    ``column_parallel`` / ``row_parallel`` (names or fnmatch patterns), over
+    ``tensor_axis`` along out / in (Megatron; a column-parallel bias too); everything
+    else, the FP8 state included, replicated. ``fp8_all_gather``: record the sharding
+    in each FP8 layer so it casts its shard and all-gathers FP8 (`record_fsdp`).
+
+    Raises ``ValueError`` naming the layer, the dim and the axis when an axis size does
+    not divide the dim it shards, or when a pattern matches no layer.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"shard_model: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
+        )
+    _axis_size(mesh, fsdp_axis)
+    if (column_parallel or row_parallel) and tensor_axis is None:
+        raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
+    _axis_size(mesh, tensor_axis)
+    layers = _layers(model)
+    for what, patterns in (("column_parallel", column_parallel), ("row_parallel", row_parallel)):
+        for p in patterns:
+            if not any(_matches(path, [p]) for path, _ in layers):
+                raise ValueError(
+                    f"shard_model: {what} pattern {p!r} matches no linear layer; layers are: "
+                    + ", ".join(path for path, _ in layers)
+                )
+    placements: dict[int, NamedSharding] = {}
+    for path, layer in layers:
+        col, row = _matches(path, column_parallel), _matches(path, row_parallel)
+        if col and row:
+            raise ValueError(f"shard_model: layer {path!r} is both column- and row-parallel.")
+        w = layer.weight
+        spec = _weight_spec(
+            path,
+            w.shape,
+            mesh,
+            fsdp_axis,
+            tensor_axis,
+            "column" if col else "row" if row else None,
+        )
+        stack = (None,) * (w.ndim - 2)
+        placements[id(w)] = NamedSharding(mesh, P(*stack, *spec))
+        if layer.bias is not None:
+            placements[id(layer.bias)] = NamedSharding(mesh, P(*stack, spec[0] if col else None))
+    replicated = NamedSharding(mesh, P())
+
+    def place(x):
+        if not eqx.is_array(x):
+            return x
+        return jax.device_put(x, placements.get(id(x), replicated))
+
+    model = jax.tree_util.tree_map(place, model)
+    return record_fsdp(model, (fsdp_axis,) if fsdp_axis else ()) if fp8_all_gather else model
+
+
+def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
+    """``model`` with each FP8 linear's weight sharding recorded from its placed weight
+    (a `NamedSharding`, e.g. put there by the user): a layer whose weight is sharded
+    over any of ``fsdp_axes`` then casts its shard to FP8 and all-gathers the FP8
+    copy (forward and backward) and reduce-scatters its gradient. Layers whose weight
+    is not a placed `NamedSharding` are left as they are."""
+    fsdp_axes = tuple(fsdp_axes)
+
+    def record(layer):
+        if not isinstance(layer, Linear):
+            return layer
+        sharding = getattr(layer.weight, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            return layer
+        spec = tuple(sharding.spec) + (None,) * (layer.weight.ndim - len(sharding.spec))
+        op = object.__new__(type(layer.dot_general))  # a copy with the static field set
+        for name, value in vars(layer.dot_general).items():
+            object.__setattr__(op, name, value)
+        object.__setattr__(
+            op, "weight_sharding", WeightSharding(sharding.mesh, spec[-2:], fsdp_axes)
+        )
+        return eqx.tree_at(lambda lin: lin.dot_general, layer, op)
+
+    return jax.tree_util.tree_map(record, model, is_leaf=lambda x: isinstance(x, Linear))
+
+
+def fp8_state_replicated(model: Any) -> bool:
+    """Whether every FP8 state array holds the same bytes on all its devices."""
+    import numpy as np
+
+    flat = jax.tree_util.tree_leaves(
+        eqx.filter(
+            model,
+            lambda x: isinstance(x, OverwriteWithGradient),
+            is_leaf=lambda x: isinstance(x, OverwriteWithGradient),
+        )
+    )
+    for leaf in flat:
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        if any(s.tobytes() != shards[0].tobytes() or s.shape != shards[0].shape for s in shards):
+            return False
+    return True
+
+
+class Collective(NamedTuple):
+    """One collective of a partitioned program."""
+
+    kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute
+    dtype: str  # element type(s) it moves, e.g. "f8e4m3fn" or "f32,f32"
+    shape: str  # result shape(s) as HLO writes them
+    op_name: str  # the JAX op it came from (metadata), "" if none
+
+
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%?[\w.-]+ = (.*?) "
+    r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+    """Collectives in HLO text, with the dtypes they move."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        name = re.search(r'op_name="([^"]*)"', line)
+        out.append(
+            Collective(
+                m.group(2),
+                ",".join(d for d, _ in shapes),
+                ",".join(f"[{s}]" for _, s in shapes),
+                name.group(1) if name else "",
+            )
+        )
+    return out
+
+
+def hlo_collectives(lowered: Any) -> list[Collective]:
+    """The collectives of a lowered program (``jax.jit(f).lower(...)`` or equinox's) as
+    XLA's SPMD partitioner made them: their dtypes before a backend's own rewrites (the
+    CPU backend carries FP8 collectives as f16; GPUs move FP8)."""
+    lowered = getattr(lowered, "lowered", lowered)
+    with tempfile.TemporaryDirectory() as d:
+        compiled = lowered.compile(
+            compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+        )
+        names = sorted(n for n in os.listdir(d) if "after_spmd-partitioning" in n)
+        if not names:  # one device: nothing to partition
+            return parse_collectives(compiled.as_text())
+        with open(os.path.join(d, names[-1])) as f:
+            return parse_collectives(f.read())

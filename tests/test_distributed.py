@@ -1,0 +1,237 @@
+"""Sharded FP8 training on 8 host CPU devices (issue 24): DP, FSDP, TP and a 2-D mesh
+match the single-device run; FSDP all-gathers weights in FP8; amaxes are scalar
+all-reduces; `fp8jax.shard_model`'s errors."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+from fp8jax import distributed
+
+CFG = fp8jax.Fp8Config(selective=False)
+STEPS = 3
+# Tolerances against the single-device run (float32 weights; the sharded run sums
+# partial GEMMs and gradients in another order, and a rare FP8 rounding may flip).
+LOSS_RTOL = 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-3, 1e-6
+STATE_RTOL = 1e-5
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8, reason="needs 8 devices (conftest's XLA_FLAGS)"
+)
+
+
+class MLP(eqx.Module):
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+
+    def __init__(self, key, dim=64, hidden=256):
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(dim, hidden, key=k1)
+        self.l2 = eqx.nn.Linear(hidden, dim, key=k2)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+OPT = optax.adam(1e-2)
+
+
+@eqx.filter_jit
+def step(model, opt_state, x, y):
+    loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    model, opt_state = fp8jax.optax_step(OPT, model, grads, opt_state)
+    return model, opt_state, loss, fp8jax.trainable(grads)
+
+
+def _model():
+    return fp8jax.fp8_linear_layers(MLP(jax.random.PRNGKey(0)), CFG)
+
+
+def _data():
+    x = jax.random.normal(jax.random.PRNGKey(1), (128, 64)) * 3.0
+    y = jax.random.normal(jax.random.PRNGKey(2), (128, 64))
+    return x, y
+
+
+def _train(model, x, y):
+    opt_state = OPT.init(fp8jax.trainable(model))
+    losses, grads = [], []
+    for _ in range(STEPS):
+        model, opt_state, loss, g = step(model, opt_state, x, y)
+        losses.append(float(loss))
+        grads.append(g)
+    return model, losses, grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train(_model(), *_data())
+
+
+def _mesh(data, fsdp, tensor):
+    return Mesh(
+        np.array(jax.devices()[:8]).reshape(data, fsdp, tensor), ("data", "fsdp", "tensor")
+    )
+
+
+def _state(model):
+    return [np.asarray(a) for _, s in fp8jax.fp8_state(model) for a in s.state()]
+
+
+SETUPS = {
+    "dp": ((8, 1, 1), {"fsdp_axis": None}),
+    "fsdp": ((1, 8, 1), {}),
+    "tp": (
+        (1, 1, 8),
+        {
+            "fsdp_axis": None,
+            "tensor_axis": "tensor",
+            "column_parallel": ["l1"],
+            "row_parallel": ["l2"],
+        },
+    ),
+    "2d": ((2, 4, 1), {}),
+    "fsdp+tp": (
+        (1, 2, 4),
+        {"tensor_axis": "tensor", "column_parallel": ["l1"], "row_parallel": ["l2"]},
+    ),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_sharded_training_matches_single_device(reference, setup):
+    shape, kwargs = SETUPS[setup]
+    mesh = _mesh(*shape)
+    model = fp8jax.shard_model(_model(), mesh, **kwargs)
+    batch = NamedSharding(mesh, P(("data", "fsdp"), None))
+    x, y = (jax.device_put(a, batch) for a in _data())
+    model, losses, grads = _train(model, x, y)
+    ref_model, ref_losses, ref_grads = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    for g, rg in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
+    ):
+        np.testing.assert_allclose(g, rg, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    for a, b in zip(_state(model), _state(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
+    # the replicated FP8 state is the same bytes on every device
+    assert distributed.fp8_state_replicated(model)
+    for _, s in fp8jax.fp8_state(model):
+        assert all(leaf.sharding.is_fully_replicated for leaf in s.state())
+    assert (
+        model.l1.weight.sharding.spec
+        == fp8jax.shard_model(_model(), mesh, **kwargs).l1.weight.sharding.spec
+    )
+
+
+def test_user_placed_weights_zero_configuration(reference):
+    """Weights placed by hand (no helper): GSPMD alone gives the single-device result;
+    `record_fsdp` then makes the same program gather FP8 weights."""
+    mesh = _mesh(1, 8, 1)
+    model = _model()
+    model = eqx.tree_at(
+        lambda m: (m.l1.weight, m.l2.weight),
+        model,
+        (
+            jax.device_put(model.l1.weight, NamedSharding(mesh, P("fsdp", None))),
+            jax.device_put(model.l2.weight, NamedSharding(mesh, P(None, "fsdp"))),
+        ),
+    )
+    batch = NamedSharding(mesh, P("fsdp", None))
+    x, y = (jax.device_put(a, batch) for a in _data())
+    _, losses, _ = _train(model, x, y)
+    np.testing.assert_allclose(losses, reference[1], rtol=LOSS_RTOL)
+    recorded = distributed.record_fsdp(model)
+    assert recorded.l2.dot_general.weight_sharding.spec == (None, "fsdp")
+    _, losses, _ = _train(recorded, x, y)
+    np.testing.assert_allclose(losses, reference[1], rtol=LOSS_RTOL)
+
+
+def _collectives(model, mesh, batch_spec=P(("data", "fsdp"), None)):
+    batch = NamedSharding(mesh, batch_spec)
+    x, y = (jax.device_put(a, batch) for a in _data())
+    lowered = step.lower(model, OPT.init(fp8jax.trainable(model)), x, y)
+    return distributed.hlo_collectives(lowered)
+
+
+def test_fsdp_all_gathers_weights_in_fp8():
+    mesh = _mesh(1, 8, 1)
+    cs = _collectives(fp8jax.shard_model(_model(), mesh), mesh)
+    gathers = [c for c in cs if c.kind == "all-gather"]
+    assert gathers and all(c.dtype == "f8e4m3fn" for c in gathers), gathers
+    fwd = [c for c in gathers if "transpose(" not in c.op_name]
+    bwd = [c for c in gathers if "transpose(" in c.op_name]
+    # forward: one per layer, the whole weight; backward: one for l2's dgrad (l1's
+    # dgrad, the input's gradient, is dead code)
+    assert sorted(c.shape for c in fwd) == ["[1,256,64]", "[1,64,256]"]
+    assert [c.shape for c in bwd] == ["[1,256,64]"]
+    _amaxes_are_scalar_all_reduces(cs)
+    # the weight gradients are reduced in float32 (the weights' dtype), not FP8
+    grads = [
+        c for c in cs if c.kind in ("all-reduce", "reduce-scatter") and "dot_general" in c.op_name
+    ]
+    assert grads and all(c.dtype == "f32" for c in grads)
+
+
+def _amaxes_are_scalar_all_reduces(cs, count=6):
+    """``count``: the amaxes of sharded tensors (an amax of a replicated one is local)."""
+    amax = [c for c in cs if "reduce_max" in c.op_name]
+    assert len(amax) == count, amax
+    assert all(c.kind == "all-reduce" and c.shape == "[]" and c.dtype == "f32" for c in amax)
+
+
+# DP: the input and output-gradient amaxes of both layers (the weights are replicated);
+# TP: both weights, l2's input (sharded along K), l1's output gradient (sharded along N)
+@pytest.mark.parametrize("setup, amaxes", [("dp", 4), ("tp", 4)])
+def test_no_weight_gather_without_fsdp(setup, amaxes):
+    shape, kwargs = SETUPS[setup]
+    mesh = _mesh(*shape)
+    cs = _collectives(fp8jax.shard_model(_model(), mesh, **kwargs), mesh)
+    assert fp8jax.shard_model(_model(), mesh, **kwargs).l1.dot_general.weight_sharding.gather == ()
+    assert not [c for c in cs if c.kind == "all-gather" and c.dtype not in ("f8e4m3fn", "f8e5m2")]
+    _amaxes_are_scalar_all_reduces(cs, amaxes)
+
+
+def test_single_device_path_has_no_constraint():
+    model = _model()
+    assert model.l1.dot_general.weight_sharding is None
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    sharded = fp8jax.shard_model(model, mesh)
+    assert not _collectives(sharded, mesh)
+    ws = sharded.l1.dot_general.weight_sharding
+    assert fp8jax.ops.dot.w3_shardings(ws, (), (0,), (1,), False) is None
+
+
+# --- errors --------------------------------------------------------------------------------------
+def test_axis_not_dividing_dim_names_layer_dim_and_axis():
+    mesh = Mesh(np.array(jax.devices()[:6]).reshape(1, 6, 1), ("data", "fsdp", "tensor"))
+    with pytest.raises(ValueError, match=r"'l1'.*out_features=256.*'fsdp' of size 6"):
+        fp8jax.shard_model(_model(), mesh)
+    mesh = Mesh(np.array(jax.devices()[:6]).reshape(1, 1, 6), ("data", "fsdp", "tensor"))
+    with pytest.raises(ValueError, match=r"'l2'.*in_features=256.*'tensor' of size 6"):
+        fp8jax.shard_model(
+            _model(), mesh, fsdp_axis=None, tensor_axis="tensor", row_parallel=["l2"]
+        )
+
+
+def test_shard_model_bad_arguments():
+    mesh = _mesh(1, 8, 1)
+    with pytest.raises(ValueError, match="need a tensor_axis"):
+        fp8jax.shard_model(_model(), mesh, column_parallel=["l1"])
+    with pytest.raises(ValueError, match=r"pattern 'l3' matches no linear layer.*l1, l2"):
+        fp8jax.shard_model(_model(), mesh, tensor_axis="tensor", column_parallel=["l3"])
+    with pytest.raises(ValueError, match="no axis 'model'"):
+        fp8jax.shard_model(_model(), mesh, fsdp_axis="model")
+    with pytest.raises(ValueError, match="both column- and row-parallel"):
+        fp8jax.shard_model(
+            _model(), mesh, tensor_axis="tensor", column_parallel=["l*"], row_parallel=["l2"]
+        )
+    with pytest.raises(TypeError, match="Mesh"):
+        fp8jax.shard_model(_model(), "fsdp=8")
