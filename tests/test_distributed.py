@@ -18,9 +18,10 @@ CFG = fp8jax.Fp8Config(selective=False)
 STEPS = 3
 # Tolerances against the single-device run (float32 weights; the sharded run sums
 # partial GEMMs and gradients in another order, and a rare FP8 rounding may flip).
-LOSS_RTOL = 1e-5
-GRAD_RTOL, GRAD_ATOL = 1e-3, 1e-6
-STATE_RTOL = 1e-5
+# Measured on CPU: losses 2.3e-7 relative, gradients 1.3e-7 of their max, FP8 state equal.
+LOSS_RTOL = 1e-6
+GRAD_OF_MAX = 1e-5  # max |sharded - single| / max |single|, per gradient array
+STATE_RTOL = 1e-6
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 8, reason="needs 8 devices (conftest's XLA_FLAGS)"
@@ -118,7 +119,7 @@ def test_sharded_training_matches_single_device(reference, setup):
     for g, rg in zip(
         jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
     ):
-        np.testing.assert_allclose(g, rg, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
     for a, b in zip(_state(model), _state(ref_model), strict=True):
         np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
     # the replicated FP8 state is the same bytes on every device
@@ -233,5 +234,9 @@ def test_shard_model_bad_arguments():
         fp8jax.shard_model(
             _model(), mesh, tensor_axis="tensor", column_parallel=["l*"], row_parallel=["l2"]
         )
+    explicit = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    with pytest.raises(ValueError, match="mesh axes must be Auto"):
+        fp8jax.shard_model(_model(), explicit)
     with pytest.raises(TypeError, match="Mesh"):
         fp8jax.shard_model(_model(), "fsdp=8")

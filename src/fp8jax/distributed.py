@@ -36,6 +36,18 @@ def _axis_size(mesh: Mesh, axis: str | None) -> int:
     return mesh.shape[axis]
 
 
+def _check_auto(mesh: Mesh, fn: str) -> None:
+    """GSPMD (Auto) axes only: explicit-sharding meshes (`jax.make_mesh`'s default) need
+    other constraints (`jax.sharding.reshard`), not written yet."""
+    types = getattr(mesh, "axis_types", ())
+    if any("Auto" not in str(t) for t in types):
+        raise ValueError(
+            f"{fn}: mesh axes must be Auto (GSPMD), got {tuple(map(str, types))}; build the "
+            "mesh with jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) "
+            "* len(names)) or jax.sharding.Mesh(devices, names)."
+        )
+
+
 def _matches(path: str, patterns: Sequence[str]) -> bool:
     return any(path == p or fnmatch.fnmatchcase(path, p) for p in patterns)
 
@@ -92,6 +104,7 @@ def shard_model(
         raise TypeError(
             f"shard_model: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
         )
+    _check_auto(mesh, "shard_model")
     _axis_size(mesh, fsdp_axis)
     if (column_parallel or row_parallel) and tensor_axis is None:
         raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
@@ -147,6 +160,7 @@ def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
         sharding = getattr(layer.weight, "sharding", None)
         if not isinstance(sharding, NamedSharding):
             return layer
+        _check_auto(sharding.mesh, "record_fsdp")
         spec = tuple(sharding.spec) + (None,) * (layer.weight.ndim - len(sharding.spec))
         op = object.__new__(type(layer.dot_general))  # a copy with the static field set
         for name, value in vars(layer.dot_general).items():
