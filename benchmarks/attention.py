@@ -35,27 +35,38 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
-from benchmarks import linear
+from benchmarks import common
 from fp8jax.nn import DotProductAttention, MultiHeadAttention
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
-VARIANTS = {"attention": ("cudnn-bf16", "fp8jax-fp8_dpa"),
-            "mha": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8jax-fp8_mha")}
+VARIANTS = {
+    "attention": ("cudnn-bf16", "fp8jax-fp8_dpa"),
+    "mha": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8jax-fp8_mha"),
+}
 MODE = {"cudnn-bf16": "bf16", "fp8jax-fp8_dpa": "fp8_dpa", "fp8jax-fp8_mha": "fp8_mha"}
 DIRECTIONS = ("fwd", "fwd+bwd")
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
 DEFAULT_SEQS = (2048, 4096, 8192, 16384, 32768)
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention.jsonl"
+DEFAULT_OUT = common.results_path("attention")
 COMMAND_PREFIX = "python -m benchmarks.attention"
-RECORD_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops",
-                 "speedup_vs_bf16", "fp8_gemms", "saved_act_mb", "peak_mem_mb")
+RECORD_FIELDS = (
+    *common.META_FIELDS,
+    "ms",
+    "tflops",
+    "speedup_vs_bf16",
+    "fp8_gemms",
+    "saved_act_mb",
+    "peak_mem_mb",
+)
 
 
 def case_params(seq: int, quick: bool) -> dict:
     if quick:
         return dict(seq=seq, batch=2, heads=4, kv_heads=2, head_dim=32)
-    return dict(seq=seq, batch=max(1, TOKENS // seq), heads=HEADS, kv_heads=HEADS, head_dim=HEAD_DIM)
+    return dict(
+        seq=seq, batch=max(1, TOKENS // seq), heads=HEADS, kv_heads=HEADS, head_dim=HEAD_DIM
+    )
 
 
 def flops(p: dict, level: str, direction: str) -> float:
@@ -64,7 +75,13 @@ def flops(p: dict, level: str, direction: str) -> float:
     if level == "mha":
         dim = n * d
         fwd += 2 * b * s * dim * ((n + 2 * k) * d + dim)
-    return fwd * (3.5 if direction == "fwd+bwd" and level == "attention" else 3.0 if direction == "fwd+bwd" else 1.0)
+    return fwd * (
+        3.5
+        if direction == "fwd+bwd" and level == "attention"
+        else 3.0
+        if direction == "fwd+bwd"
+        else 1.0
+    )
 
 
 def build(level: str, variant: str, p: dict, key, backend: str):
@@ -73,33 +90,40 @@ def build(level: str, variant: str, p: dict, key, backend: str):
     if level == "attention":
         module = DotProductAttention(mode, is_causal=True, backend=backend)
         shapes = [(p["batch"], p["seq"], p["heads"], p["head_dim"])] + [
-            (p["batch"], p["seq"], p["kv_heads"], p["head_dim"])] * 2
+            (p["batch"], p["seq"], p["kv_heads"], p["head_dim"])
+        ] * 2
         return module, shapes
     dim = p["heads"] * p["head_dim"]
-    module = MultiHeadAttention(dim, p["heads"], num_kv_heads=p["kv_heads"], mode=mode, backend=backend,
-                                config=fp8jax.Fp8Config(selective=False), dtype=BF16, key=key)
+    module = MultiHeadAttention(
+        dim,
+        p["heads"],
+        num_kv_heads=p["kv_heads"],
+        mode=mode,
+        backend=backend,
+        config=fp8jax.Fp8Config(selective=False),
+        dtype=BF16,
+        key=key,
+    )
     return module, [(p["batch"], p["seq"], dim)]
 
 
-def make_step(module, direction: str, inputs, g) -> linear.Step:
-    """A `benchmarks.linear.Step` of ``direction``: the forward output, or the loss and
+def make_step(module, direction: str, inputs, g) -> common.Step:
+    """A `benchmarks.common.Step` of ``direction``: the forward output, or the loss and
     its gradients. FP8 variants are calibrated by one train step first (delayed scales
     of dO, dP, dQ, dK, dV come from the first backward)."""
-    params, static = eqx.partition(module, eqx.is_array)
-
-    def loss(params, inputs, g):
-        return linear.projection_loss(eqx.combine(params, static)(*inputs), g)
-
-    train = linear.Step(jax.value_and_grad(loss, argnums=(0, 1)), params)
+    train = common.train_step(module, lambda m, inputs: m(*inputs))
     is_state = lambda x: isinstance(x, fp8jax.OverwriteWithGradient)  # noqa: E731
     if any(is_state(x) for x in jax.tree_util.tree_leaves(module, is_leaf=is_state)):
-        train = linear.calibrate(train, module, inputs, g)
+        train = common.calibrate(train, module, inputs, g)
     if direction == "fwd+bwd":
         return train
-    return linear.Step(lambda params, inputs, g: eqx.combine(params, static)(*inputs), train.params)
+    static = eqx.partition(module, eqx.is_array)[1]
+    return common.Step(lambda params, inputs, g: eqx.combine(params, static)(*inputs), train.params)
 
 
-def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, backend: str) -> list[dict]:
+def run_case(
+    seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, backend: str
+) -> list[dict]:
     p = case_params(seq, quick)
     rows = []
     key = jax.random.PRNGKey(seq)
@@ -110,26 +134,31 @@ def run_case(seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, b
                 try:
                     module, shapes = build(level, variant, p, key, backend)
                     keys = jax.random.split(jax.random.PRNGKey(seq + 1), 3 * len(shapes) + 1)
-                    input_sets = [[jax.random.normal(keys[3 * j + i], s, BF16) for j, s in enumerate(shapes)]
-                                  for i in range(3)]
+                    input_sets = [
+                        [jax.random.normal(keys[3 * j + i], s, BF16) for j, s in enumerate(shapes)]
+                        for i in range(3)
+                    ]
                     g = jax.random.normal(keys[-1], shapes[0], BF16)
                     step = make_step(module, direction, input_sets[0], g)
-                    row["ms"] = linear.time_step(step, input_sets, g, iters, reps, warmup=1)
+                    row["ms"] = common.time_step(step, input_sets, g, iters, reps, warmup=1)
                     hlo = step.hlo_text(input_sets[0], g)
-                    on_gpu = jax.devices()[0].platform == "gpu"
-                    row["fp8_gemms"] = "fmhaSoftmaxF8" in hlo or ("fp8" in variant and not on_gpu)
+                    row["fp8_gemms"] = "fmhaSoftmaxF8" in hlo or (
+                        "fp8" in variant and not common.on_gpu()
+                    )
                     row["fp8_attention_kernel"] = "fmhaSoftmaxF8" in hlo
-                    row["peak_mem_mb"] = linear.peak_mem_mb(step, input_sets[0], g)
-                    row["saved_act_mb"] = fp8jax.saved_activation_bytes(module, *input_sets[0], dim=seq) / 2**20
+                    row["peak_mem_mb"] = common.peak_mem_mb(step, input_sets[0], g)
+                    row["saved_act_mb"] = (
+                        fp8jax.saved_activation_bytes(module, *input_sets[0], dim=seq) / 2**20
+                    )
                 except Exception as e:  # report and go on
-                    row.update(ms=None, error=f"{type(e).__name__}: {e}"[:400])
+                    row.update(ms=None, error=common.error_text(e, 400))
                 rows.append(row)
-    for r in rows:
-        base = next((b for b in rows if b["variant"] == "cudnn-bf16" and b["params"] == r["params"]), None)
-        ok = r.get("ms") is not None
-        r["tflops"] = flops(r["params"], r["params"]["level"], r["params"]["direction"]) / (r["ms"] * 1e-3) / 1e12 \
-            if ok else None
-        r["speedup_vs_bf16"] = base["ms"] / r["ms"] if ok and base and base.get("ms") else None
+    common.add_ratios(
+        rows,
+        lambda r: flops(r["params"], r["params"]["level"], r["params"]["direction"]),
+        {"speedup_vs_bf16": "cudnn-bf16"},
+        case=lambda r: repr(r["params"]),
+    )
     return rows
 
 
@@ -138,20 +167,35 @@ def markdown_table(rows) -> str:
         p = r["params"]
         return f"{p['level']} | {p['seq']} x {p['batch']} | {p['direction']}"
 
-    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: linear._fmt(r["tflops"], ".0f")),
-               ("vs bf16", lambda r: linear._fmt(r["speedup_vs_bf16"], ".2f", "x")),
-               ("FP8 attention", lambda r: "yes" if r["fp8_attention_kernel"] else "no"),
-               ("saved act MiB", lambda r: f"{r['saved_act_mb']:.0f}"),
-               ("peak MiB", lambda r: linear._fmt(r["peak_mem_mb"], ".0f"))]
-    return "\n".join(linear.markdown_rows(rows, "level | seq x batch | direction", case, columns, error_chars=100))
+    columns = [
+        ("ms", lambda r: f"{r['ms']:.3f}"),
+        ("TFLOP/s", lambda r: common.fmt(r["tflops"], ".0f")),
+        ("vs bf16", lambda r: common.fmt(r["speedup_vs_bf16"], ".2f", "x")),
+        ("FP8 attention", lambda r: "yes" if r["fp8_attention_kernel"] else "no"),
+        ("saved act MiB", lambda r: f"{r['saved_act_mb']:.0f}"),
+        ("peak MiB", lambda r: common.fmt(r["peak_mem_mb"], ".0f")),
+    ]
+    return "\n".join(
+        common.markdown_rows(
+            rows, "level | seq x batch | direction", case, columns, error_chars=100
+        )
+    )
 
 
 def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny CPU-sized cases (reference backend); no records")
-    ap.add_argument("--seqs", type=lambda s: [int(v) for v in s.split(",")], help="comma-separated sequence lengths")
-    ap.add_argument("--levels", type=lambda s: [v for v in s.split(",") if v], default=["attention", "mha"])
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny CPU-sized cases (reference backend); no records"
+    )
+    ap.add_argument(
+        "--seqs",
+        type=lambda s: [int(v) for v in s.split(",")],
+        help="comma-separated sequence lengths",
+    )
+    ap.add_argument(
+        "--levels", type=lambda s: [v for v in s.split(",") if v], default=["attention", "mha"]
+    )
     ap.add_argument("--iters", type=int)
     ap.add_argument("--reps", type=int)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -162,9 +206,16 @@ def main(argv=None) -> list[dict]:
     seqs = args.seqs or ([128] if args.quick else list(DEFAULT_SEQS))
     iters, reps = args.iters or (2 if args.quick else 10), args.reps or (2 if args.quick else 5)
     backend = "reference" if args.quick else "auto"
-    meta = linear.run_meta(argv, bench="attention", prefix=COMMAND_PREFIX)
-    return linear.run_cases(seqs, lambda seq: run_case(seq, args.levels, iters, reps, meta, args.quick, backend),
-                            markdown_table, args.out, RECORD_FIELDS, record=not args.quick)
+    meta = common.run_meta(argv, bench="attention", prefix=COMMAND_PREFIX)
+    return common.run_cases(
+        seqs,
+        lambda seq: run_case(seq, args.levels, iters, reps, meta, args.quick, backend),
+        markdown_table,
+        args.out,
+        RECORD_FIELDS,
+        record=not args.quick,
+    )
+
 
 if __name__ == "__main__":
     main()

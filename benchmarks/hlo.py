@@ -20,10 +20,15 @@ from benchmarks import linear
 from fp8jax.inspect import parse_gemms
 
 
+def _entry(hlo_text: str) -> str:
+    """The entry computation of an HLO module's text (all of it if it has none)."""
+    entry = hlo_text[hlo_text.index("ENTRY") :] if "ENTRY" in hlo_text else hlo_text
+    return entry.split("\n}\n")[0]
+
+
 def kernel_summary(hlo_text: str) -> collections.Counter:
     """Count the top-level ops of the entry computation that launch work."""
-    entry = hlo_text[hlo_text.index("ENTRY"):] if "ENTRY" in hlo_text else hlo_text
-    entry = entry.split("\n}\n")[0]
+    entry = _entry(hlo_text)
     counts = collections.Counter()
     for line in entry.splitlines():
         m = re.search(r"=\s*[^=]*?\s([a-z\-]+)\(", line)
@@ -48,14 +53,22 @@ def big_writes(hlo_text: str, min_elements: int) -> list[tuple[str, str, list[st
     """``(name, op, ["dtype[elements]", ...])`` for each top-level instruction of the
     entry computation that writes an array of at least ``min_elements`` elements:
     the memory passes over activation-sized data, and the dtype each one writes."""
-    entry = hlo_text[hlo_text.index("ENTRY"):] if "ENTRY" in hlo_text else hlo_text
-    entry = entry.split("\n}\n")[0]
+    entry = _entry(hlo_text)
     out = []
     for line in entry.splitlines()[1:]:
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\(", line)
-        if not m or m.group(3) in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant"):
+        if not m or m.group(3) in (
+            "parameter",
+            "get-tuple-element",
+            "bitcast",
+            "tuple",
+            "constant",
+        ):
             continue
-        sizes = [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(m.group(2))]
+        sizes = [
+            (dtype, math.prod(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(m.group(2))
+        ]
         big = [f"{dtype}[{n}]" for dtype, n in sizes if n >= min_elements]
         if big:
             target = re.search(r'custom_call_target="([^"]+)"', line)
@@ -64,7 +77,9 @@ def big_writes(hlo_text: str, min_elements: int) -> list[tuple[str, str, list[st
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", type=linear.parse_shape, default=(16384, 4096, 14336))
     parser.add_argument("--variant", default="fp8jax-delayed", choices=linear.VARIANTS)
     parser.add_argument("--out", default=None, help="write the compiled HLO text here")
@@ -77,7 +92,8 @@ def main(argv=None):
             f.write(text)
     print(fp8jax.GemmReport(parse_gemms(text), jax.devices()[0].device_kind))
     counts = kernel_summary(text)
-    print(f"{sum(counts.values())} launches in the entry computation ({jax.devices()[0].device_kind}):")
+    device = jax.devices()[0].device_kind
+    print(f"{sum(counts.values())} launches in the entry computation ({device}):")
     for op, n in counts.most_common():
         print(f"  {n:3d}  {op}")
     return counts

@@ -28,30 +28,47 @@ one JSON line per (shape, variant), in the format of ``BENCHMARKS.md``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
-import json
-import math
-import shlex
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 import fp8jax
-from fp8jax.inspect import parse_gemms
+from benchmarks.common import (
+    META_FIELDS,
+    Step,
+    add_ratios,
+    append_records,
+    calibrate,
+    error_text,
+    fmt,
+    gemm_check,
+    markdown_rows,
+    on_gpu,
+    peak_mem_mb,
+    projection_loss,
+    results_path,
+    run_meta,
+    time_step,
+    train_step,
+)
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FLAX_AMAX_HISTORY = 1024  # as in the anchors (flax's default)
 
-VARIANTS = ("bf16", "fp8jax-delayed", "fp8jax-current", "fp8jax-selective", "flax-direct", "haliax-qdq")
+VARIANTS = (
+    "bf16",
+    "fp8jax-delayed",
+    "fp8jax-current",
+    "fp8jax-selective",
+    "flax-direct",
+    "haliax-qdq",
+)
 CROSSOVER_VARIANTS = ("bf16", "fp8jax-delayed")
 
 # Shapes are (M, K, N).
@@ -64,9 +81,17 @@ QUICK_SHAPES = [(64, 32, 48), (128, 64, 64)]
 CROSSOVER_M = (2048, 4096, 8192)
 CROSSOVER_KN = (1024, 2048, 4096)
 
-RECORD_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops",
-                 "speedup_vs_bf16", "speedup_vs_flax", "fp8_gemms", "peak_mem_mb")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "linear.jsonl"
+RECORD_FIELDS = (
+    *META_FIELDS,
+    "ms",
+    "tflops",
+    "speedup_vs_bf16",
+    "speedup_vs_flax",
+    "fp8_gemms",
+    "peak_mem_mb",
+)
+ROUNDING = dict(ms=4, tflops=1, speedup_vs_bf16=3, speedup_vs_flax=3, peak_mem_mb=1)
+DEFAULT_OUT = results_path("linear")
 COMMAND_PREFIX = "python -m benchmarks.linear"
 
 
@@ -103,7 +128,9 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     try:
         m, k, n = (int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must be M,K,N (three integers), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"shape must be M,K,N (three integers), got {text!r}"
+        ) from None
     if min(m, k, n) < 1:
         raise argparse.ArgumentTypeError(f"shape dims must be positive, got {text!r}")
     return m, k, n
@@ -114,38 +141,6 @@ class MissingDependency(RuntimeError):
     """A variant's optional dependency is not installed: the variant is skipped."""
 
 
-@dataclasses.dataclass
-class Step:
-    """A train step ready to time: ``fn(params, x, g)`` returns ``(loss, (grad wrt
-    params, grad wrt x))``. ``jitted`` runs it from one executable, compiled on the
-    first call and kept in ``compiled`` (so the GEMM report and the memory analysis
-    read the very program that is timed, and nothing compiles twice).
-
-    The loss is returned so that the forward GEMM is part of the program: the loss is
-    linear in ``y``, so with gradients alone XLA removes the forward GEMM as dead code.
-    """
-
-    fn: Callable
-    params: Any
-    note: str = ""
-    compiled: Any = dataclasses.field(init=False, default=None)
-
-    def jitted(self, params, x, g):
-        if self.compiled is None:
-            self.compiled = jax.jit(self.fn).lower(params, x, g).compile()
-        return self.compiled(params, x, g)
-
-    def hlo_text(self, x, g) -> str:
-        if self.compiled is None:
-            self.jitted(self.params, x, g)
-        return self.compiled.as_text()
-
-
-def projection_loss(y, g):
-    """``sum(y * G)`` in float32: its gradient w.r.t. ``y`` is ``G``."""
-    return jnp.sum(y.astype(F32) * g.astype(F32))
-
-
 def _apply(model, x):
     """Run a linear layer on ``x: [M, K]`` (``eqx.nn.Linear`` takes one vector)."""
     if isinstance(model, eqx.nn.Linear):
@@ -153,19 +148,9 @@ def _apply(model, x):
     return model(x)
 
 
-def _eqx_grad_fn(static):
-    """Loss and gradient w.r.t. (array part of the model, x) of the projection loss."""
-
-    def loss(params, x, g):
-        return projection_loss(_apply(eqx.combine(params, static), x), g)
-
-    return jax.value_and_grad(loss, argnums=(0, 1))
-
-
 def build_bf16(layer: eqx.nn.Linear, x, g) -> Step:
     """Plain bf16 ``eqx.nn.Linear``."""
-    params, static = eqx.partition(layer, eqx.is_array)
-    return Step(_eqx_grad_fn(static), params)
+    return train_step(layer, _apply)
 
 
 def fp8jax_builder(config: fp8jax.Fp8Config) -> Callable[..., Step]:
@@ -177,19 +162,9 @@ def fp8jax_builder(config: fp8jax.Fp8Config) -> Callable[..., Step]:
         note = ""
         if not report.converted:
             note = "layer skipped by policy, runs bf16: " + "; ".join(report.skipped.values())
-        params, static = eqx.partition(model, eqx.is_array)
-        return calibrate(Step(_eqx_grad_fn(static), params, note), model, x, g)
+        return calibrate(train_step(model, _apply, note), model, x, g)
 
     return build
-
-
-def calibrate(step: Step, model, x, g) -> Step:
-    """Run ``step`` once and write the FP8 state it returns into ``step.params`` (so the
-    timed steps use calibrated delayed scales)."""
-    _, (param_grads, _) = jax.block_until_ready(step.jitted(step.params, x, g))
-    overwrites, _ = fp8jax.partition_for_grad_overwrite(param_grads)
-    step.params, _ = eqx.partition(fp8jax.apply_updates(model, None, overwrites), eqx.is_array)
-    return step
 
 
 def _flax_fp8_ops():
@@ -227,9 +202,18 @@ def build_flax_direct(layer, x, g) -> Step:
     def loss(params, x, g):
         w, st = params
         y = fp8_ops.fp8_scaled_dot_general(
-            x, w, _KN_DN, lhs_scale=st["ls"], rhs_scale=st["rs"], grad_scale=st["gs"],
-            lhs_amax_history=st["lh"], rhs_amax_history=st["rh"], grad_amax_history=st["gh"],
-            quantize_compute_type=BF16, preferred_element_type=BF16)
+            x,
+            w,
+            _KN_DN,
+            lhs_scale=st["ls"],
+            rhs_scale=st["rs"],
+            grad_scale=st["gs"],
+            lhs_amax_history=st["lh"],
+            rhs_amax_history=st["rh"],
+            grad_amax_history=st["gh"],
+            quantize_compute_type=BF16,
+            preferred_element_type=BF16,
+        )
         return projection_loss(y, g)
 
     return _flax_step(loss, layer, x, g)
@@ -257,8 +241,12 @@ BUILDERS: dict[str, Callable[..., Step]] = {
     "fp8jax-selective": fp8jax_builder(fp8jax.Fp8Config()),
     # Not recorded variants (for `benchmarks.linear_tuning --variant`): fast FP8
     # accumulation in all three GEMMs; the one-pass Pallas cast-transpose kernel.
-    "fp8jax-delayed-fastacc": fp8jax_builder(fp8jax.Fp8Config(scaling="delayed", selective=False, fast_accumulation="all")),
-    "fp8jax-delayed-castkernel": fp8jax_builder(fp8jax.Fp8Config(scaling="delayed", selective=False, cast_kernel=True)),
+    "fp8jax-delayed-fastacc": fp8jax_builder(
+        fp8jax.Fp8Config(scaling="delayed", selective=False, fast_accumulation="all")
+    ),
+    "fp8jax-delayed-castkernel": fp8jax_builder(
+        fp8jax.Fp8Config(scaling="delayed", selective=False, cast_kernel=True)
+    ),
     "flax-direct": build_flax_direct,
     "haliax-qdq": build_haliax_qdq,
 }
@@ -275,78 +263,19 @@ def make_inputs(shape, seed: int = 0, n_inputs: int = 3):
     return layer, jax.block_until_ready(xs), jax.block_until_ready(g)
 
 
-def time_step(step: Step, xs, g, iters: int, reps: int, warmup: int = 2) -> float:
-    """Median over ``reps`` of the mean time (ms) of ``iters`` back-to-back calls,
-    rotating among the inputs ``xs`` (so no operand stays in L2)."""
-    out = None
-    for i in range(warmup):
-        out = None
-        out = step.jitted(step.params, xs[i % len(xs)], g)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            # Drop the previous outputs first: XLA can then reuse their memory for this
-            # call (a step whose gradients are as big as its weights, e.g. 64 experts,
-            # otherwise holds two sets of gradients at once).
-            out = None
-            out = step.jitted(step.params, xs[i % len(xs)], g)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times) * 1e3
-
-
-def time_call(fn: Callable, args, iters: int, reps: int) -> float:
-    """Median over ``reps`` of the mean time (ms) of ``iters`` back-to-back ``fn(*args)``
-    after one warm-up call (for kernels and GEMMs alone; steps use `time_step`)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times) * 1e3
-
-
-def gemm_check(step: Step, x, g) -> tuple[int, int]:
-    """(FP8 GEMMs, all GEMMs) in the compiled step (`fp8jax.inspect.parse_gemms`)."""
-    gemms = parse_gemms(step.hlo_text(x, g))
-    return sum(gm.is_fp8 for gm in gemms), len(gemms)
-
-
-def peak_mem_mb(step: Step, x, g) -> float | None:
-    """Arguments + outputs + temporaries of the compiled step, in MiB (None if the
-    backend gives no memory analysis), from the executable that was timed."""
-    try:
-        step.hlo_text(x, g)
-        stats = step.compiled.memory_analysis()
-        total = stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
-    except Exception:  # not every backend implements it
-        return None
-    return total / 2**20
-
-
 def measure_variant(name: str, layer, xs, g, iters: int, reps: int) -> dict:
     """Build, calibrate and time one variant; the measured fields of its row."""
     step = BUILDERS[name](layer, xs[0], g)
     ms = time_step(step, xs, g, iters, reps, warmup=1 if iters <= 2 else 2)
     n_fp8, n_gemms = gemm_check(step, xs[0], g)
-    return dict(ms=ms, fp8_gemms=n_fp8 >= 3, fp8_gemm_count=n_fp8, gemm_count=n_gemms,
-                peak_mem_mb=peak_mem_mb(step, xs[0], g), note=step.note)
-
-
-def add_ratios(rows: list[dict], flops: float) -> None:
-    """TFLOP/s and speedups vs bf16 and flax-direct (from the same run), in place."""
-    ref = {r["variant"]: r.get("ms") for r in rows}
-    for r in rows:
-        ms = r.get("ms")
-        ok = ms is not None and math.isfinite(ms) and ms > 0
-        r["tflops"] = flops / (ms * 1e-3) / 1e12 if ok else None
-        for key, base in (("speedup_vs_bf16", "bf16"), ("speedup_vs_flax", "flax-direct")):
-            r[key] = ref[base] / ms if ok and ref.get(base) else None
+    return dict(
+        ms=ms,
+        fp8_gemms=n_fp8 >= 3,
+        fp8_gemm_count=n_fp8,
+        gemm_count=n_gemms,
+        peak_mem_mb=peak_mem_mb(step, xs[0], g),
+        note=step.note,
+    )
 
 
 def run_shape(shape, variants, iters: int, reps: int, meta: dict, seed: int = 0) -> list[dict]:
@@ -355,25 +284,29 @@ def run_shape(shape, variants, iters: int, reps: int, meta: dict, seed: int = 0)
     layer, xs, g = make_inputs(shape, seed)
     rows = []
     for name in variants:
-        row = dict(meta, params=dict(M=m, K=k, N=n), variant=name, ms=None, fp8_gemms=None,
-                   peak_mem_mb=None, note="", error=None)
+        row = dict(
+            meta,
+            params=dict(M=m, K=k, N=n),
+            variant=name,
+            ms=None,
+            fp8_gemms=None,
+            peak_mem_mb=None,
+            note="",
+            error=None,
+        )
         try:
             row.update(measure_variant(name, layer, xs, g, iters, reps))
         except MissingDependency as e:
             row["error"] = str(e)
         except Exception as e:  # keep measuring the other variants
             traceback.print_exc(limit=4, file=sys.stderr)
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            row["error"] = error_text(e, 200, first_line=True)
         rows.append(row)
-    add_ratios(rows, 6.0 * m * k * n)
+    add_ratios(rows, 6.0 * m * k * n, {"speedup_vs_bf16": "bf16", "speedup_vs_flax": "flax-direct"})
     return rows
 
 
 # ----------------------------------------------------------------------------- output
-def _fmt(value, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
-
-
 def _fp8_cell(row) -> str:
     if row.get("fp8_gemms") is None:
         return "-"
@@ -387,35 +320,26 @@ def _shape_str(row) -> str:
 
 def format_shape_table(rows: list[dict]) -> str:
     """Human table of one shape's results."""
-    head = f"{'variant':<18} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8} {'vs flax':>8} {'fp8 (n/all)':>12} {'peak MB':>9}"
+    head = (
+        f"{'variant':<18} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8} {'vs flax':>8} "
+        f"{'fp8 (n/all)':>12} {'peak MB':>9}"
+    )
     lines = [f"\n=== linear train step, M x K x N = {_shape_str(rows[0])}", head, "-" * len(head)]
     for r in rows:
         if r["ms"] is None:
-            lines.append(f"{r['variant']:<18} {'ERROR' if not r['error'].startswith('skipped') else 'SKIP':>9}  {r['error']}")
+            status = "SKIP" if r["error"].startswith("skipped") else "ERROR"
+            lines.append(f"{r['variant']:<18} {status:>9}  {r['error']}")
             continue
-        line = (f"{r['variant']:<18} {r['ms']:>9.3f} {_fmt(r['tflops'], '8.1f')} "
-                f"{_fmt(r['speedup_vs_bf16'], '7.2f', 'x'):>8} {_fmt(r['speedup_vs_flax'], '7.2f', 'x'):>8} "
-                f"{_fp8_cell(r):>12} {_fmt(r['peak_mem_mb'], '9.1f')}")
+        line = (
+            f"{r['variant']:<18} {r['ms']:>9.3f} {fmt(r['tflops'], '8.1f')} "
+            f"{fmt(r['speedup_vs_bf16'], '7.2f', 'x'):>8} "
+            f"{fmt(r['speedup_vs_flax'], '7.2f', 'x'):>8} "
+            f"{_fp8_cell(r):>12} {fmt(r['peak_mem_mb'], '9.1f')}"
+        )
         if r.get("note"):
             line += f"  ({r['note']})"
         lines.append(line)
     return "\n".join(lines)
-
-
-def markdown_rows(rows: list[dict], case_header: str, case, columns, error_chars: int | None = None) -> list[str]:
-    """Markdown table lines shared by the harnesses: ``case(r)`` (one or more cells,
-    as ``case_header`` names them: ``"a | b"``) and the variant, then one cell per
-    ``(header, cell(r))`` in ``columns``; a row without a time shows its error (cut
-    to ``error_chars``) instead."""
-    header = f"| {case_header} | variant | " + " | ".join(h for h, _ in columns) + " |"
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for r in rows:
-        if r.get("ms") is None:
-            cells = [f"error: {str(r.get('error') or '')[:error_chars]}"] + [""] * (len(columns) - 1)
-        else:
-            cells = [cell(r) for _, cell in columns]
-        lines.append(f"| {case(r)} | {r['variant']} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -423,71 +347,86 @@ def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     meta = rows[0]
-    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: _fmt(r["tflops"], ".0f")),
-               ("vs bf16", lambda r: _fmt(r["speedup_vs_bf16"], ".2f", "x")),
-               ("vs flax-direct", lambda r: _fmt(r["speedup_vs_flax"], ".2f", "x")),
-               ("FP8 GEMMs", _fp8_cell), ("peak MB", lambda r: _fmt(r["peak_mem_mb"], ".0f"))]
-    return "\n".join([f"`{meta['command']}` on {meta['device']}, jax {meta['jax']}, {meta['date']} "
-                      "(train step = fwd + dgrad + wgrad; ratios from the same run)", "",
-                      *markdown_rows(rows, "M x K x N", _shape_str, columns)])
+    columns = [
+        ("ms", lambda r: f"{r['ms']:.3f}"),
+        ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
+        ("vs bf16", lambda r: fmt(r["speedup_vs_bf16"], ".2f", "x")),
+        ("vs flax-direct", lambda r: fmt(r["speedup_vs_flax"], ".2f", "x")),
+        ("FP8 GEMMs", _fp8_cell),
+        ("peak MB", lambda r: fmt(r["peak_mem_mb"], ".0f")),
+    ]
+    return "\n".join(
+        [
+            f"`{meta['command']}` on {meta['device']}, jax {meta['jax']}, {meta['date']} "
+            "(train step = fwd + dgrad + wgrad; ratios from the same run)",
+            "",
+            *markdown_rows(rows, "M x K x N", _shape_str, columns),
+        ]
+    )
 
 
 def crossover_grid(rows: list[dict], variant: str = "fp8jax-delayed") -> str:
     """Speedup of ``variant`` over bf16 as a grid: rows M, columns K = N."""
-    speed = {(r["params"]["M"], r["params"]["K"]): r["speedup_vs_bf16"]
-             for r in rows if r["variant"] == variant and r["params"]["K"] == r["params"]["N"]}
+    speed = {
+        (r["params"]["M"], r["params"]["K"]): r["speedup_vs_bf16"]
+        for r in rows
+        if r["variant"] == variant and r["params"]["K"] == r["params"]["N"]
+    }
     ms = sorted({m for m, _ in speed})
     kns = sorted({kn for _, kn in speed})
-    lines = [f"\n=== crossover: {variant} speedup over bf16 (rows M, columns K = N)",
-             f"{'M':>7} " + " ".join(f"{kn:>8}" for kn in kns)]
+    lines = [
+        f"\n=== crossover: {variant} speedup over bf16 (rows M, columns K = N)",
+        f"{'M':>7} " + " ".join(f"{kn:>8}" for kn in kns),
+    ]
     for m in ms:
-        lines.append(f"{m:>7} " + " ".join(f"{_fmt(speed.get((m, kn)), '7.2f', 'x'):>8}" for kn in kns))
+        lines.append(
+            f"{m:>7} " + " ".join(f"{fmt(speed.get((m, kn)), '7.2f', 'x'):>8}" for kn in kns)
+        )
     return "\n".join(lines)
 
 
-def to_record(row: dict) -> dict:
-    """The JSON-lines record of a row (fields of ``BENCHMARKS.md`` + speedup_vs_flax)."""
-    rounding = dict(ms=4, tflops=1, speedup_vs_bf16=3, speedup_vs_flax=3, peak_mem_mb=1)
-    rec = {}
-    for field in RECORD_FIELDS:
-        value = row.get(field)
-        if field in rounding and value is not None:
-            value = round(value, rounding[field])
-        rec[field] = value
-    return rec
-
-
-def append_records(rows: list[dict], path: Path, fields) -> int:
-    """Append ``fields`` of the measured rows (errors left out) to ``path`` as JSON lines;
-    the number written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written = 0
-    with open(path, "a") as f:
-        for r in rows:
-            if r.get("ms") is not None:
-                f.write(json.dumps({k: r.get(k) for k in fields}) + "\n")
-                written += 1
-    return written
-
-
 def write_records(rows: list[dict], path: Path) -> int:
-    """Append the measured rows (errors left out, values rounded) to ``path``; the number written."""
-    return append_records([to_record(r) for r in rows if r["ms"] is not None], path, RECORD_FIELDS)
+    """Append the measured rows (errors left out, values rounded) to ``path``; the number
+    written."""
+    return append_records(rows, path, RECORD_FIELDS, ROUNDING)
 
 
 # ----------------------------------------------------------------------------- CLI
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny CPU-sized shapes, 2 iters; writes no records")
-    p.add_argument("--full", action="store_true", help="add every LLaMA-3 8B/70B projection at M=8192 and 16384")
-    p.add_argument("--crossover", action="store_true",
-                   help="sweep M in {2048,4096,8192}, K=N in {1024,2048,4096}: bf16 vs fp8jax-delayed only")
-    p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="M,K,N", help="shapes to run (overrides the sets)")
-    p.add_argument("--variants", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
-                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p = argparse.ArgumentParser(
+        prog=COMMAND_PREFIX,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny CPU-sized shapes, 2 iters; writes no records"
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="add every LLaMA-3 8B/70B projection at M=8192 and 16384",
+    )
+    p.add_argument(
+        "--crossover",
+        action="store_true",
+        help="sweep M in {2048,4096,8192}, K=N in {1024,2048,4096}: bf16 vs fp8jax-delayed only",
+    )
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        metavar="M,K,N",
+        help="shapes to run (overrides the sets)",
+    )
+    p.add_argument(
+        "--variants",
+        type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
+        help=f"comma-separated subset of {','.join(VARIANTS)}",
+    )
     p.add_argument("--iters", type=int, help="calls per timed repeat (default 20; 2 with --quick)")
-    p.add_argument("--reps", type=int, help="timed repeats, the median is kept (default 5; 2 with --quick)")
+    p.add_argument(
+        "--reps", type=int, help="timed repeats, the median is kept (default 5; 2 with --quick)"
+    )
     p.add_argument("--out", type=Path, default=None, help=f"records file (default {DEFAULT_OUT})")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -508,29 +447,6 @@ def select_shapes(args) -> list[tuple[int, int, int]]:
     return default_shapes(full=args.full)
 
 
-def run_meta(argv: list[str], bench: str = "linear", prefix: str = COMMAND_PREFIX) -> dict:
-    """Fields shared by every row of this run of ``bench`` (command ``prefix argv``)."""
-    return dict(bench=bench, device=jax.devices()[0].device_kind,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                jax=jax.__version__, command=" ".join([prefix, *map(shlex.quote, argv)]))
-
-
-def run_cases(cases, run_one, table, path: Path, fields, record: bool = True) -> list[dict]:
-    """``run_one(case) -> rows`` for each case, printing ``table(rows)`` as it goes and, on a
-    GPU when ``record``, appending the rows' ``fields`` to ``path`` per case (a run cut
-    short keeps what it measured); then the whole table. Returns all rows."""
-    record = record and jax.devices()[0].platform == "gpu"
-    rows = []
-    for case in cases:
-        case_rows = run_one(case)
-        print(table(case_rows), flush=True)
-        rows += case_rows
-        if record:
-            append_records(case_rows, path, fields)
-    print("\n" + table(rows), flush=True)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark; return one result dict per (shape, variant)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -539,10 +455,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     iters = args.iters or (2 if args.quick else 20)
     reps = args.reps or (2 if args.quick else 5)
     shapes = select_shapes(args)
-    meta = run_meta(argv)
-    print(f"{meta['command']}: {len(shapes)} shapes x {len(variants)} variants on {meta['device']} "
-          f"(jax {meta['jax']}), {reps} x {iters} calls per variant", flush=True)
-    record = not args.quick and jax.devices()[0].platform == "gpu"
+    meta = run_meta(argv, "linear", COMMAND_PREFIX)
+    print(
+        f"{meta['command']}: {len(shapes)} shapes x {len(variants)} variants on {meta['device']} "
+        f"(jax {meta['jax']}), {reps} x {iters} calls per variant",
+        flush=True,
+    )
+    record = not args.quick and on_gpu()
     path = args.out or DEFAULT_OUT
     rows, written = [], 0
     for shape in shapes:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
-from benchmarks import linear
+from benchmarks import common, linear
 from fp8jax.kernels import cast as _cast_kernel
 from fp8jax.kernels import gemm as _gemm
 
@@ -68,7 +68,9 @@ def cast_fn(t3_shape) -> tuple[Callable, str]:
     """The fastest cast of a ``[B, P, C]`` tensor into both FP8 layouts + amax there is
     here: the Pallas kernel where it runs, else XLA's fused cast + transpose."""
     if _cast_kernel.supported(t3_shape)[0]:
-        return jax.jit(lambda t, s, d: _cast_kernel.cast_transpose(t, s, d), static_argnums=2), "kernel"
+        return jax.jit(
+            lambda t, s, d: _cast_kernel.cast_transpose(t, s, d), static_argnums=2
+        ), "kernel"
     return jax.jit(lambda t, s, d: _gemm.quantize_both(t, s, d), static_argnums=2), "xla"
 
 
@@ -77,35 +79,60 @@ def floor_shape(shape, iters: int, reps: int, config: fp8jax.Fp8Config) -> dict:
     m, k, n = shape
     rows = linear.run_shape(shape, STEP_VARIANTS, iters, reps, meta={})
     steps = {r["variant"]: r["ms"] for r in rows}
-    gemms = {name: linear.time_call(fn, ops, iters, reps) for name, (fn, ops) in gemm_fns(shape, config).items()}
+    gemms = {
+        name: common.time_call(fn, ops, iters, reps)
+        for name, (fn, ops) in gemm_fns(shape, config).items()
+    }
     casts, cast_path = {}, ""
     key = jax.random.PRNGKey(2)
     scale = jnp.array([4.0 / 448], jnp.float32)
-    for name, t_shape, dtype in (("x", (1, m, k), E4M3), ("w", (1, n, k), E4M3), ("g", (1, m, n), E5M2)):
+    for name, t_shape, dtype in (
+        ("x", (1, m, k), E4M3),
+        ("w", (1, n, k), E4M3),
+        ("g", (1, m, n), E5M2),
+    ):
         fn, cast_path = cast_fn(t_shape)
-        casts[name] = linear.time_call(fn, (jax.random.normal(key, t_shape, BF16), scale, dtype), iters, reps)
+        casts[name] = common.time_call(
+            fn, (jax.random.normal(key, t_shape, BF16), scale, dtype), iters, reps
+        )
     floor = sum(gemms.values()) + sum(casts.values())
     ratio = lambda a, b: a / b if a and b else None  # noqa: E731
-    return dict(shape=shape, steps=steps, gemms=gemms, casts=casts, cast_path=cast_path, floor=floor,
-                max_vs_bf16=ratio(steps.get("bf16"), floor), max_vs_flax=ratio(steps.get("flax-direct"), floor),
-                fp8jax_vs_bf16=ratio(steps.get("bf16"), steps.get("fp8jax-delayed")),
-                fp8jax_over_floor=ratio(steps.get("fp8jax-delayed"), floor))
+    return dict(
+        shape=shape,
+        steps=steps,
+        gemms=gemms,
+        casts=casts,
+        cast_path=cast_path,
+        floor=floor,
+        max_vs_bf16=ratio(steps.get("bf16"), floor),
+        max_vs_flax=ratio(steps.get("flax-direct"), floor),
+        fp8jax_vs_bf16=ratio(steps.get("bf16"), steps.get("fp8jax-delayed")),
+        fp8jax_over_floor=ratio(steps.get("fp8jax-delayed"), floor),
+    )
 
 
 def floor_table(results: list[dict]) -> str:
     """Markdown table of `floor_shape` results."""
-    f = lambda v, spec=".3f", suffix="": "-" if v is None else f"{v:{spec}}{suffix}"  # noqa: E731
-    lines = ["| M x K x N | bf16 ms | fp8jax ms | flax ms | FP8 GEMMs ms (fwd + dgrad + wgrad) | casts ms (x + w + g) "
-             "| floor ms | fp8jax vs bf16 | best possible vs bf16 | best possible vs flax | fp8jax / floor |",
-             "|" + "---|" * 11]
+
+    def f(v, spec=".3f", suffix=""):
+        return common.fmt(v, spec, suffix)
+
+    lines = [
+        "| M x K x N | bf16 ms | fp8jax ms | flax ms | FP8 GEMMs ms (fwd + dgrad + wgrad) "
+        "| casts ms (x + w + g) | floor ms | fp8jax vs bf16 | best possible vs bf16 "
+        "| best possible vs flax | fp8jax / floor |",
+        "|" + "---|" * 11,
+    ]
     for r in results:
         s, g, c = r["steps"], r["gemms"], r["casts"]
         lines.append(
-            f"| {' x '.join(map(str, r['shape']))} | {f(s.get('bf16'))} | {f(s.get('fp8jax-delayed'))} | "
-            f"{f(s.get('flax-direct'))} | {g['fwd']:.3f} + {g['dgrad']:.3f} + {g['wgrad']:.3f} | "
+            f"| {' x '.join(map(str, r['shape']))} | {f(s.get('bf16'))} | "
+            f"{f(s.get('fp8jax-delayed'))} | {f(s.get('flax-direct'))} | "
+            f"{g['fwd']:.3f} + {g['dgrad']:.3f} + {g['wgrad']:.3f} | "
             f"{c['x']:.3f} + {c['w']:.3f} + {c['g']:.3f} ({r['cast_path']}) | {r['floor']:.3f} | "
             f"{f(r['fp8jax_vs_bf16'], '.2f', 'x')} | {f(r['max_vs_bf16'], '.2f', 'x')} | "
-            f"{f(r['max_vs_flax'], '.2f', 'x')} | {f(r['fp8jax_over_floor'], '.2f', 'x')} |")
+            f"{f(r['max_vs_flax'], '.2f', 'x')} | {f(r['fp8jax_over_floor'], '.2f', 'x')} |"
+        )
     return "\n".join(lines)
 
 
@@ -117,7 +144,10 @@ class Stack(eqx.Module):
     layers: list
 
     def __init__(self, dim: int, depth: int, *, key):
-        self.layers = [eqx.nn.Linear(dim, dim, use_bias=False, dtype=BF16, key=k) for k in jax.random.split(key, depth)]
+        self.layers = [
+            eqx.nn.Linear(dim, dim, use_bias=False, dtype=BF16, key=k)
+            for k in jax.random.split(key, depth)
+        ]
 
     def __call__(self, x):
         for layer in self.layers:
@@ -131,31 +161,57 @@ def stack_memory(m: int, k: int, depth: int) -> list[dict]:
     x = jax.random.normal(jax.random.PRNGKey(1), (m, k), BF16)
     g = jax.random.normal(jax.random.PRNGKey(2), (m, k), BF16)
     out = []
-    for name, model in (("bf16", stack),
-                        ("fp8jax-delayed", fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(selective=False)))):
-        params, static = eqx.partition(model, eqx.is_array)
-        step = linear.Step(linear._eqx_grad_fn(static), params)
-        out.append(dict(variant=name, peak_mem_mb=linear.peak_mem_mb(step, x, g),
-                        saved_act_mb=fp8jax.saved_activation_bytes(model, x, dim=m) / 2**20))
+    for name, model in (
+        ("bf16", stack),
+        ("fp8jax-delayed", fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(selective=False))),
+    ):
+        step = common.train_step(model, linear._apply)
+        out.append(
+            dict(
+                variant=name,
+                peak_mem_mb=common.peak_mem_mb(step, x, g),
+                saved_act_mb=fp8jax.saved_activation_bytes(model, x, dim=m) / 2**20,
+            )
+        )
     return out
 
 
 def stack_table(m: int, k: int, depth: int, rows: list[dict]) -> str:
-    lines = [f"| layers x (M x K -> K) | variant | peak MiB | saved activations MiB |", "|---|---|---|---|"]
+    lines = [
+        "| layers x (M x K -> K) | variant | peak MiB | saved activations MiB |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         peak = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f}"
-        lines.append(f"| {depth} x ({m} x {k} -> {k}) | {r['variant']} | {peak} | {r['saved_act_mb']:.1f} |")
+        lines.append(
+            f"| {depth} x ({m} x {k} -> {k}) | {r['variant']} | {peak} | {r['saved_act_mb']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- CLI
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.linear_bounds", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", type=linear.parse_shape, default=linear.ANCHOR_SHAPES[:3], metavar="M,K,N")
-    p.add_argument("--stack", type=int, default=0, help="depth of the stack for the memory part (0: floor only)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.linear_bounds", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        type=linear.parse_shape,
+        default=linear.ANCHOR_SHAPES[:3],
+        metavar="M,K,N",
+    )
+    p.add_argument(
+        "--stack",
+        type=int,
+        default=0,
+        help="depth of the stack for the memory part (0: floor only)",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iters, both parts (CPU smoke run)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes, 2 iters, both parts (CPU smoke run)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.shapes, args.iters, args.reps, args.stack = linear.QUICK_SHAPES[:1], 2, 2, 3

@@ -1,6 +1,8 @@
-"""Compare lowering choices of the fp8jax linear step (``fp8jax.kernels.gemm.TUNING``) on a GPU.
+r"""Compare lowering choices of the fp8jax linear step (``fp8jax.kernels.gemm.TUNING``) on a
+GPU.
 
-    python -m benchmarks.linear_tuning --set f32_gemm_out=1 cast_transposed=0 --shapes 16384,4096,14336
+    python -m benchmarks.linear_tuning --set f32_gemm_out=1 cast_transposed=0 \
+        --shapes 16384,4096,14336
     python -m benchmarks.linear_tuning --variant fp8jax-delayed-castkernel --dump hlo/
 
 Run one process per setting (JAX caches traces); prints ms, speedup over bf16 from the
@@ -17,12 +19,18 @@ from fp8jax.kernels import gemm as _gemm
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--set", nargs="*", default=[], help="TUNING entries, key=0|1|text")
-    parser.add_argument("--shapes", nargs="+", type=linear.parse_shape, default=linear.ANCHOR_SHAPES[:3])
+    parser.add_argument(
+        "--shapes", nargs="+", type=linear.parse_shape, default=linear.ANCHOR_SHAPES[:3]
+    )
     parser.add_argument("--variant", default="fp8jax-delayed")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--dump", default=None, help="write each shape's compiled fp8 step HLO into this folder")
+    parser.add_argument(
+        "--dump", default=None, help="write each shape's compiled fp8 step HLO into this folder"
+    )
     args = parser.parse_args(argv)
     for item in args.set:
         key, value = item.split("=")
@@ -41,10 +49,15 @@ def main(argv=None):
             Path(args.dump).mkdir(parents=True, exist_ok=True)
             tag = "_".join(args.set).replace("=", "-") or "default"
             (Path(args.dump) / f"{'x'.join(map(str, shape))}_{tag}.hlo").write_text(text)
-        print(f"{shape}: bf16 {bf16['ms']:.3f} ms, {args.variant} {fp8['ms']:.3f} ms "
-              f"({fp8['speedup_vs_bf16']:.3f}x), fp8 gemms {fp8['fp8_gemm_count']}/{fp8['gemm_count']}, "
-              f"peak {fp8['peak_mem_mb']:.0f} MB vs {bf16['peak_mem_mb']:.0f}, launches {sum(counts.values())}: "
-              + ", ".join(f"{k}={v}" for k, v in counts.most_common()), flush=True)
+        print(
+            f"{shape}: bf16 {bf16['ms']:.3f} ms, {args.variant} {fp8['ms']:.3f} ms "
+            f"({fp8['speedup_vs_bf16']:.3f}x), "
+            f"fp8 gemms {fp8['fp8_gemm_count']}/{fp8['gemm_count']}, "
+            f"peak {fp8['peak_mem_mb']:.0f} MB vs {bf16['peak_mem_mb']:.0f}, "
+            f"launches {sum(counts.values())}: "
+            + ", ".join(f"{k}={v}" for k, v in counts.most_common()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
-from benchmarks import linear
+from benchmarks import common
 from benchmarks.hlo import kernel_summary
 from fp8jax.nn import FusedMLP
 
@@ -39,7 +39,7 @@ VARIANTS = ("bf16-unfused", "fp8jax-unfused", "fp8jax-fused")
 # (hidden, ffn, tokens, activation)
 DEFAULT_CASES = [(4096, 14336, 16384, "swiglu"), (8192, 28672 // 8, 16384, "swiglu")]
 QUICK_CASES = [(64, 96, 128, "swiglu"), (64, 64, 128, "gelu")]
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "mlp.jsonl"
+DEFAULT_OUT = common.results_path("mlp")
 COMMAND_PREFIX = "python -m benchmarks.mlp"
 
 
@@ -49,7 +49,9 @@ def parse_case(text: str):
     try:
         hidden, ffn, tokens = (int(v) for v in parts[:3])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"case must be hidden,ffn,tokens[,activation], got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"case must be hidden,ffn,tokens[,activation], got {text!r}"
+        ) from None
     return hidden, ffn, tokens, parts[3] if len(parts) > 3 else "swiglu"
 
 
@@ -61,20 +63,16 @@ def build(variant: str, case, key, config: fp8jax.Fp8Config):
     if variant == "fp8jax-unfused":
         return fp8jax.fp8_linear_layers(base, config)
     if variant == "fp8jax-fused":
-        return FusedMLP.from_modules(eqx.nn.RMSNorm(hidden), base.fc1, base.fc2, activation=activation,
-                                     config=config)
+        return FusedMLP.from_modules(
+            eqx.nn.RMSNorm(hidden), base.fc1, base.fc2, activation=activation, config=config
+        )
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
-def make_step(block, x, g) -> linear.Step:
-    """A calibrated (one state update for FP8) `benchmarks.linear.Step`."""
-    params, static = eqx.partition(block, eqx.is_array)
-
-    def loss(params, x, g):
-        return linear.projection_loss(eqx.combine(params, static)(x), g)
-
-    step = linear.Step(jax.value_and_grad(loss, argnums=(0, 1)), params)
-    return linear.calibrate(step, block, x, g) if fp8jax.fp8_state(block) else step
+def make_step(block, x, g) -> common.Step:
+    """A calibrated (one state update for FP8) `benchmarks.common.Step`."""
+    step = common.train_step(block)
+    return common.calibrate(step, block, x, g) if fp8jax.fp8_state(block) else step
 
 
 def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dict]:
@@ -82,36 +80,50 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dic
     config = fp8jax.Fp8Config() if config is None else config
     key = jax.random.PRNGKey(seed)
     kx, kg, km = jax.random.split(key, 3)
-    xs = jax.block_until_ready([jax.random.normal(k, (tokens, hidden), BF16) for k in jax.random.split(kx, 3)])
+    xs = jax.block_until_ready(
+        [jax.random.normal(k, (tokens, hidden), BF16) for k in jax.random.split(kx, 3)]
+    )
     g = jax.random.normal(kg, (tokens, hidden), BF16)
     gated = fp8jax.nn.ACTIVATIONS[activation][1]
     flops = 6 * tokens * (hidden * ffn * (2 if gated else 1) + ffn * hidden)
     rows = []
     for name in variants:
-        row = dict(meta, params=dict(hidden=hidden, ffn=ffn, tokens=tokens, activation=activation), variant=name)
+        row = dict(
+            meta,
+            params=dict(hidden=hidden, ffn=ffn, tokens=tokens, activation=activation),
+            variant=name,
+        )
         try:
             t0 = time.perf_counter()
             block = build(name, case, km, config)
             step = make_step(block, xs[0], g)
             row["compile_s"] = time.perf_counter() - t0  # build + compile + one calibration step
-            row["ms"] = linear.time_step(step, xs, g, iters, reps, warmup=1 if iters <= 2 else 2)
-            n_fp8, n_gemms = linear.gemm_check(step, xs[0], g)
-            row.update(fp8_gemms=n_fp8 >= 6, fp8_gemm_count=n_fp8, gemm_count=n_gemms,
-                       kernels=sum(kernel_summary(step.hlo_text(xs[0], g)).values()),
-                       saved_act_mb=fp8jax.saved_activation_bytes(block, xs[0], dim=tokens) / 2**20,
-                       peak_mem_mb=linear.peak_mem_mb(step, xs[0], g))
+            row["ms"] = common.time_step(step, xs, g, iters, reps, warmup=1 if iters <= 2 else 2)
+            n_fp8, n_gemms = common.gemm_check(step, xs[0], g)
+            row.update(
+                fp8_gemms=n_fp8 >= 6,
+                fp8_gemm_count=n_fp8,
+                gemm_count=n_gemms,
+                kernels=sum(kernel_summary(step.hlo_text(xs[0], g)).values()),
+                saved_act_mb=fp8jax.saved_activation_bytes(block, xs[0], dim=tokens) / 2**20,
+                peak_mem_mb=common.peak_mem_mb(step, xs[0], g),
+            )
             del step
         except Exception as e:  # report and go on with the other variants
-            row.update(ms=None, error=f"{type(e).__name__}: {e}"[:300])
-        print(f"  {case} {name}: " + ", ".join(f"{k}={row[k]:.3f}" if isinstance(row[k], float) else f"{k}={row[k]}"
-                                               for k in ("ms", "compile_s", "kernels", "error") if k in row), flush=True)
+            row.update(ms=None, error=common.error_text(e))
+        print(
+            f"  {case} {name}: "
+            + ", ".join(
+                f"{k}={row[k]:.3f}" if isinstance(row[k], float) else f"{k}={row[k]}"
+                for k in ("ms", "compile_s", "kernels", "error")
+                if k in row
+            ),
+            flush=True,
+        )
         rows.append(row)
-    ref = {r["variant"]: r.get("ms") for r in rows}
-    for r in rows:
-        ok = r.get("ms") is not None and r["ms"] > 0
-        r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12 if ok else None
-        r["speedup_vs_bf16"] = ref["bf16-unfused"] / r["ms"] if ok and ref.get("bf16-unfused") else None
-        r["speedup_vs_unfused_fp8"] = ref["fp8jax-unfused"] / r["ms"] if ok and ref.get("fp8jax-unfused") else None
+    common.add_ratios(
+        rows, flops, {"speedup_vs_bf16": "bf16-unfused", "speedup_vs_unfused_fp8": "fp8jax-unfused"}
+    )
     return rows
 
 
@@ -120,25 +132,44 @@ def markdown_table(rows) -> str:
         p = r["params"]
         return f"{p['hidden']} x {p['ffn']} x {p['tokens']} ({p['activation']})"
 
-    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: linear._fmt(r["tflops"], ".0f")),
-               ("vs bf16", lambda r: f"{linear._fmt(r['speedup_vs_bf16'], '.2f')}x"),
-               ("vs fp8 unfused", lambda r: f"{linear._fmt(r['speedup_vs_unfused_fp8'], '.2f')}x"),
-               ("FP8 GEMMs", lambda r: f"{r['fp8_gemm_count']}/{r['gemm_count']}"),
-               ("kernels", lambda r: f"{r['kernels']}"), ("saved act MiB", lambda r: f"{r['saved_act_mb']:.1f}"),
-               ("peak MiB", lambda r: linear._fmt(r["peak_mem_mb"], ".0f"))]
-    return "\n".join(linear.markdown_rows(rows, "hidden x ffn x tokens (act)", case, columns, error_chars=80))
+    columns = [
+        ("ms", lambda r: f"{r['ms']:.3f}"),
+        ("TFLOP/s", lambda r: common.fmt(r["tflops"], ".0f")),
+        ("vs bf16", lambda r: f"{common.fmt(r['speedup_vs_bf16'], '.2f')}x"),
+        ("vs fp8 unfused", lambda r: f"{common.fmt(r['speedup_vs_unfused_fp8'], '.2f')}x"),
+        ("FP8 GEMMs", lambda r: f"{r['fp8_gemm_count']}/{r['gemm_count']}"),
+        ("kernels", lambda r: f"{r['kernels']}"),
+        ("saved act MiB", lambda r: f"{r['saved_act_mb']:.1f}"),
+        ("peak MiB", lambda r: common.fmt(r["peak_mem_mb"], ".0f")),
+    ]
+    return "\n".join(
+        common.markdown_rows(rows, "hidden x ffn x tokens (act)", case, columns, error_chars=80)
+    )
 
 
-RECORD_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops",
-                 "speedup_vs_bf16", "speedup_vs_unfused_fp8", "fp8_gemms", "kernels", "saved_act_mb", "peak_mem_mb")
+RECORD_FIELDS = (
+    *common.META_FIELDS,
+    "ms",
+    "tflops",
+    "speedup_vs_bf16",
+    "speedup_vs_unfused_fp8",
+    "fp8_gemms",
+    "kernels",
+    "saved_act_mb",
+    "peak_mem_mb",
+)
 
 
 def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny CPU-sized cases, 2 iters; writes no records")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny CPU-sized cases, 2 iters; writes no records"
+    )
     p.add_argument("--cases", nargs="+", type=parse_case, metavar="H,F,T[,ACT]")
-    p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v], default=list(VARIANTS))
+    p.add_argument(
+        "--variants", type=lambda s: [v for v in s.split(",") if v], default=list(VARIANTS)
+    )
     p.add_argument("--iters", type=int)
     p.add_argument("--reps", type=int)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -146,9 +177,16 @@ def main(argv=None) -> list[dict]:
     cases = args.cases or (QUICK_CASES if args.quick else DEFAULT_CASES)
     iters, reps = args.iters or (2 if args.quick else 10), args.reps or (2 if args.quick else 5)
     config = fp8jax.Fp8Config(selective=False) if args.quick else fp8jax.Fp8Config()
-    meta = linear.run_meta(argv, bench="mlp", prefix=COMMAND_PREFIX)
-    return linear.run_cases(cases, lambda case: run_case(case, args.variants, iters, reps, meta, config=config),
-                            markdown_table, args.out, RECORD_FIELDS, record=not args.quick)
+    meta = common.run_meta(argv, bench="mlp", prefix=COMMAND_PREFIX)
+    return common.run_cases(
+        cases,
+        lambda case: run_case(case, args.variants, iters, reps, meta, config=config),
+        markdown_table,
+        args.out,
+        RECORD_FIELDS,
+        record=not args.quick,
+    )
+
 
 if __name__ == "__main__":
     main()

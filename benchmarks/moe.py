@@ -28,26 +28,29 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import linear
-from fp8jax.ops import grouped as gr
+from benchmarks import common
 from fp8jax.nn import GroupedMLP, make_layout
+from fp8jax.ops import grouped as gr
 
 BF16 = jnp.bfloat16
-RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND_PREFIX = "python -m benchmarks.moe"
 GEMM_VARIANTS = ("loop-bf16", "ragged-dot-bf16", "fp8jax-bf16", "fp8jax-fp8")
 MLP_VARIANTS = ("sequential-bf16", "ragged-dot-bf16", "fp8jax-bf16", "fp8jax-fp8")
-GEMM_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops", "speedup_vs_bf16",
-               "fp8_gemms")
-MLP_FIELDS = ("bench", "params", "variant", "device", "date", "jax", "command", "ms", "tflops", "speedup_vs_bf16",
-              "speedup_vs_sequential_bf16", "fp8_gemms", "peak_mem_mb")
+GEMM_FIELDS = (*common.META_FIELDS, "ms", "tflops", "speedup_vs_bf16", "fp8_gemms")
+MLP_FIELDS = (
+    *common.META_FIELDS,
+    "ms",
+    "tflops",
+    "speedup_vs_bf16",
+    "speedup_vs_sequential_bf16",
+    "fp8_gemms",
+    "peak_mem_mb",
+)
 
 
 def group_sizes(rows: int, experts: int, routing: str, top_k: int = 2, seed: int = 0) -> np.ndarray:
@@ -69,16 +72,20 @@ def _starts(sizes):
 
 
 # ----------------------------------------------------------------------------- grouped_gemm
-def _gemm_step(variant: str, x, w_kn, sizes) -> tuple[linear.Step, tuple]:
-    """A `benchmarks.linear.Step` running one forward grouped GEMM, and its inputs."""
+def _gemm_step(variant: str, x, w_kn, sizes) -> tuple[common.Step, tuple]:
+    """A `benchmarks.common.Step` running one forward grouped GEMM, and its inputs."""
     g = w_kn.shape[0]
     gs = jnp.asarray(sizes, jnp.int32)
     if variant == "loop-bf16":
+
         def fn(w, x, _):
-            return jnp.concatenate([x[s:s + n] @ w[e] for e, (s, n) in enumerate(zip(_starts(sizes), sizes))])
-        return linear.Step(fn, w_kn), (x,)
+            return jnp.concatenate(
+                [x[s : s + n] @ w[e] for e, (s, n) in enumerate(zip(_starts(sizes), sizes))]
+            )
+
+        return common.Step(fn, w_kn), (x,)
     if variant == "ragged-dot-bf16":
-        return linear.Step(lambda w, x, _: jax.lax.ragged_dot(x, w, gs), w_kn), (x,)
+        return common.Step(lambda w, x, _: jax.lax.ragged_dot(x, w, gs), w_kn), (x,)
     layout = make_layout(gs, x.shape[0])
     x_pad = gr.pad_rows(x, layout)
     w_nk = jnp.swapaxes(w_kn, 1, 2)
@@ -92,7 +99,7 @@ def _gemm_step(variant: str, x, w_kn, sizes) -> tuple[linear.Step, tuple]:
     def fn(w, x, _):
         return gr.rows_gemm(backend, x, w, layout, scales, BF16)
 
-    return linear.Step(fn, w_nk), (x_pad,)
+    return common.Step(fn, w_nk), (x_pad,)
 
 
 def run_gemm_case(case, variants, iters, reps, meta) -> list[dict]:
@@ -103,18 +110,22 @@ def run_gemm_case(case, variants, iters, reps, meta) -> list[dict]:
     w = jax.random.normal(kw, (experts, k, n), BF16) * 0.02
     rows = []
     for name in variants:
-        row = dict(meta, bench="grouped_gemm", params=dict(experts=experts, M=m, K=k, N=n, routing=routing),
-                   variant=name)
+        row = dict(
+            meta,
+            bench="grouped_gemm",
+            params=dict(experts=experts, M=m, K=k, N=n, routing=routing),
+            variant=name,
+        )
         try:
             step, (xin,) = _gemm_step(name, x, w, sizes)
             it = max(2, iters // 10) if name == "ragged-dot-bf16" else iters
-            row["ms"] = linear.time_step(step, [xin], None, it, reps, warmup=1)
-            n_fp8, _ = linear.gemm_check(step, xin, None)
+            row["ms"] = common.time_step(step, [xin], None, it, reps, warmup=1)
+            n_fp8, _ = common.gemm_check(step, xin, None)
             row["fp8_gemms"] = n_fp8 > 0
         except Exception as e:  # report and go on
-            row.update(ms=None, error=f"{type(e).__name__}: {e}"[:300])
+            row.update(ms=None, error=common.error_text(e))
         rows.append(row)
-    _ratios(rows, 2.0 * m * k * n, "loop-bf16", "speedup_vs_bf16")
+    common.add_ratios(rows, 2.0 * m * k * n, {"speedup_vs_bf16": "loop-bf16"})
     return rows
 
 
@@ -124,28 +135,29 @@ def _swiglu(h):
     return jax.nn.silu(gate) * up
 
 
-def _mlp_step(variant: str, mlp: GroupedMLP, x, dy, sizes) -> linear.Step:
+def _mlp_step(variant: str, mlp: GroupedMLP, x, dy, sizes) -> common.Step:
     gs = jnp.asarray(sizes, jnp.int32)
     if variant == "sequential-bf16":
+
         def apply(p, x):
             outs = []
             for e, (s, n) in enumerate(zip(_starts(sizes), sizes)):
-                outs.append(_swiglu(x[s:s + n] @ p[0][e]) @ p[1][e])
+                outs.append(_swiglu(x[s : s + n] @ p[0][e]) @ p[1][e])
             return jnp.concatenate(outs)
     elif variant == "ragged-dot-bf16":
+
         def apply(p, x):
             return jax.lax.ragged_dot(_swiglu(jax.lax.ragged_dot(x, p[0], gs)), p[1], gs)
     else:
-        params, static = eqx.partition(mlp, eqx.is_array)
-
-        def loss(params, x, dy):
-            return linear.projection_loss(eqx.combine(params, static)(x, gs), dy)
-
-        step = linear.Step(jax.value_and_grad(loss, argnums=(0, 1)), params)
-        return linear.calibrate(step, mlp, x, dy) if variant == "fp8jax-fp8" else step
+        step = common.train_step(mlp, lambda m, x: m(x, gs))
+        return common.calibrate(step, mlp, x, dy) if variant == "fp8jax-fp8" else step
     weights = (mlp.fc1.weight, mlp.fc2.weight)
-    return linear.Step(jax.value_and_grad(lambda p, x, dy: linear.projection_loss(apply(p, x), dy),
-                                          argnums=(0, 1)), weights)
+    return common.Step(
+        jax.value_and_grad(
+            lambda p, x, dy: common.projection_loss(apply(p, x), dy), argnums=(0, 1)
+        ),
+        weights,
+    )
 
 
 def run_mlp_case(case, variants, iters, reps, meta) -> list[dict]:
@@ -153,44 +165,60 @@ def run_mlp_case(case, variants, iters, reps, meta) -> list[dict]:
     rows_n = tokens * top_k
     sizes = group_sizes(rows_n, experts, routing, top_k)
     kx, kd, km = jax.random.split(jax.random.PRNGKey(0), 3)
-    xs = jax.block_until_ready([jax.random.normal(k, (rows_n, hidden), BF16) for k in jax.random.split(kx, 2)])
+    xs = jax.block_until_ready(
+        [jax.random.normal(k, (rows_n, hidden), BF16) for k in jax.random.split(kx, 2)]
+    )
     dy = jax.random.normal(kd, (rows_n, hidden), BF16)
     flops = 6.0 * rows_n * (hidden * 2 * ffn + ffn * hidden)
     out = []
     for name in variants:
-        row = dict(meta, bench="moe_mlp", variant=name,
-                   params=dict(experts=experts, tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k, routing=routing))
+        row = dict(
+            meta,
+            bench="moe_mlp",
+            variant=name,
+            params=dict(
+                experts=experts, tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k, routing=routing
+            ),
+        )
         try:
-            mlp = GroupedMLP(experts, hidden, ffn, key=km, activation="swiglu", fp8=name == "fp8jax-fp8", dtype=BF16)
+            mlp = GroupedMLP(
+                experts,
+                hidden,
+                ffn,
+                key=km,
+                activation="swiglu",
+                fp8=name == "fp8jax-fp8",
+                dtype=BF16,
+            )
             step = _mlp_step(name, mlp, xs[0], dy, sizes)
             slow = name == "ragged-dot-bf16"  # 6-60x slower (ANCHORS): one timed step is enough
-            row["ms"] = linear.time_step(step, xs, dy, 1 if slow else iters, 1 if slow else reps, warmup=1)
-            n_fp8, _ = linear.gemm_check(step, xs[0], dy)
-            row.update(fp8_gemms=n_fp8 >= 6, peak_mem_mb=linear.peak_mem_mb(step, xs[0], dy))
+            row["ms"] = common.time_step(
+                step, xs, dy, 1 if slow else iters, 1 if slow else reps, warmup=1
+            )
+            n_fp8, _ = common.gemm_check(step, xs[0], dy)
+            row.update(fp8_gemms=n_fp8 >= 6, peak_mem_mb=common.peak_mem_mb(step, xs[0], dy))
         except Exception as e:  # report and go on
-            row.update(ms=None, error=f"{type(e).__name__}: {e}"[:300])
+            row.update(ms=None, error=common.error_text(e))
         finally:  # free this variant's weights (22.5 GB at 64 experts) before the next one
             step = mlp = None
         out.append(row)
-    _ratios(out, flops, "sequential-bf16", "speedup_vs_sequential_bf16")
-    _ratios(out, flops, "fp8jax-bf16", "speedup_vs_bf16")
+    common.add_ratios(
+        out,
+        flops,
+        {"speedup_vs_sequential_bf16": "sequential-bf16", "speedup_vs_bf16": "fp8jax-bf16"},
+    )
     return out
 
 
-def _ratios(rows, flops, base, key):
-    ref = {r["variant"]: r.get("ms") for r in rows}
-    for r in rows:
-        ok = r.get("ms") is not None and r["ms"] > 0
-        r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12 if ok else None
-        r[key] = ref[base] / r["ms"] if ok and ref.get(base) else None
-
-
 def table(rows) -> str:
-    columns = [("ms", lambda r: f"{r['ms']:.3f}"), ("TFLOP/s", lambda r: linear._fmt(r["tflops"], ".0f")),
-               ("vs bf16", lambda r: linear._fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
-               ("vs sequential", lambda r: linear._fmt(r.get("speedup_vs_sequential_bf16"), ".2f", "x")),
-               ("FP8", lambda r: f"{r.get('fp8_gemms')}")]
-    return "\n".join(linear.markdown_rows(rows, "bench | case", _case, columns, error_chars=100))
+    columns = [
+        ("ms", lambda r: f"{r['ms']:.3f}"),
+        ("TFLOP/s", lambda r: common.fmt(r["tflops"], ".0f")),
+        ("vs bf16", lambda r: common.fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
+        ("vs sequential", lambda r: common.fmt(r.get("speedup_vs_sequential_bf16"), ".2f", "x")),
+        ("FP8", lambda r: f"{r.get('fp8_gemms')}"),
+    ]
+    return "\n".join(common.markdown_rows(rows, "bench | case", _case, columns, error_chars=100))
 
 
 def _case(r) -> str:
@@ -204,25 +232,39 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--experts", type=int, nargs="+")
     p.add_argument("--routing", nargs="+", default=["equal", "random"], choices=("equal", "random"))
     p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v])
-    p.add_argument("--quick", action="store_true", help="tiny CPU-sized cases, 2 iters; writes no records")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny CPU-sized cases, 2 iters; writes no records"
+    )
     p.add_argument("--iters", type=int)
     p.add_argument("--reps", type=int)
     args = p.parse_args(argv)
     iters, reps = args.iters or (2 if args.quick else 10), args.reps or (1 if args.quick else 3)
-    meta = linear.run_meta(argv, bench="moe", prefix=COMMAND_PREFIX)
+    meta = common.run_meta(argv, bench="moe", prefix=COMMAND_PREFIX)
     rows = []
     if args.bench in ("grouped_gemm", "both"):
         experts = args.experts or ([2, 4] if args.quick else [8, 64])
         shape = (256, 64, 128) if args.quick else (16384, 4096, 7168)
         cases = [(e, *shape, r) for r in args.routing for e in experts]
-        rows += linear.run_cases(cases, lambda c: run_gemm_case(c, args.variants or GEMM_VARIANTS, iters, reps, meta),
-                                 table, RESULTS / "grouped_gemm.jsonl", GEMM_FIELDS, record=not args.quick)
+        rows += common.run_cases(
+            cases,
+            lambda c: run_gemm_case(c, args.variants or GEMM_VARIANTS, iters, reps, meta),
+            table,
+            common.results_path("grouped_gemm"),
+            GEMM_FIELDS,
+            record=not args.quick,
+        )
     if args.bench in ("moe_mlp", "both"):
         experts = args.experts or ([2, 4] if args.quick else [2, 4, 8, 16, 32, 64])
         dims = (64, 32, 64, 2) if args.quick else (16384, 4096, 14336, 2)
         cases = [(e, *dims, r) for r in args.routing for e in experts]
-        rows += linear.run_cases(cases, lambda c: run_mlp_case(c, args.variants or MLP_VARIANTS, iters, reps, meta),
-                                 table, RESULTS / "moe_mlp.jsonl", MLP_FIELDS, record=not args.quick)
+        rows += common.run_cases(
+            cases,
+            lambda c: run_mlp_case(c, args.variants or MLP_VARIANTS, iters, reps, meta),
+            table,
+            common.results_path("moe_mlp"),
+            MLP_FIELDS,
+            record=not args.quick,
+        )
     return rows
 
 

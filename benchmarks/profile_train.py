@@ -30,7 +30,16 @@ import numpy as np
 from fp8jax.train import cli
 
 TOP_OPS = 30
-CATEGORIES = ("gemm-fp8", "gemm", "attention", "pallas", "elementwise", "reduction", "copy/transpose", "other")
+CATEGORIES = (
+    "gemm-fp8",
+    "gemm",
+    "attention",
+    "pallas",
+    "elementwise",
+    "reduction",
+    "copy/transpose",
+    "other",
+)
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -39,13 +48,19 @@ def parse_variant(text: str) -> tuple[str, dict]:
     precision, *items = text.split(":")
     if precision not in ("bf16", "fp8"):
         raise argparse.ArgumentTypeError(f"variant must start with bf16 or fp8, got {text!r}")
-    kinds = {f.name: str(f.type) for config in (cli.RunConfig, cli.ModelConfig) for f in dataclasses.fields(config)}
+    kinds = {
+        f.name: str(f.type)
+        for config in (cli.RunConfig, cli.ModelConfig)
+        for f in dataclasses.fields(config)
+    }
     convert = {"bool": lambda v: v.lower() in ("1", "true", "yes"), "int": int, "float": float}
     overrides = {}
     for item in items:
         key, _, value = item.partition("=")
         if key not in kinds or key == "model":
-            raise argparse.ArgumentTypeError(f"unknown RunConfig field {key!r} in {text!r} (nor a ModelConfig one)")
+            raise argparse.ArgumentTypeError(
+                f"unknown RunConfig field {key!r} in {text!r} (nor a ModelConfig one)"
+            )
         overrides[key] = convert.get(kinds[key], str)(value)
     return precision, overrides
 
@@ -112,12 +127,16 @@ def device_kernel_ns(trace_dir: str) -> list[tuple[str, str, float]]:
                 if "stream" not in line.name.lower():
                     continue
                 for event in line.events:
-                    stats = dict(s if isinstance(s, tuple) else (s.name, s.value) for s in event.stats)
+                    stats = dict(
+                        s if isinstance(s, tuple) else (s.name, s.value) for s in event.stats
+                    )
                     out.append((event.name, str(stats.get("hlo_op", "")), float(event.duration_ns)))
     return out
 
 
-def kernel_ms(kernels, lines: dict[str, str], steps: int) -> tuple[collections.Counter, collections.Counter]:
+def kernel_ms(
+    kernels, lines: dict[str, str], steps: int
+) -> tuple[collections.Counter, collections.Counter]:
     """Device ms per step by category and by ``(category, hlo op)``, from `device_kernel_ns`'s
     kernels of ``steps`` steps and the compiled program's `_instructions`."""
     by_cat, by_op = collections.Counter(), collections.Counter()
@@ -128,8 +147,14 @@ def kernel_ms(kernels, lines: dict[str, str], steps: int) -> tuple[collections.C
     return by_cat, by_op
 
 
-def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_steps: int,
-                    dump_hlo: str | None = None, top: int = TOP_OPS) -> dict:
+def profile_variant(
+    run: cli.RunConfig,
+    precision: str,
+    steps: int,
+    profile_steps: int,
+    dump_hlo: str | None = None,
+    top: int = TOP_OPS,
+) -> dict:
     """tokens/s and joules per step over ``steps`` steps, and device ms per step per category
     and per group of like ops (one per layer when the scan is unrolled); the compiled step's
     HLO text is written to ``dump_hlo`` and its kernels' times next to it when given."""
@@ -157,7 +182,10 @@ def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_step
             jax.block_until_ready(loss)
         kernels = device_kernel_ns(trace_dir)
     if kernels and not any(op for _, op, _ in kernels):
-        print(f"  (no hlo_op stat on the kernels; categories from kernel names, e.g. {kernels[:3]})", flush=True)
+        print(
+            f"  (no hlo_op stat on the kernels; categories from kernel names, e.g. {kernels[:3]})",
+            flush=True,
+        )
     hlo_text = trainer.compiled.as_text()
     lines = _instructions(hlo_text)
     by_cat, by_op = kernel_ms(kernels, lines, profile_steps)
@@ -173,41 +201,75 @@ def profile_variant(run: cli.RunConfig, precision: str, steps: int, profile_step
         with open(dump_hlo + ".ops.tsv", "w") as f:
             for (cat, op), ms in by_op.most_common():
                 f.write(f"{ms:.4f}\t{cat}\t{op}\t{op_text[op]}\n")
-    return dict(step_ms=step_s * 1e3, tokens_per_s=run.batch * run.model.seq / step_s, joules_per_step=joules,
-                **compile_times,
-                by_cat=by_cat, top_groups=sorted(groups.items(), key=lambda kv: -kv[1][1])[:top],
-                peak_mem_mb=trainer.peak_mem_mb())
+    return dict(
+        step_ms=step_s * 1e3,
+        tokens_per_s=run.batch * run.model.seq / step_s,
+        joules_per_step=joules,
+        **compile_times,
+        by_cat=by_cat,
+        top_groups=sorted(groups.items(), key=lambda kv: -kv[1][1])[:top],
+        peak_mem_mb=trainer.peak_mem_mb(),
+    )
 
 
 def table(results: dict[str, dict]) -> str:
     names = list(results)
     base = results[names[0]]["tokens_per_s"]
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    lines.append("| step ms (wall) | " + " | ".join(f"{r['step_ms']:.1f}" for r in results.values()) + " |")
-    lines.append("| tokens/s | " + " | ".join(f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / base:.2f}x)"
-                                               for r in results.values()) + " |")
+    lines.append(
+        "| step ms (wall) | " + " | ".join(f"{r['step_ms']:.1f}" for r in results.values()) + " |"
+    )
+    lines.append(
+        "| tokens/s | "
+        + " | ".join(
+            f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / base:.2f}x)" for r in results.values()
+        )
+        + " |"
+    )
     for cat in CATEGORIES:
-        lines.append(f"| {cat} ms | " + " | ".join(f"{r['by_cat'].get(cat, 0.0):.1f}" for r in results.values()) + " |")
-    lines.append("| device total ms | " + " | ".join(f"{sum(r['by_cat'].values()):.1f}" for r in results.values()) + " |")
+        lines.append(
+            f"| {cat} ms | "
+            + " | ".join(f"{r['by_cat'].get(cat, 0.0):.1f}" for r in results.values())
+            + " |"
+        )
+    lines.append(
+        "| device total ms | "
+        + " | ".join(f"{sum(r['by_cat'].values()):.1f}" for r in results.values())
+        + " |"
+    )
     if all(r["joules_per_step"] for r in results.values()):
-        lines.append("| J/step | " + " | ".join(f"{r['joules_per_step']:.1f}" for r in results.values()) + " |")
+        lines.append(
+            "| J/step | "
+            + " | ".join(f"{r['joules_per_step']:.1f}" for r in results.values())
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.profile_train", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--preset", default="1b", choices=sorted(cli.PRESETS))
     p.add_argument("--variants", nargs="+", type=parse_variant, default=[("bf16", {}), ("fp8", {})])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--top", type=int, default=TOP_OPS, help="how many of the costliest op groups to list")
-    p.add_argument("--dump-hlo", default=None, help="directory for each variant's compiled HLO text and kernel times")
+    p.add_argument(
+        "--top", type=int, default=TOP_OPS, help="how many of the costliest op groups to list"
+    )
+    p.add_argument(
+        "--dump-hlo",
+        default=None,
+        help="directory for each variant's compiled HLO text and kernel times",
+    )
     p.add_argument("--quick", action="store_true", help="tiny preset, 2 steps (CPU smoke run)")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.steps, args.profile_steps = "tiny", 2, 1
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, preset {args.preset}", flush=True)
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, preset {args.preset}", flush=True
+    )
     results = {}
     for precision, overrides in args.variants:
         preset = dict(cli.PRESETS[args.preset])
@@ -218,12 +280,18 @@ def main(argv=None):
         if args.dump_hlo:
             os.makedirs(args.dump_hlo, exist_ok=True)
             dump = os.path.join(args.dump_hlo, re.sub(r"[^\w.-]+", "_", name))
-        results[name] = profile_variant(run, precision, args.steps, args.profile_steps, dump, args.top)
+        results[name] = profile_variant(
+            run, precision, args.steps, args.profile_steps, dump, args.top
+        )
         r = results[name]
         energy = f", {r['joules_per_step']:.1f} J/step" if r["joules_per_step"] else ""
-        print(f"{name}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s{energy}, "
-              f"peak {r['peak_mem_mb'] or 0:.0f} MiB; lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s, "
-              f"first run {r['first_run_s']:.1f} s", flush=True)
+        print(
+            f"{name}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s{energy}, "
+            f"peak {r['peak_mem_mb'] or 0:.0f} MiB; lower {r['lower_s']:.1f} s, "
+            f"compile {r['compile_s']:.1f} s, "
+            f"first run {r['first_run_s']:.1f} s",
+            flush=True,
+        )
         for (cat, text), (count, ms) in r["top_groups"]:
             print(f"    {ms:8.2f} ms  x{count:<3} {cat:<14} {text[:150]}", flush=True)
     print(table(results), flush=True)
