@@ -97,33 +97,70 @@ def _run(cmd: list[str], flags: str, timeout: int) -> subprocess.CompletedProces
 
 def two_block(variant: str, sizes: tuple[int, int, int], cache: str, flags: str) -> dict:
     precision = "bf16" if variant == "bf16" else "fp8"
-    cmd = [sys.executable, "-c", PROGRAM, precision, *map(str, sizes),
-           cache if variant != "bf16" else "-"]
+    cmd = [
+        sys.executable,
+        "-c",
+        PROGRAM,
+        precision,
+        *map(str, sizes),
+        cache if variant != "bf16" else "-",
+    ]
     return json.loads(_run(cmd, flags, timeout=900).stdout.strip().splitlines()[-1])
 
 
 def trainer(variant: str, cache: str, flags: str, quick: bool) -> dict:
     precision = "bf16" if variant == "bf16" else "fp8"
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "fp8jax.train", "--preset", "tiny" if quick else "1b",
-               "--precision", precision, "--steps", "2", "--eval-every", "2",
-               "--checkpoint-every", "0", "--eval-batches", "1", "--no-plot", "--quiet",
-               "--max-bytes", str(2**20), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fp8jax.train",
+            "--preset",
+            "tiny" if quick else "1b",
+            "--precision",
+            precision,
+            "--steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--checkpoint-every",
+            "0",
+            "--eval-batches",
+            "1",
+            "--no-plot",
+            "--quiet",
+            "--max-bytes",
+            str(2**20),
+            "--out",
+            out,
+        ]
         cmd += ["--compile-cache", cache] if variant != "bf16" else ["--no-compile-cache"]
         _run(cmd, flags, timeout=900)
         result = json.loads((Path(out) / f"result-{precision}.json").read_text())
-    return dict(compile_s=result["compile_s"], fp8_gemms=result.get("fp8_gemms"),
-                gemms=result.get("gemms"))
+    return dict(
+        compile_s=result["compile_s"], fp8_gemms=result.get("fp8_gemms"), gemms=result.get("gemms")
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["two-block", "1b-trainer"],
-                   choices=["two-block", "1b-trainer"])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["two-block", "1b-trainer"],
+        choices=["two-block", "1b-trainer"],
+    )
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--flags", choices=["default", "triton"], default="default",
-                   help="default: what a user gets; triton: FP8JAX_KEEP_TRITON_GEMM=1")
+    p.add_argument(
+        "--flags",
+        choices=["default", "triton"],
+        default="default",
+        help="default: what a user gets; triton: FP8JAX_KEEP_TRITON_GEMM=1",
+    )
     p.add_argument("--quick", action="store_true", help="tiny CPU-sized run, writes nothing")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -140,8 +177,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row.update(model=model, variant=variant)
                 rows.append(row)
                 extra = f", step {row['step_ms']:.2f} ms" if "step_ms" in row else ""
-                print(f"{model:<11} {variant:<11} compile {row['compile_s']:7.1f} s, "
-                      f"FP8 GEMMs {row.get('fp8_gemms')}/{row.get('gemms')}{extra}", flush=True)
+                print(
+                    f"{model:<11} {variant:<11} compile {row['compile_s']:7.1f} s, "
+                    f"FP8 GEMMs {row.get('fp8_gemms')}/{row.get('gemms')}{extra}",
+                    flush=True,
+                )
     if not args.quick:
         _write(rows, args, argv)
     return rows
@@ -158,10 +198,18 @@ def _write(rows: list[dict], args, argv) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for r in rows:
-            rec = dict(bench="compile", params=dict(model=r["model"], flags=args.flags),
-                       variant=r["variant"], device=device.device_kind, date=date,
-                       jax=jax.__version__, command=command, compile_s=round(r["compile_s"], 2),
-                       fp8_gemms=r.get("fp8_gemms"), gemm_count=r.get("gemms"))
+            rec = dict(
+                bench="compile",
+                params=dict(model=r["model"], flags=args.flags),
+                variant=r["variant"],
+                device=device.device_kind,
+                date=date,
+                jax=jax.__version__,
+                command=command,
+                compile_s=round(r["compile_s"], 2),
+                fp8_gemms=r.get("fp8_gemms"),
+                gemm_count=r.get("gemms"),
+            )
             if "step_ms" in r:
                 rec["ms"] = round(r["step_ms"], 3)
             f.write(json.dumps(rec) + "\n")
