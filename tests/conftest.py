@@ -4,6 +4,7 @@ import zlib
 # 8 host devices for the data-parallel tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import fp8jax  # noqa: E402, F401  (first: its compile setting acts before JAX's backend starts)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
