@@ -530,7 +530,7 @@ def parse_args(argv):
     p.add_argument("--precision", choices=["bf16", "fp8"], default=None,
                    help="train one precision (default: --compare both)")
     p.add_argument("--compare", action="store_true", help="bf16 then fp8, same seed and data order (default)")
-    p.add_argument("--interleave", type=_at_least(0), default=0, metavar="K",
+    p.add_argument("--interleave", type=int, default=0, metavar="K",
                    help="with --compare: train both in one process, K steps of each in turn, so both are timed on "
                         "the same GPU state (a GPU at its power cap runs slower than a cool one); needs memory "
                         "for both models")
