@@ -127,3 +127,26 @@ def test_to_linear_roundtrip(key):
     layer = eqx.nn.Linear(32, 16, key=key)
     back = fp8jax.fp8_linear_layers(layer, ALL).to_linear()
     assert back.weight is layer.weight and back.bias is layer.bias
+
+
+def test_not_a_model_raises_naming_its_kind(key):
+    nn = pytest.importorskip("flax.linen")
+    with pytest.raises(TypeError, match=r"flax.linen module \(Dense\).*fp8_dot_general_cls"):
+        fp8jax.fp8_linear_layers(nn.Dense(16), ALL)
+    nnx = pytest.importorskip("flax.nnx")
+    with pytest.raises(TypeError, match=r"flax.nnx module \(Linear\); .*fp8jax.nnx.fp8_linear_layers"):
+        fp8jax.fp8_linear_layers(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), ALL)
+    # A stand-in for torch.nn.Linear (torch is not a test dependency): same class layout.
+    torch_module = type("Module", (), {"__module__": "torch.nn.modules.module"})
+    torch_linear = type("Linear", (torch_module,), {"__module__": "torch.nn.modules.linear"})
+    with pytest.raises(TypeError, match=r"PyTorch module \(Linear\); fp8jax converts JAX"):
+        fp8jax.fp8_linear_layers(torch_linear(), ALL)
+    with pytest.raises(TypeError, match=r"got the class Linear, not a model"):
+        fp8jax.fp8_linear_layers(eqx.nn.Linear, ALL)
+    for leaf, kind in [(jax.numpy.ones((16, 16)), "ArrayImpl"), (3, "int"), (None, "NoneType")]:
+        with pytest.raises(TypeError, match=rf"model must be an equinox/haliax .*, got {kind}\."):
+            fp8jax.fp8_linear_layers(leaf, ALL)
+    with pytest.raises(ValueError, match=r"no linear layer .* found in list"):
+        fp8jax.fp8_linear_layers([jax.numpy.ones(3)], ALL)
+    with pytest.raises(TypeError, match=r"config must be an fp8jax.Fp8Config, got dict"):
+        fp8jax.fp8_linear_layers(eqx.nn.Linear(16, 16, key=key), {"selective": False})

@@ -43,10 +43,14 @@ class Fp8Config:
         or an activation), so it is off by default: measure it in your model.
 
     Selection (used by `fp8_linear_layers`):
-      targets: ``None`` (every linear), a regex over the dotted path
-        (``"layers\\.\\d+\\.mlp.*"``), a list of exact names or regexes, or a
-        predicate ``(path, module) -> bool``; haliax layers also follow haliax's rules
-        (a prefix match, a list entry equal to the last path component): `matches`.
+      targets: ``None`` (every linear); a regex string, which must match the whole
+        dotted path (``"layers\\.\\d+\\.mlp.*"``); a list (a layer is in when an
+        entry equals its whole path or fullmatches it as a regex); or a predicate
+        ``(path, module) -> bool``. For ``haliax.nn.Linear`` layers haliax's rules
+        apply too: a string may match a prefix of the path (``re.match``, so
+        ``"layers.0"`` is an MLP's first layer) and a list entry may equal the last
+        path component (``["up_proj"]``; inside ``hnn.Stacked`` the path is
+        ``"blocks.stacked.up_proj"``). See `matches`.
       selective: skip layers where FP8 cannot pay off (size thresholds below).
         ``False`` converts every layer whose dims allow FP8 at all.
       alignment: every FP8 GEMM dim must be a multiple of this (Hopper: 16).

@@ -93,6 +93,49 @@ def _decide(path: str, in_f, out_f, module, config: Fp8Config) -> tuple[bool, st
     return True, "converted"
 
 
+def _foreign_module(model) -> str | None:
+    """'flax.linen', 'flax.nnx' or 'torch' when ``model`` is a module of that framework."""
+    for cls in type(model).__mro__:
+        mod = cls.__module__ or ""
+        if cls.__name__ == "Module":
+            for prefix in ("flax.linen", "flax.nnx", "torch"):
+                if mod.startswith(prefix + "."):
+                    return prefix
+    return None
+
+
+def _check_model(model, is_layer) -> None:
+    """A TypeError naming ``model``'s kind when it cannot hold equinox/haliax linear layers."""
+    kind = type(model).__name__
+    foreign = _foreign_module(model)
+    if foreign == "flax.linen":
+        raise TypeError(
+            f"fp8_linear_layers: got a flax.linen module ({kind}); linen modules are not "
+            "converted after the fact. Build the dense layers with FP8 instead (import "
+            "fp8jax.flax): nn.Dense(..., dot_general_cls=fp8jax.flax.fp8_dot_general_cls())."
+        )
+    if foreign == "flax.nnx":
+        raise TypeError(
+            f"fp8_linear_layers: got a flax.nnx module ({kind}); convert it with "
+            "fp8jax.nnx.fp8_linear_layers (import fp8jax.nnx), which works in place."
+        )
+    if foreign == "torch":
+        raise TypeError(
+            f"fp8_linear_layers: got a PyTorch module ({kind}); fp8jax converts JAX models "
+            "(equinox or haliax modules, or pytrees holding their linear layers)."
+        )
+    if isinstance(model, type):
+        raise TypeError(
+            f"fp8_linear_layers: got the class {model.__name__}, not a model; pass an instance."
+        )
+    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_layer)
+    if model is None or (len(leaves) == 1 and leaves[0] is model and not is_layer(model)):
+        raise TypeError(
+            "fp8_linear_layers: model must be an equinox/haliax module or a pytree holding "
+            f"eqx.nn.Linear / haliax.nn.Linear layers, got {kind}."
+        )
+
+
 def _haliax_linear_type():
     try:
         import haliax.nn as hnn  # noqa: F401
@@ -112,7 +155,9 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     reason (a warning says so when no layer at all was converted). Converting an
     already converted model is a no-op.
 
-    Raises ``ValueError`` if the model has no linear layer, or if ``config.targets``
+    Raises ``TypeError`` if ``model`` is not a pytree that can hold such layers (an
+    array, a scalar, None, a class, a flax or PyTorch module) or ``config`` is not an
+    `Fp8Config`; ``ValueError`` if the model has no linear layer, or if ``config.targets``
     matches none.
     """
     config = resolve_config(config)
@@ -122,6 +167,7 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     def is_layer(x):
         return isinstance(x, kinds)
 
+    _check_model(model, is_layer)
     flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)
     found = [(path, leaf) for path, leaf in flat if is_layer(leaf)]
     if not found:
