@@ -19,51 +19,65 @@ def _losses(result):
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu",
-                    reason="two identical GPU runs already differ (nondeterministic XLA reductions): bit-for-bit "
-                           "resume is checked on CPU")
-def test_resume_is_bit_for_bit_and_ctrl_c_checkpoints(tmp_path):
-    args = SMALL + ["--precision", "fp8", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "3",
-                    "--no-plot"]
-    full = cli.main(args + ["--out", str(tmp_path / "full")])["fp8"]
-    cut = cli.main(args + ["--out", str(tmp_path / "cut")], interrupt_at=5)["fp8"]
-    assert cut["interrupted"] and cut["steps"] == 5
-    assert (tmp_path / "cut" / "ckpt-fp8" / "5").exists()  # written on "Ctrl-C", off the save schedule
-    resumed = cli.main(args + ["--out", str(tmp_path / "cut"), "--resume"])["fp8"]
-    assert resumed["steps"] == 8 and not resumed["interrupted"]
-    assert _losses(resumed) == _losses(full)  # exactly: same data order, state and optimizer
-    assert resumed["val_loss"] == full["val_loss"]
-    assert len(set(_losses(full))) > 1 and _losses(full)[-1] < _losses(full)[0]
+                    reason="two identical GPU runs already differ (nondeterministic XLA reductions): "
+                           "bit-for-bit comparisons are checked on CPU")
+def test_compare_interleave_resume_and_ctrl_c_end_to_end(tmp_path):
+    """The trainer end to end, in one test (each run compiles both models):
 
-
-@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="bit-for-bit comparisons are checked on CPU")
-def test_interleaved_compare_trains_the_same_runs_and_resumes(tmp_path):
-    """``--interleave K`` only changes when each precision's steps run (K of each in turn, both
-    models resident): every loss and val loss equals the sequential compare's, and Ctrl-C
-    in either mode followed by ``--resume`` continues bit for bit, also when the
-    interruption came before the second precision had started."""
-    args = SMALL + ["--steps", "6", "--eval-every", "3", "--checkpoint-every", "0", "--no-plot"]
-    full = cli.main(args + ["--out", str(tmp_path / "seq")])
-    record = tmp_path / "train.jsonl"
-    inter = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "inter"), "--record", str(record)])
+    - a sequential ``--compare`` trains, evaluates on schedule (the last step included) and
+      writes its table, plot, metrics and records;
+    - ``--interleave K`` only changes when each precision's steps run (K of each in turn,
+      both models resident): every loss and val loss equals the sequential compare's;
+    - Ctrl-C (simulated) writes a checkpoint off the ``--checkpoint-every`` schedule, in
+      either mode, also before the second precision has started, and ``--resume``
+      continues from it bit for bit (same data order, state and optimizer)."""
+    args = SMALL + ["--steps", "7", "--eval-every", "3", "--checkpoint-every", "2"]
+    seq, record = tmp_path / "seq", tmp_path / "train.jsonl"
+    full = cli.main(args + ["--out", str(seq), "--record", str(record)])
+    assert set(full) == {"bf16", "fp8"}
+    args = args + ["--no-plot"]
+    inter_record = tmp_path / "inter.jsonl"
+    inter = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "inter"),
+                             "--record", str(inter_record)])
     cut = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "cut")], interrupt_at=3)
     assert cut["bf16"]["steps"] == 3 and cut["fp8"]["steps"] == 2  # bf16 was in its second chunk
     assert cut["bf16"]["interrupted"] and cut["fp8"]["interrupted"]
+    assert (tmp_path / "cut" / "ckpt-bf16" / "3").exists()  # on "Ctrl-C", off the save schedule
     resumed = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "cut"), "--resume"])
     seq_cut = cli.main(args + ["--out", str(tmp_path / "seq_cut")], interrupt_at=3)
     assert set(seq_cut) == {"bf16"} and not (tmp_path / "seq_cut" / "ckpt-fp8").exists()
+    assert seq_cut["bf16"]["interrupted"] and seq_cut["bf16"]["steps"] == 3
+    assert (tmp_path / "seq_cut" / "ckpt-bf16" / "3").exists()
     seq_resumed = cli.main(args + ["--out", str(tmp_path / "seq_cut"), "--resume"])
     for precision in ("bf16", "fp8"):
         want = _losses(full[precision])
-        assert len(set(want)) > 1
+        assert len(set(want)) > 1 and want[-1] < want[0], (precision, want)
+        assert all(np.isfinite(want))
+        history = full[precision]["history"]
+        assert [h["step"] for h in history] == list(range(1, 8))
+        assert [h["step"] for h in history if "val_loss" in h] == [3, 6, 7]
+        assert full[precision]["tokens_per_s"] > 0  # steps 4-7 minus the one after the step-6 eval
         for other in (inter, resumed, seq_resumed):
-            assert [h["step"] for h in other[precision]["history"]] == list(range(1, 7))
+            assert [h["step"] for h in other[precision]["history"]] == list(range(1, 8))
             assert _losses(other[precision]) == want, precision
             assert other[precision]["val_loss"] == full[precision]["val_loss"]
+            assert not other[precision]["interrupted"] and other[precision]["steps"] == 7
         assert inter[precision]["tokens_per_s"] > 0 and inter[precision]["compile_s"] > 0
         assert inter[precision]["joules_per_step"] is None  # no NVML on CPU
         assert inter[precision]["gemms"] > 0  # from the compiled step (CPU runs FP8 dots upcast)
-    recs = [json.loads(line) for line in record.read_text().splitlines()]
+    recs = [json.loads(line) for line in inter_record.read_text().splitlines()]
     assert {r["variant"]: r["interleave"] for r in recs} == {"bf16": 2, "fp8": 2}
+    # The sequential compare's outputs.
+    for name in ("metrics.csv", "metrics.json", "summary.md", "loss.png"):
+        assert (seq / name).stat().st_size > 0, name
+    assert "| fp8 |" in (seq / "summary.md").read_text()
+    recs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert {r["variant"] for r in recs} == {"bf16", "fp8"}
+    for r in recs:
+        assert r["bench"] == "train" and r["params"]["preset"] == "tiny" and r["tokens_per_s"] > 0
+        assert np.isfinite(r["val_loss"]) and "val_loss_rel_gap" in r
+    # Same seed and data: the two runs start from the same loss (to FP8 accuracy).
+    assert abs(_losses(full["fp8"])[0] - _losses(full["bf16"])[0]) < 0.05
 
 
 def test_bad_interleave_raises(tmp_path):
@@ -71,17 +85,6 @@ def test_bad_interleave_raises(tmp_path):
         cli.main(SMALL + ["--interleave", "-1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="both precisions"):
         cli.main(SMALL + ["--precision", "fp8", "--interleave", "2", "--out", str(tmp_path)])
-
-
-def test_history_has_every_step_once_with_evals_where_scheduled(tmp_path):
-    """The loop reads step N's loss after dispatching step N+1: the history must still hold
-    each step once, in order, with the val loss on the eval steps (the last one included)."""
-    r = cli.main(SMALL + ["--precision", "fp8", "--steps", "7", "--eval-every", "3", "--checkpoint-every", "0",
-                          "--no-plot", "--out", str(tmp_path / "h")])["fp8"]
-    assert [h["step"] for h in r["history"]] == list(range(1, 8))
-    assert [h["step"] for h in r["history"] if "val_loss" in h] == [3, 6, 7]
-    assert all(np.isfinite(h["loss"]) for h in r["history"])
-    assert r["tokens_per_s"] > 0  # steps 4-7 minus the one after the step-6 eval
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -113,22 +116,6 @@ def test_unrolled_layer_scan_is_the_same_model(precision):
         g1, g2 = np.asarray(g1, np.float64), np.asarray(g2, np.float64)
         error = np.linalg.norm(g2 - g1) / max(np.linalg.norm(g1), 1e-30)
         assert error <= (1e-2 if gpu else 1e-6), (g1.shape, error)
-
-
-def test_compare_writes_table_plot_and_records(tmp_path):
-    out, record = tmp_path / "cmp", tmp_path / "train.jsonl"
-    results = cli.main(SMALL + ["--steps", "6", "--eval-every", "3", "--out", str(out), "--record", str(record)])
-    assert set(results) == {"bf16", "fp8"}
-    for name in ("metrics.csv", "metrics.json", "summary.md", "loss.png"):
-        assert (out / name).stat().st_size > 0, name
-    assert "| fp8 |" in (out / "summary.md").read_text()
-    recs = [json.loads(line) for line in record.read_text().splitlines()]
-    assert {r["variant"] for r in recs} == {"bf16", "fp8"}
-    for r in recs:
-        assert r["bench"] == "train" and r["params"]["preset"] == "tiny" and r["tokens_per_s"] > 0
-        assert np.isfinite(r["val_loss"]) and "val_loss_rel_gap" in r
-    # Same seed and data: the two runs start from the same loss (to FP8 accuracy).
-    assert abs(_losses(results["fp8"])[0] - _losses(results["bf16"])[0]) < 0.05
 
 
 def test_moe_blocks_and_custom_data(tmp_path):
