@@ -22,7 +22,6 @@ median of 10, to show the GEMMs run as fast either way.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -188,24 +187,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _write(rows: list[dict], args, argv) -> None:
-    import jax
+    """Append the rows to ``args.out`` in the records format (GPU runs only)."""
+    from benchmarks import common
 
-    device = jax.devices()[0]
-    if device.platform != "gpu":
+    if not common.on_gpu():
         return
-    command = " ".join(["python -m benchmarks.compile", *map(shlex.quote, argv or sys.argv[1:])])
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    meta = common.run_meta(argv or sys.argv[1:], "compile", "python -m benchmarks.compile")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for r in rows:
             rec = dict(
-                bench="compile",
+                bench=meta["bench"],
                 params=dict(model=r["model"], flags=args.flags),
                 variant=r["variant"],
-                device=device.device_kind,
-                date=date,
-                jax=jax.__version__,
-                command=command,
+                **{k: meta[k] for k in ("device", "date", "jax", "command")},
                 compile_s=round(r["compile_s"], 2),
                 fp8_gemms=r.get("fp8_gemms"),
                 gemm_count=r.get("gemms"),
