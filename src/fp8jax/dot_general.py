@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import equinox as eqx
@@ -118,6 +119,14 @@ class Fp8DotGeneral(Fp8GemmState):
                          rhs_k_first, w_shardings)
         y3 = _dot.fp8_dot3(spec, x3, w3, _state.enter(self.state()))
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)
+
+
+def fp8_einsum(op: Fp8DotGeneral, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):
+    """``jnp.einsum`` with ``op`` as its dot_general (the adapters' ``Fp8Einsum``: ``rhs`` is
+    the kernel). ``op`` goes in as a ``functools.partial``: einsum hashes its dot_general,
+    and an equinox module's hash would read its arrays."""
+    return jnp.einsum(eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type,
+                      _dot_general=functools.partial(op))
 
 
 def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):

@@ -23,7 +23,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from .. import checks
 from ..config import Fp8Config
-from ..dot_general import Fp8DotGeneral
+from ..dot_general import Fp8DotGeneral, fp8_einsum
 
 # flax's Fp8DotGeneralBase.setup order.
 FLAX_STATE = (
@@ -98,14 +98,7 @@ class Fp8Einsum(nn.Module):
         except (TypeError, ValueError):
             kind = type(lhs).__name__
             raise TypeError(f"Fp8Einsum: lhs must be an array, got {kind}.") from None
-        return jnp.einsum(
-            eqn,
-            lhs,
-            rhs,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            _dot_general=functools.partial(_op(self, self.config)),
-        )  # hashable
+        return fp8_einsum(_op(self, self.config), eqn, lhs, rhs, precision, preferred_element_type)
 
 
 def fp8_dot_general_cls(config: Fp8Config | None = None):

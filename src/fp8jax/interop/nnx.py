@@ -26,7 +26,6 @@ The GEMMs are fp8jax's (`fp8jax.Fp8DotGeneral`); flax ships no nnx FP8 op to com
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from typing import Any
@@ -38,7 +37,7 @@ from flax import nnx
 from .. import checks
 from ..config import Fp8Config
 from ..convert import ConversionReport, LayerDecision, _decide
-from ..dot_general import Fp8DotGeneral
+from ..dot_general import Fp8DotGeneral, fp8_einsum
 from ..state import STATE_FIELDS
 
 
@@ -118,14 +117,7 @@ class Fp8EinsumOp(_Fp8StateModule):
             raise NotImplementedError("Fp8EinsumOp: out_sharding is not supported.")
         rhs = checks.float_array("Fp8EinsumOp", "rhs (the kernel)", rhs)
         lhs = checks.float_array("Fp8EinsumOp", "lhs (the input)", lhs).astype(rhs.dtype)
-        return jnp.einsum(
-            eqn,
-            lhs,
-            rhs,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            _dot_general=functools.partial(self.op()),  # hashable
-        )
+        return fp8_einsum(self.op(), eqn, lhs, rhs, precision, preferred_element_type)
 
 
 _OPS = (Fp8DotGeneralOp, Fp8EinsumOp)
