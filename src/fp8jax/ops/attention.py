@@ -189,9 +189,9 @@ def _forward_impl(spec: AttnSpec, training: bool, q, k, v, q_len, kv_len, state)
     o_unseen = jnp.max(state[1][IDX["o"]]) <= 0
     sc = sc.at[IDX["o"]].set(jnp.where(o_unseen, sc[IDX["v"]], sc[IDX["o"]]))
     sc = sc.at[IDX["s"]].set(S_SCALE)
-    q8, k8, v8 = (qt.quantize(x, sc[i], E4M3) for i, x in enumerate((q, k, v)))
+    q8, k8, v8 = (cfg.recipe.quantize(x, sc[i], E4M3) for i, x in enumerate((q, k, v)))
     o8, amax_s, amax_o, stats = _backend_forward(spec, q8, k8, v8, sc, q_len, kv_len, training)
-    o = (o8.astype(F32) * sc[IDX["o"]]).astype(spec.out_dtype)
+    o = cfg.recipe.dequantize(o8, sc[IDX["o"]], spec.out_dtype)
     fwd_amax = jnp.concatenate([in_amax, jnp.stack([amax_s, amax_o])])
     return o, ((q8, k8, v8, o8, stats, q_len, kv_len), (sc, fwd_amax))
 
@@ -203,12 +203,12 @@ def _backward_impl(spec: AttnSpec, tensors, scalars, state, g):
     amax_do = qt.amax(g)
     do = IDX["do"]
     sc = sc.at[do].set(cfg.recipe.scale(state[1][do], state[0][do], E4M3, amax_do))
-    do8 = qt.quantize(g, sc[IDX["do"]], E4M3)
+    do8 = cfg.recipe.quantize(g, sc[do], E4M3)
     dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp = _backend_backward(
         spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len
     )
     grads = tuple(
-        (x8.astype(F32) * sc[IDX[name]]).astype(spec.in_dtype)
+        cfg.recipe.dequantize(x8, sc[IDX[name]], spec.in_dtype)
         for x8, name in zip((dq8, dk8, dv8), ("dq", "dk", "dv"))
     )
     amaxes = jnp.concatenate([fwd_amax, jnp.stack([amax_do, amax_dp, amax_dq, amax_dk, amax_dv])])
