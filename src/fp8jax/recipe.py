@@ -24,7 +24,8 @@ class Cast(NamedTuple):
 
     data: Array  # [B, P, C]
     data_t: Array  # [B, C, P]
-    scale: Array  # dequantization factor(s): real ~ data * scale
+    # dequantization factor(s), as the state keeps them: real ~ data * gemm_scale(scale)
+    scale: Array
     amax: Array  # max |t| this step (non-finite if t held NaN/Inf)
 
 
@@ -72,11 +73,13 @@ class PerTensor:
         """``t: [B, P, C]`` cast to FP8 in both layouts (`fp8jax.kernels.gemm.quantize_both`)."""
         if self.delayed:
             scale = self.scale(history, old_scale, dtype)
-            data, data_t, amax = _gemm.quantize_both(t, scale, dtype, self.cast_kernel)
+            cast = _gemm.quantize_both(t, _gemm.gemm_scale(scale), dtype, self.cast_kernel)
+            data, data_t, amax = cast
         else:
             amax = q.amax(t)
             scale = self.scale(history, old_scale, dtype, amax)
-            data, data_t, _ = _gemm.quantize_both(t, scale, dtype, self.cast_kernel)
+            cast = _gemm.quantize_both(t, _gemm.gemm_scale(scale), dtype, self.cast_kernel)
+            data, data_t, _ = cast
         return Cast(data, data_t, scale, amax)
 
     def quantize(self, t: Array, scale: Array, dtype) -> Array:
@@ -88,5 +91,7 @@ class PerTensor:
     def gemm(
         self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
     ) -> Array:
-        """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales."""
-        return _gemm.fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
+        """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales (by cuBLASLt: the
+        operands were cast with `fp8jax.kernels.gemm.gemm_scale` of them)."""
+        a_scale, b_scale = _gemm.gemm_scale(a_scale), _gemm.gemm_scale(b_scale)
+        return _gemm.scaled_fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)

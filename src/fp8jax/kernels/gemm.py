@@ -24,6 +24,8 @@ TUNING = {
     # Produce the transposed (column-wise) FP8 copies by casting the transposed
     # high-precision tensor (one fused read) rather than transposing the FP8 copy.
     "cast_transposed": False,
+    # Hand the scales to cuBLASLt (`scaled_fp8_gemm`) instead of a multiply after the GEMM.
+    "scaled_gemm": True,
 }
 
 
@@ -54,6 +56,38 @@ def fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
     y = gemm(a, b, acc_dtype, gemm_precision(fast_accumulation))
     scale = (a_scale * b_scale).reshape(()).astype(F32)
     return (y.astype(F32) * scale).astype(out_dtype)
+
+
+def gemm_scale(scale):
+    """The scale an FP8 GEMM operand is cast and dequantized with: ``scale`` rounded up to the
+    nearest bfloat16 value when `scaled_fp8_gemm` hands it to cuBLASLt (XLA's pattern takes
+    the scale in the GEMM's bf16 compute type; rounding it the same way for the cast keeps
+    cast and dequantization exactly consistent, and rounding up never overflows FP8).
+    Scales are positive and finite: adding 0xFFFF to the float32 bits and clearing the low
+    16 rounds the magnitude up to the bf16 grid."""
+    if not TUNING["scaled_gemm"]:
+        return scale
+    bits = jax.lax.bitcast_convert_type(scale.astype(F32), jnp.uint32)
+    bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def scaled_fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
+    """FP8 GEMM whose scales cuBLASLt applies (its A/B scale pointers), with no dequantizing
+    pass over the output; the scales must come from `gemm_scale`.
+
+    Written as XLA's FP8 pattern, ``dot(convert(a) * sa, convert(b) * sb)``, which its GEMM
+    rewriter turns into one ``__cublas$lt$matmul$f8`` call taking ``sa`` and ``sb``. The
+    barrier keeps each operand's cast from fusing into the converts, so the pattern stays
+    visible. Off the GPU (no cuBLASLt) it is `fp8_gemm`: the same math, and the lowered
+    program keeps its FP8 dot for `fp8jax.inspect`.
+    """
+    if not TUNING["scaled_gemm"] or jax.default_backend() != "gpu":
+        return fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
+    a, b = jax.lax.optimization_barrier((a, b))
+    a = a.astype(out_dtype) * a_scale.reshape(()).astype(out_dtype)
+    b = b.astype(out_dtype) * b_scale.reshape(()).astype(out_dtype)
+    return gemm(a, b, out_dtype, gemm_precision(fast_accumulation))
 
 
 def quantize_both(t, scale, dtype, cast_kernel: bool = False):
