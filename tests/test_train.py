@@ -140,13 +140,18 @@ def test_unrolled_layer_scan_is_the_same_model(precision):
         assert error <= (1e-2 if gpu else 1e-6), (g1.shape, error)
 
 
-def test_moe_blocks_and_custom_data(tmp_path):
+def test_moe_blocks_and_custom_data(tmp_path, capsys):
+    """MoE blocks train on a custom text; output that is not a terminal (here captured) gets
+    no progress bar, one plain line per evaluation instead."""
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000)))
-    results = cli.main(SMALL + ["--experts", "4", "--top-k", "2", "--steps", "3", "--eval-every", "3",
+    loud = [a for a in SMALL if a != "--quiet"]
+    results = cli.main(loud + ["--experts", "4", "--top-k", "2", "--steps", "3", "--eval-every", "3",
                                 "--precision", "fp8", "--data", str(text), "--out", str(tmp_path / "moe"),
                                 "--no-plot"])
     assert np.isfinite(results["fp8"]["val_loss"])
+    err = capsys.readouterr().err
+    assert "fp8 step 3/3: loss" in err and "\r" not in err and "it/s" not in err, err
 
 
 def test_moe_blocks_use_grouped_experts_with_fp8_state():
@@ -225,3 +230,25 @@ def test_console_script_exits_zero_after_training(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| fp8 |" in out.stdout and "'history'" not in out.stdout + out.stderr
     assert (tmp_path / "summary.md").exists()
+
+
+def test_tensorboard_log_without_tensorboardx_says_so_once(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from fp8jax.train import report
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
+    monkeypatch.setattr(report, "_warned_no_tensorboard", False)
+    for _ in range(2):
+        log = report.TensorBoardLog(tmp_path / "tb")
+        log.scalars(1, dict(loss=1.0))
+        log.close()
+    assert capsys.readouterr().err.count("tensorboardX not installed") == 1
+    assert not (tmp_path / "tb").exists()
+
+
+def test_8b_preset_is_llama3_8b_shaped():
+    """Config only (a multi-GPU run): LLaMA-3-8B's 6.98B non-embedding parameters."""
+    model = cli.PRESETS["8b"]["model"]
+    assert (model.dim, model.layers, model.ffn, model.heads, model.kv_heads) == (4096, 32, 14336, 32, 8)
+    assert model.non_embedding_params() == pytest.approx(6.98e9, rel=1e-3)

@@ -55,13 +55,14 @@ PRESETS = {
         selective=False,
     ),
     # LLaMA-3-8B-shaped (dim 4096, 32 layers, ffn 14336, GQA 32/8 heads, rope base 5e5;
-    # byte-level vocabulary): a multi-GPU config (--mesh), not run here. The layer scan is
-    # kept rolled (32 unrolled layers compile slowly; not measured yet).
+    # byte-level vocabulary): a multi-GPU config (e.g. 16 GPUs, --mesh data=2,fsdp=8: one
+    # 4096-token sequence per GPU), not run yet. The layer scan is kept rolled (32 unrolled
+    # layers compile slowly; not measured).
     "8b": dict(
         model=ModelConfig(
-            dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, seq=8192, rope_base=500000.0
+            dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, seq=4096, rope_base=500000.0
         ),
-        batch=8,
+        batch=16,
         steps=1000,
         lr=3e-4,
         warmup=100,
