@@ -11,7 +11,7 @@ from fp8jax.train import cli
 from fp8jax.train.data import load_corpus
 
 SMALL = ["--dim", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--seq", "32",
-         "--batch", "4", "--eval-batches", "2", "--max-bytes", "300000", "--quiet", "--lr", "3e-3"]
+         "--batch", "8", "--eval-batches", "2", "--max-bytes", "300000", "--quiet", "--lr", "3e-3"]
 
 
 def _losses(result):
@@ -70,6 +70,7 @@ def test_compare_interleave_resume_and_ctrl_c_end_to_end(tmp_path):
     # The sequential compare's outputs.
     for name in ("metrics.csv", "metrics.json", "summary.md", "loss.png"):
         assert (seq / name).stat().st_size > 0, name
+    _check_tensorboard_matches_csv(seq)
     assert "| fp8 |" in (seq / "summary.md").read_text()
     recs = [json.loads(line) for line in record.read_text().splitlines()]
     assert {r["variant"] for r in recs} == {"bf16", "fp8"}
@@ -78,6 +79,27 @@ def test_compare_interleave_resume_and_ctrl_c_end_to_end(tmp_path):
         assert np.isfinite(r["val_loss"]) and "val_loss_rel_gap" in r
     # Same seed and data: the two runs start from the same loss (to FP8 accuracy).
     assert abs(_losses(full["fp8"])[0] - _losses(full["bf16"])[0]) < 0.05
+
+
+def _check_tensorboard_matches_csv(out):
+    """The TensorBoard event files under ``out/tb/<precision>`` hold the CSV's losses."""
+    import csv
+
+    from fp8jax.train.report import read_tensorboard_scalars
+
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for precision in ("bf16", "fp8"):
+        tb = read_tensorboard_scalars(out / "tb" / precision)
+        want = [(int(r["step"]), float(r["loss"])) for r in rows if r["precision"] == precision]
+        assert len(want) == 7
+        # TensorBoard stores float32
+        assert [s for s, _ in tb["loss"]] == [s for s, _ in want], precision
+        np.testing.assert_allclose([v for _, v in tb["loss"]], [v for _, v in want], rtol=1e-6)
+        val = [(int(r["step"]), float(r["val_loss"])) for r in rows
+               if r["precision"] == precision and r["val_loss"]]
+        assert [s for s, _ in tb["val_loss"]] == [s for s, _ in val] == [3, 6, 7]
+        np.testing.assert_allclose([v for _, v in tb["val_loss"]], [v for _, v in val], rtol=1e-6)
 
 
 def test_bad_interleave_raises(tmp_path):
@@ -100,7 +122,7 @@ def test_unrolled_layer_scan_is_the_same_model(precision):
         import equinox as eqx
         run = dataclasses.replace(base, model=dataclasses.replace(base.model, scan_unroll=unroll))
         params, static = eqx.partition(cli.build_model(run, precision), eqx.is_array)
-        fn = jax.jit(jax.value_and_grad(lambda p: cli._loss(eqx.combine(p, static), batch)))
+        fn = jax.jit(jax.value_and_grad(lambda p: cli.lm_loss(eqx.combine(p, static), batch)))
         return fn(params), fn.lower(params).compile().as_text()
 
     (loss1, grads1), hlo1 = loss_and_grad(1)
@@ -118,13 +140,18 @@ def test_unrolled_layer_scan_is_the_same_model(precision):
         assert error <= (1e-2 if gpu else 1e-6), (g1.shape, error)
 
 
-def test_moe_blocks_and_custom_data(tmp_path):
+def test_moe_blocks_and_custom_data(tmp_path, capsys):
+    """MoE blocks train on a custom text; output that is not a terminal (here captured) gets
+    no progress bar, one plain line per evaluation instead."""
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000)))
-    results = cli.main(SMALL + ["--experts", "4", "--top-k", "2", "--steps", "3", "--eval-every", "3",
+    loud = [a for a in SMALL if a != "--quiet"]
+    results = cli.main(loud + ["--experts", "4", "--top-k", "2", "--steps", "3", "--eval-every", "3",
                                 "--precision", "fp8", "--data", str(text), "--out", str(tmp_path / "moe"),
                                 "--no-plot"])
     assert np.isfinite(results["fp8"]["val_loss"])
+    err = capsys.readouterr().err
+    assert "fp8 step 3/3: loss" in err and "\r" not in err and "it/s" not in err, err
 
 
 def test_moe_blocks_use_grouped_experts_with_fp8_state():
@@ -144,7 +171,7 @@ def test_moe_blocks_use_grouped_experts_with_fp8_state():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 33)))
     _, aux = cli.cast_for_compute(fp8, cli.compute_dtype()).forward(tokens[:, :-1])
     assert float(aux) > 0.0
-    with_aux, without = cli._loss(fp8, tokens), cli._loss(fp8, tokens, with_aux=False)
+    with_aux, without = cli.lm_loss(fp8, tokens), cli.lm_loss(fp8, tokens, with_aux=False)
     assert float(with_aux) == pytest.approx(float(without) + float(aux), rel=1e-5)
     dense = cli.build_model(cli.run_config(cli.parse_args(SMALL)), "fp8")
     assert float(dense.forward(tokens[:, :-1])[1]) == 0.0
@@ -203,3 +230,25 @@ def test_console_script_exits_zero_after_training(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| fp8 |" in out.stdout and "'history'" not in out.stdout + out.stderr
     assert (tmp_path / "summary.md").exists()
+
+
+def test_tensorboard_log_without_tensorboardx_says_so_once(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from fp8jax.train import report
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
+    monkeypatch.setattr(report, "_warned_no_tensorboard", False)
+    for _ in range(2):
+        log = report.TensorBoardLog(tmp_path / "tb")
+        log.scalars(1, dict(loss=1.0))
+        log.close()
+    assert capsys.readouterr().err.count("tensorboardX not installed") == 1
+    assert not (tmp_path / "tb").exists()
+
+
+def test_8b_preset_is_llama3_8b_shaped():
+    """Config only (a multi-GPU run): LLaMA-3-8B's 6.98B non-embedding parameters."""
+    model = cli.PRESETS["8b"]["model"]
+    assert (model.dim, model.layers, model.ffn, model.heads, model.kv_heads) == (4096, 32, 14336, 32, 8)
+    assert model.non_embedding_params() == pytest.approx(6.98e9, rel=1e-3)

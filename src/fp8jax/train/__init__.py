@@ -1,6 +1,12 @@
-"""The end-to-end example: a byte-level transformer trained in bf16 and FP8 (``fp8jax-train``)."""
+"""The end-to-end example: a byte-level transformer trained in bf16 and FP8 (``fp8jax-train``).
 
-from .cli import PRESETS, main
+Modules by job: `config` (presets, `RunConfig`), `model`, `data`, `mesh` (``--mesh``,
+placement, multi-host), `loop` (`Trainer`, `TrainRun`), `checkpoint` (orbax),
+`metering` (peak FLOP/s, energy), `report` (table, CSV, plot, TensorBoard), `cli`."""
+
+from .cli import main
+from .config import PRESETS, RunConfig
+from .loop import Trainer, train
 from .model import ModelConfig, Transformer
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "main"]
+__all__ = ["PRESETS", "ModelConfig", "RunConfig", "Trainer", "Transformer", "main", "train"]

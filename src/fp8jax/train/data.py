@@ -27,7 +27,9 @@ def _files(root: Path) -> list[Path]:
     files = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).parts
-        if default and (rel[0] in ("site-packages", "dist-packages", "test", "idlelib") or "tests" in rel):
+        if default and (
+            rel[0] in ("site-packages", "dist-packages", "test", "idlelib") or "tests" in rel
+        ):
             continue
         if path.is_file() and path.suffix in ((".py",) if default else TEXT_SUFFIXES):
             files.append(path)
@@ -48,18 +50,22 @@ class Corpus:
         only, so a resumed run sees exactly the batches an uninterrupted one would."""
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(self.train) - seq - 1, size=batch)
-        return np.stack([self.train[s:s + seq + 1] for s in starts]).astype(np.int32)
+        return np.stack([self.train[s : s + seq + 1] for s in starts]).astype(np.int32)
 
     def val_batches(self, batch: int, seq: int, count: int) -> list[np.ndarray]:
         """Fixed, evenly spaced validation windows (the same for every run)."""
         n = len(self.val) - seq - 1
         starts = np.linspace(0, n, num=batch * count, dtype=np.int64)
-        windows = np.stack([self.val[s:s + seq + 1] for s in starts]).astype(np.int32)
-        return [windows[i * batch:(i + 1) * batch] for i in range(count)]
+        windows = np.stack([self.val[s : s + seq + 1] for s in starts]).astype(np.int32)
+        return [windows[i * batch : (i + 1) * batch] for i in range(count)]
 
 
-def load_corpus(data: str | None = None, val_fraction: float = 0.05, max_bytes: int = 64 * 2**20,
-                min_bytes: int = 0) -> Corpus:
+def load_corpus(
+    data: str | None = None,
+    val_fraction: float = 0.05,
+    max_bytes: int = 64 * 2**20,
+    min_bytes: int = 0,
+) -> Corpus:
     """Read the corpus (files in sorted order, joined), keep at most ``max_bytes``; the
     last ``val_fraction`` of it is the validation split."""
     root = stdlib_dir() if data is None else Path(data).expanduser()
@@ -73,6 +79,8 @@ def load_corpus(data: str | None = None, val_fraction: float = 0.05, max_bytes: 
             break
     blob = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
     if len(blob) < max(min_bytes, 4096):
-        raise ValueError(f"corpus {root} has only {len(blob)} bytes; need at least {max(min_bytes, 4096)}")
+        raise ValueError(
+            f"corpus {root} has only {len(blob)} bytes; need at least {max(min_bytes, 4096)}"
+        )
     split = int(len(blob) * (1 - val_fraction))
     return Corpus(train=blob[:split], val=blob[split:], source=str(root), files=count)

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..state import OverwriteWithGradient
 from ..nn.attention import DotProductAttention, rotary
 from ..nn.grouped import MoE as GroupedMoE
 from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
+from ..state import OverwriteWithGradient
 
 VOCAB = 256
 
@@ -41,8 +41,10 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.dim % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"dim ({self.dim}) must divide by heads ({self.heads}) and heads by kv_heads "
-                             f"({self.kv_heads})")
+            raise ValueError(
+                f"dim ({self.dim}) must divide by heads ({self.heads}) and heads by kv_heads "
+                f"({self.kv_heads})"
+            )
         if self.attention not in ("bf16", "fp8_dpa"):
             raise ValueError(f"attention must be 'bf16' or 'fp8_dpa', got {self.attention!r}")
         if self.experts and not 1 <= self.top_k <= self.experts:
@@ -70,19 +72,25 @@ class ModelConfig:
 
 class Attention(eqx.Module):
     norm: Float[Array, " dim"]
-    qkv: eqx.nn.Linear  # one projection to [q | k | v]: one FP8 cast and transpose of its input, not two
+    qkv: (
+        eqx.nn.Linear
+    )  # one projection to [q | k | v]: one FP8 cast and transpose of its input, not two
     o: eqx.nn.Linear
     core: DotProductAttention | None  # FP8 attention with its state, or None (bf16 cuDNN/XLA)
     cfg: ModelConfig = eqx.field(static=True)
 
     def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
         kqkv, ko = jax.random.split(key)
-        self.core = None if cfg.attention == "bf16" else DotProductAttention(cfg.attention, is_causal=True)
+        self.core = (
+            None if cfg.attention == "bf16" else DotProductAttention(cfg.attention, is_causal=True)
+        )
         kv_dim = cfg.kv_heads * cfg.head_dim
         self.norm = jnp.ones((cfg.dim,))
         self.qkv = eqx.nn.Linear(cfg.dim, cfg.dim + 2 * kv_dim, use_bias=False, key=kqkv)
         self.o = eqx.nn.Linear(cfg.dim, cfg.dim, use_bias=False, key=ko)
-        self.o = eqx.tree_at(lambda l: l.weight, self.o, self.o.weight / math.sqrt(2 * cfg.layers))
+        self.o = eqx.tree_at(
+            lambda lin: lin.weight, self.o, self.o.weight / math.sqrt(2 * cfg.layers)
+        )
         self.cfg = cfg
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
@@ -95,7 +103,9 @@ class Attention(eqx.Module):
         if self.core is not None:
             attn = self.core(q, k, v)
         else:
-            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(q))
+            attn = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=_attention_impl(q)
+            )
         return x + apply_linear(self.o, attn.reshape(b, t, cfg.dim))
 
 
@@ -115,8 +125,15 @@ class MoE(eqx.Module):
 
     def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
         self.norm = jnp.ones((cfg.dim,))
-        self.moe = GroupedMoE(cfg.dim, cfg.ffn, cfg.experts, top_k=cfg.top_k, activation="swiglu",
-                              fp8=cfg.moe_fp8, key=key)
+        self.moe = GroupedMoE(
+            cfg.dim,
+            cfg.ffn,
+            cfg.experts,
+            top_k=cfg.top_k,
+            activation="swiglu",
+            fp8=cfg.moe_fp8,
+            key=key,
+        )
 
     def __call__(self, x):
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
@@ -134,9 +151,18 @@ class Block(eqx.Module):
         if cfg.experts:
             self.mlp = MoE(cfg, key=km)
         else:
-            mlp = FusedMLP(cfg.dim, cfg.ffn, activation="swiglu", norm="rmsnorm", residual=True, fp8=False,
-                           key=km)
-            self.mlp = eqx.tree_at(lambda m: m.fc2.weight, mlp, mlp.fc2.weight / math.sqrt(2 * cfg.layers))
+            mlp = FusedMLP(
+                cfg.dim,
+                cfg.ffn,
+                activation="swiglu",
+                norm="rmsnorm",
+                residual=True,
+                fp8=False,
+                key=km,
+            )
+            self.mlp = eqx.tree_at(
+                lambda m: m.fc2.weight, mlp, mlp.fc2.weight / math.sqrt(2 * cfg.layers)
+            )
 
     def __call__(self, x):
         """``(x_out, auxiliary loss)``: the MoE's load-balancing loss, 0 for a dense MLP."""
@@ -164,7 +190,9 @@ class Transformer(eqx.Module):
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
         return self.forward(tokens)[0]
 
-    def forward(self, tokens: Int[Array, "B T"]) -> tuple[Float[Array, "B T vocab"], Float[Array, ""]]:
+    def forward(
+        self, tokens: Int[Array, "B T"]
+    ) -> tuple[Float[Array, "B T vocab"], Float[Array, ""]]:
         """Logits and the auxiliary loss summed over layers (MoE load balancing,
         already weighted by ``aux_loss_coef``; 0 without experts)."""
         x = self.embed[tokens]
@@ -175,7 +203,9 @@ class Transformer(eqx.Module):
             x, layer_aux = eqx.combine(p, static)(x)
             return (x, aux + layer_aux.astype(jnp.float32)), None
 
-        (x, aux), _ = jax.lax.scan(layer, (x, jnp.zeros((), jnp.float32)), params, unroll=self.cfg.scan_unroll)
+        (x, aux), _ = jax.lax.scan(
+            layer, (x, jnp.zeros((), jnp.float32)), params, unroll=self.cfg.scan_unroll
+        )
         x = normalize(x, self.norm, None, "rmsnorm", 1e-5)
         return apply_linear(self.head, x).astype(jnp.float32), self.cfg.aux_loss_coef * aux
 
@@ -183,6 +213,7 @@ class Transformer(eqx.Module):
 def cast_for_compute(model, dtype):
     """Floating parameters in ``dtype`` for the forward (f32 master copies stay in the
     optimizer); FP8 scaling state is left in float32."""
+
     def cast(x):
         if isinstance(x, OverwriteWithGradient):
             return x
@@ -190,4 +221,6 @@ def cast_for_compute(model, dtype):
             return x.astype(dtype)
         return x
 
-    return jax.tree_util.tree_map(cast, model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient))
+    return jax.tree_util.tree_map(
+        cast, model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient)
+    )

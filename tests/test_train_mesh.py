@@ -1,0 +1,99 @@
+"""fp8jax-train on a device mesh (8 host CPU devices, issue 24): ``--mesh data=2,fsdp=4``
+matches the single-device run, a checkpoint written on ``fsdp=8`` restores onto
+``data=2,fsdp=4`` with the same state and training continues, bad ``--mesh`` strings
+raise clear errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from fp8jax.train import cli, loop
+from fp8jax.train.checkpoint import restore_checkpoint
+from fp8jax.train.data import load_corpus
+from fp8jax.train.mesh import make_mesh, parse_mesh
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) != 8, reason="needs 8 devices (conftest's XLA_FLAGS)"
+)
+
+ARGS = ["--dim", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
+        "--seq", "32", "--batch", "8", "--eval-batches", "2", "--max-bytes", "300000",
+        "--lr", "3e-3", "--steps", "3", "--eval-every", "3", "--checkpoint-every", "0",
+        "--precision", "fp8", "--quiet", "--no-plot", "--no-tensorboard"]  # fmt: skip
+# Against one device: the sharded step sums partial GEMMs and gradients in another order, in
+# bf16 compute, and Adam's normalized update magnifies the gradients' last bits. Measured on
+# CPU: step 1 (same weights) within 2e-7 relative, steps 2-3 within 1.7e-4 (bf16's epsilon
+# is 7.8e-3; a batch split wrongly changes the loss by 1e-2 or more).
+FIRST_RTOL = 1e-5
+LOSS_RTOL = 1e-3
+
+
+def _trainer(run, mesh_text):
+    mesh = make_mesh(parse_mesh(mesh_text))
+    return loop.Trainer(cli.build_model(run, "fp8"), cli.make_optimizer(run), mesh)
+
+
+def test_mesh_run_matches_one_device_and_checkpoint_moves_mesh(tmp_path):
+    run = cli.run_config(cli.parse_args(ARGS))
+    corpus = load_corpus(max_bytes=300_000)
+    ref = loop.train(run, "fp8", corpus, tmp_path / "ref", quiet=True, tensorboard=False)
+    out = tmp_path / "mesh"
+    # Steps 1-2 on fsdp=8, "Ctrl-C" checkpoints them (sharded over 8 devices) ...
+    cut = cli.main(ARGS + ["--mesh", "fsdp=8", "--out", str(out)], interrupt_at=2)["fp8"]
+    assert cut["interrupted"] and (out / "ckpt-fp8" / "2").exists()
+    # ... which restores onto data=2,fsdp=4 with the same values, placed on the new mesh.
+    old, new = _trainer(run, "fsdp=8"), _trainer(run, "data=2,fsdp=4")
+    fresh = jax.tree_util.tree_leaves(new.params)
+    assert restore_checkpoint(out, "fp8", old)[0] == restore_checkpoint(out, "fp8", new)[0] == 2
+    leaves = [jax.tree_util.tree_leaves(t.params) + jax.tree_util.tree_leaves(t.opt_state)
+              for t in (old, new)]  # fmt: skip
+    for a, b in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.mesh.shape == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert any(not np.array_equal(a, b) for a, b in zip(fresh, leaves[1], strict=False))
+    fc1 = new.params.blocks.mlp.fc1.weight  # [layers, out, in], FSDP along the larger dim
+    assert fc1.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+    assert fc1.addressable_shards[0].data.shape == (2, 128 // 4, 64)
+    # Step 3 on data=2,fsdp=4: all three losses as on one device.
+    resumed = cli.main(ARGS + ["--mesh", "data=2,fsdp=4", "--out", str(out), "--resume"])["fp8"]
+    losses = [h["loss"] for h in resumed["history"]]
+    want = [h["loss"] for h in ref["history"]]
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3] and len(set(want)) == 3
+    np.testing.assert_allclose(losses[0], want[0], rtol=FIRST_RTOL)
+    np.testing.assert_allclose(losses, want, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(resumed["val_loss"], ref["val_loss"], rtol=LOSS_RTOL)
+
+
+def test_tensor_axis_places_megatron_split():
+    run = cli.run_config(cli.parse_args(ARGS))
+    params = _trainer(run, "tensor=2,fsdp=4").params.blocks
+    P = jax.sharding.PartitionSpec
+    assert params.attn.qkv.weight.sharding.spec == P(None, "tensor", "fsdp")  # column
+    assert params.mlp.fc2.weight.sharding.spec == P(None, "fsdp", "tensor")  # row
+    assert params.attn.norm.sharding.spec == P()
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("data=2,fsdp=3", "multiply to 6, but 8 devices"),
+        ("data=4", "multiply to 4, but 8 devices"),
+        ("model=8", "unknown axis 'model'; axes are data, fsdp, tensor"),
+        ("data=2,data=4", "'data' is given twice"),
+        ("data", "'data' is not AXIS=SIZE"),
+        ("data=two", "size 'two' of 'data' is not an int"),
+        ("data=0,fsdp=8", "must be >= 1"),
+    ],
+)
+def test_bad_mesh_raises(tmp_path, text, match):
+    with pytest.raises(ValueError, match="--mesh " + repr(text) + ".*" + match):
+        cli.main(ARGS + ["--mesh", text, "--out", str(tmp_path)])
+
+
+def test_bad_batch_or_multihost_options_raise(tmp_path):
+    with pytest.raises(ValueError, match=r"--batch 6 does not divide .* data x fsdp = 8"):
+        cli.main(ARGS + ["--batch", "6", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--coordinator, --num-processes and --process-id go"):
+        cli.main(ARGS + ["--coordinator", "localhost:1234", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--process-id 2 must be in"):
+        cli.main(ARGS + ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"])
