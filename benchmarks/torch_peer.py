@@ -143,7 +143,7 @@ def run_peer(
         found.setdefault(tuple(msg["case"]), {})[row["variant"]] = row
         print(f"  [torch] {tuple(msg['case'])} {_summary(row)}", flush=True)
     rc = proc.wait()
-    lost = f"error: the torch child process exited with code {rc} before this case"
+    lost = f"the torch child process exited with code {rc} before measuring this"
     out = {}
     for case in cases:
         rows = found.get(tuple(case), {})
@@ -171,7 +171,7 @@ def _row(bench: str, msg: dict) -> dict:
         compile_s=msg.get("compile_s"),
         fp8_gemm_count=n_fp8,
         gemm_count=msg.get("gemm_count"),
-        # every linear's three GEMMs in FP8 (3 per linear layer)
+        # FP8 when every GEMM of the step is (as the JAX rows' count of FP8 GEMMs)
         fp8_gemms=n_fp8 == msg.get("gemm_count") and n_fp8 > 0 if measured else None,
         peak_mem_mb=msg.get("peak_mem_mb"),
         torch=msg.get("torch"),
