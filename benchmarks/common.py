@@ -195,9 +195,12 @@ def run_meta(argv: list[str], bench: str, prefix: str) -> dict:
     )
 
 
-def append_records(rows: list[dict], path: Path, fields, rounding: dict | None = None) -> int:
+def append_records(
+    rows: list[dict], path: Path, fields, rounding: dict | None = None, optional=()
+) -> int:
     """Append ``fields`` of the measured rows (errors left out; values rounded to
-    ``rounding[field]`` digits) to ``path`` as JSON lines; the number written."""
+    ``rounding[field]`` digits) to ``path`` as JSON lines, then the ``optional`` fields a
+    row has (not None: e.g. a peer framework's versions); the number written."""
     rounding = rounding or {}
     path.parent.mkdir(parents=True, exist_ok=True)
     written = 0
@@ -209,15 +212,19 @@ def append_records(rows: list[dict], path: Path, fields, rounding: dict | None =
             for k in fields:
                 value = r.get(k)
                 rec[k] = round(value, rounding[k]) if k in rounding and value is not None else value
+            rec.update((k, r[k]) for k in optional if r.get(k) is not None)
             f.write(json.dumps(rec) + "\n")
             written += 1
     return written
 
 
-def run_cases(cases, run_one, table, path: Path, fields, record: bool = True) -> list[dict]:
+def run_cases(
+    cases, run_one, table, path: Path, fields, record: bool = True, optional=()
+) -> list[dict]:
     """``run_one(case) -> rows`` for each case, printing ``table(rows)`` as it goes and, on a
-    GPU when ``record``, appending the rows' ``fields`` to ``path`` per case (a run cut
-    short keeps what it measured); then the whole table. Returns all rows."""
+    GPU when ``record``, appending the rows' ``fields`` (and ``optional`` ones, see
+    `append_records`) to ``path`` per case (a run cut short keeps what it measured); then
+    the whole table. Returns all rows."""
     record = record and on_gpu()
     rows = []
     for case in cases:
@@ -225,7 +232,7 @@ def run_cases(cases, run_one, table, path: Path, fields, record: bool = True) ->
         print(table(case_rows), flush=True)
         rows += case_rows
         if record:
-            append_records(case_rows, path, fields)
+            append_records(case_rows, path, fields, optional=optional)
     print("\n" + table(rows), flush=True)
     return rows
 

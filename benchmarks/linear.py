@@ -10,14 +10,19 @@ process, a jitted step returning the gradients w.r.t. the layer and the input of
 * ``fp8jax-selective``  ``Fp8Config()`` (size policy on; a skipped layer runs bf16)
 * ``flax-direct``       ``flax.linen.fp8_ops.fp8_scaled_dot_general``, delayed scaling
 * ``haliax-qdq``        flax ``in_qdq`` / ``out_qdq`` around a bf16 dot (haliax's pattern)
+* ``torchao-bf16``, ``torchao-tensorwise``, ``torchao-rowwise``: the same step in PyTorch
+  (``torch.compile``), bf16 and torchao float8, in a child process run before JAX takes
+  the GPU (`benchmarks.torch_peer`); skipped with one line where torch is missing
 
-The last two reproduce the anchors of ``ANCHORS.md`` section 2 (``probe_h100.py``).
+``flax-direct`` and ``haliax-qdq`` reproduce the anchors of ``ANCHORS.md`` section 2
+(``probe_h100.py``). A torch row's ``speedup_vs_bf16`` is over ``torchao-bf16``;
+``speedup_vs_torchao`` is every row's speed over ``torchao-tensorwise``'s.
 
 Usage (from the repository root)::
 
     python -m benchmarks.linear                 # default GPU shapes, appends records
     python -m benchmarks.linear --full          # + LLaMA-3 projections at M=16384, 70B FFN
-    python -m benchmarks.linear --crossover     # small shapes, bf16 vs fp8jax-delayed only
+    python -m benchmarks.linear --crossover     # M up to 16384, K=N to 4096: bf16 vs fp8jax-delayed
     python -m benchmarks.linear --quick         # CPU smoke run, writes nothing
     python -m benchmarks.linear --shapes 8192,8192,8192 4096,4096,4096 --iters 50
 
@@ -38,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
+from benchmarks import torch_peer
 from benchmarks.common import (
     META_FIELDS,
     Step,
@@ -69,6 +75,8 @@ VARIANTS = (
     "flax-direct",
     "haliax-qdq",
 )
+PEER_VARIANTS = torch_peer.VARIANTS  # run by torch in a child process
+DEFAULT_VARIANTS = (*VARIANTS, *PEER_VARIANTS)
 CROSSOVER_VARIANTS = ("bf16", "fp8jax-delayed")
 
 # Shapes are (M, K, N).
@@ -78,7 +86,7 @@ LLAMA3_8B_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 LLAMA3_70B_KN = [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
 LLAMA3_70B_DEFAULT_KN = [(8192, 10240), (28672, 8192)]
 QUICK_SHAPES = [(64, 32, 48), (128, 64, 64)]
-CROSSOVER_M = (2048, 4096, 8192)
+CROSSOVER_M = (2048, 4096, 8192, 16384)
 CROSSOVER_KN = (1024, 2048, 4096)
 
 RECORD_FIELDS = (
@@ -87,10 +95,13 @@ RECORD_FIELDS = (
     "tflops",
     "speedup_vs_bf16",
     "speedup_vs_flax",
+    "speedup_vs_torchao",
     "fp8_gemms",
     "peak_mem_mb",
 )
-ROUNDING = dict(ms=4, tflops=1, speedup_vs_bf16=3, speedup_vs_flax=3, peak_mem_mb=1)
+ROUNDING = dict(
+    ms=4, tflops=1, speedup_vs_bf16=3, speedup_vs_flax=3, speedup_vs_torchao=3, peak_mem_mb=1
+)
 DEFAULT_OUT = results_path("linear")
 COMMAND_PREFIX = "python -m benchmarks.linear"
 
@@ -278,8 +289,12 @@ def measure_variant(name: str, layer, xs, g, iters: int, reps: int) -> dict:
     )
 
 
-def run_shape(shape, variants, iters: int, reps: int, meta: dict, seed: int = 0) -> list[dict]:
-    """All ``variants`` on one shape; a failing variant gives an error row."""
+def run_shape(
+    shape, variants, iters: int, reps: int, meta: dict, seed: int = 0, peer_rows=()
+) -> list[dict]:
+    """All ``variants`` on one shape, then the torch rows measured for it already
+    (`torch_peer.run_peer`), ratios among all of them; a failing variant gives an error
+    row."""
     m, k, n = shape
     layer, xs, g = make_inputs(shape, seed)
     rows = []
@@ -302,7 +317,14 @@ def run_shape(shape, variants, iters: int, reps: int, meta: dict, seed: int = 0)
             traceback.print_exc(limit=4, file=sys.stderr)
             row["error"] = error_text(e, 200, first_line=True)
         rows.append(row)
-    add_ratios(rows, 6.0 * m * k * n, {"speedup_vs_bf16": "bf16", "speedup_vs_flax": "flax-direct"})
+    rows += torch_peer.with_meta(list(peer_rows), meta)
+    speedups = {
+        "speedup_vs_bf16": "bf16",
+        "speedup_vs_flax": "flax-direct",
+        "speedup_vs_torchao": "torchao-tensorwise",
+    }
+    add_ratios(rows, 6.0 * m * k * n, speedups)
+    torch_peer.rebase_speedup(rows)
     return rows
 
 
@@ -322,7 +344,7 @@ def format_shape_table(rows: list[dict]) -> str:
     """Human table of one shape's results."""
     head = (
         f"{'variant':<18} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8} {'vs flax':>8} "
-        f"{'fp8 (n/all)':>12} {'peak MB':>9}"
+        f"{'vs tao-tw':>9} {'fp8 (n/all)':>12} {'peak MB':>9}"
     )
     lines = [f"\n=== linear train step, M x K x N = {_shape_str(rows[0])}", head, "-" * len(head)]
     for r in rows:
@@ -334,7 +356,8 @@ def format_shape_table(rows: list[dict]) -> str:
             f"{r['variant']:<18} {r['ms']:>9.3f} {fmt(r['tflops'], '8.1f')} "
             f"{fmt(r['speedup_vs_bf16'], '7.2f', 'x'):>8} "
             f"{fmt(r['speedup_vs_flax'], '7.2f', 'x'):>8} "
-            f"{_fp8_cell(r):>12} {fmt(r['peak_mem_mb'], '9.1f')}"
+            f"{fmt(r['speedup_vs_torchao'], '8.2f', 'x'):>9} "
+            f"{_fp8_cell(r):>12} {fmt(r['peak_mem_mb'], '9.1f'):>9}"
         )
         if r.get("note"):
             line += f"  ({r['note']})"
@@ -352,13 +375,15 @@ def markdown_table(rows: list[dict]) -> str:
         ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
         ("vs bf16", lambda r: fmt(r["speedup_vs_bf16"], ".2f", "x")),
         ("vs flax-direct", lambda r: fmt(r["speedup_vs_flax"], ".2f", "x")),
+        ("vs torchao-tensorwise", lambda r: fmt(r["speedup_vs_torchao"], ".2f", "x")),
         ("FP8 GEMMs", _fp8_cell),
         ("peak MB", lambda r: fmt(r["peak_mem_mb"], ".0f")),
     ]
     return "\n".join(
         [
             f"`{meta['command']}` on {meta['device']}, jax {meta['jax']}, {meta['date']} "
-            "(train step = fwd + dgrad + wgrad; ratios from the same run)",
+            "(train step = fwd + dgrad + wgrad; ratios from the same run; a torchao row's "
+            "vs bf16 is over torchao-bf16)",
             "",
             *markdown_rows(rows, "M x K x N", _shape_str, columns),
         ]
@@ -388,7 +413,7 @@ def crossover_grid(rows: list[dict], variant: str = "fp8jax-delayed") -> str:
 def write_records(rows: list[dict], path: Path) -> int:
     """Append the measured rows (errors left out, values rounded) to ``path``; the number
     written."""
-    return append_records(rows, path, RECORD_FIELDS, ROUNDING)
+    return append_records(rows, path, RECORD_FIELDS, ROUNDING, torch_peer.RECORD_EXTRA)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -409,7 +434,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--crossover",
         action="store_true",
-        help="sweep M in {2048,4096,8192}, K=N in {1024,2048,4096}: bf16 vs fp8jax-delayed only",
+        help="sweep M in {2048,4096,8192,16384}, K=N in {1024,2048,4096}: bf16 vs "
+        "fp8jax-delayed (unless --variants)",
     )
     p.add_argument(
         "--shapes",
@@ -421,8 +447,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
-        help=f"comma-separated subset of {','.join(VARIANTS)}",
+        help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS)} (default: all)",
     )
+    torch_peer.add_cli(p)
     p.add_argument("--iters", type=int, help="calls per timed repeat (default 20; 2 with --quick)")
     p.add_argument(
         "--reps", type=int, help="timed repeats, the median is kept (default 5; 2 with --quick)"
@@ -431,9 +458,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.variants:
-        unknown = [v for v in args.variants if v not in VARIANTS]
+        unknown = [v for v in args.variants if v not in DEFAULT_VARIANTS]
         if unknown:
-            p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+            p.error(f"unknown variants {unknown}; choose from {', '.join(DEFAULT_VARIANTS)}")
     return args
 
 
@@ -451,13 +478,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark; return one result dict per (shape, variant)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    variants = args.variants or (list(CROSSOVER_VARIANTS) if args.crossover else list(VARIANTS))
+    variants = args.variants or list(CROSSOVER_VARIANTS if args.crossover else DEFAULT_VARIANTS)
     iters = args.iters or (2 if args.quick else 20)
     reps = args.reps or (2 if args.quick else 5)
     shapes = select_shapes(args)
+    variants, peer_variants = torch_peer.split_variants(variants)
+    # torch first, in its own process, before run_meta starts JAX's GPU backend (run_peer).
+    peer = torch_peer.run_peer(
+        "linear", shapes, peer_variants, iters, reps, args.torch_site, compile=not args.quick
+    )
     meta = run_meta(argv, "linear", COMMAND_PREFIX)
     print(
-        f"{meta['command']}: {len(shapes)} shapes x {len(variants)} variants on {meta['device']} "
+        f"{meta['command']}: {len(shapes)} shapes x {len(variants)} JAX variants "
+        f"(+ {len(torch_peer.measured_variants(peer))} torch, measured above) on {meta['device']} "
         f"(jax {meta['jax']}), {reps} x {iters} calls per variant",
         flush=True,
     )
@@ -465,7 +498,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     path = args.out or DEFAULT_OUT
     rows, written = [], 0
     for shape in shapes:
-        shape_rows = run_shape(shape, variants, iters, reps, meta, args.seed)
+        shape_rows = run_shape(shape, variants, iters, reps, meta, args.seed, peer.get(shape, ()))
         print(format_shape_table(shape_rows), flush=True)
         rows += shape_rows
         if record:  # per shape, so a run cut short keeps what it measured

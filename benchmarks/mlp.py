@@ -7,10 +7,15 @@ step returning the loss and the gradients w.r.t. the block and the input
 * ``bf16-unfused``    the block op by op in bf16 (``FusedMLP(fp8=False, fused=False)``)
 * ``fp8jax-unfused``  the same block after ``fp8_linear_layers`` (FP8 GEMMs, no fusion)
 * ``fp8jax-fused``    ``fp8jax.nn.FusedMLP`` (FP8, one checkpoint region)
+* ``torchao-bf16``, ``torchao-tensorwise``, ``torchao-rowwise``: the same block and step in
+  PyTorch (``torch.compile``), bf16 and torchao float8, in a child process run before JAX
+  takes the GPU (`benchmarks.torch_peer`); skipped with one line where torch is missing
 
 and reports ms, TFLOP/s, speedup vs bf16, FP8 GEMM count, kernels launched per step
 (top-level ops of the compiled entry computation), activation memory saved for the
-backward (residuals with a token dim, from ``jax.vjp``) and peak memory.
+backward (residuals with a token dim, from ``jax.vjp``) and peak memory (the last two
+not for torch). A torch row's ``speedup_vs_bf16`` is over ``torchao-bf16``;
+``speedup_vs_torchao`` is every row's speed over ``torchao-tensorwise``'s.
 
     python -m benchmarks.mlp            # LLaMA-3-8B MLP and a 70B TP=8 shard, tokens 16384
     python -m benchmarks.mlp --quick    # CPU smoke run, writes nothing
@@ -30,12 +35,14 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
-from benchmarks import common
+from benchmarks import common, torch_peer
 from benchmarks.hlo import kernel_summary
 from fp8jax.nn import FusedMLP
 
 BF16 = jnp.bfloat16
 VARIANTS = ("bf16-unfused", "fp8jax-unfused", "fp8jax-fused")
+PEER_VARIANTS = torch_peer.VARIANTS  # run by torch in a child process
+DEFAULT_VARIANTS = (*VARIANTS, *PEER_VARIANTS)
 # (hidden, ffn, tokens, activation)
 DEFAULT_CASES = [(4096, 14336, 16384, "swiglu"), (8192, 28672 // 8, 16384, "swiglu")]
 QUICK_CASES = [(64, 96, 128, "swiglu"), (64, 64, 128, "gelu")]
@@ -75,7 +82,9 @@ def make_step(block, x, g) -> common.Step:
     return common.calibrate(step, block, x, g) if fp8jax.fp8_state(block) else step
 
 
-def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dict]:
+def run_case(case, variants, iters, reps, meta, seed=0, config=None, peer_rows=()) -> list[dict]:
+    """The JAX ``variants`` on ``case``, then the torch rows measured for it already
+    (`torch_peer.run_peer`), ratios among all of them."""
     hidden, ffn, tokens, activation = case
     config = fp8jax.Fp8Config() if config is None else config
     key = jax.random.PRNGKey(seed)
@@ -121,9 +130,14 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None) -> list[dic
             flush=True,
         )
         rows.append(row)
-    common.add_ratios(
-        rows, flops, {"speedup_vs_bf16": "bf16-unfused", "speedup_vs_unfused_fp8": "fp8jax-unfused"}
-    )
+    rows += torch_peer.with_meta(list(peer_rows), meta)
+    speedups = {
+        "speedup_vs_bf16": "bf16-unfused",
+        "speedup_vs_unfused_fp8": "fp8jax-unfused",
+        "speedup_vs_torchao": "torchao-tensorwise",
+    }
+    common.add_ratios(rows, flops, speedups)
+    torch_peer.rebase_speedup(rows)
     return rows
 
 
@@ -137,9 +151,10 @@ def markdown_table(rows) -> str:
         ("TFLOP/s", lambda r: common.fmt(r["tflops"], ".0f")),
         ("vs bf16", lambda r: f"{common.fmt(r['speedup_vs_bf16'], '.2f')}x"),
         ("vs fp8 unfused", lambda r: f"{common.fmt(r['speedup_vs_unfused_fp8'], '.2f')}x"),
+        ("vs torchao-tensorwise", lambda r: common.fmt(r.get("speedup_vs_torchao"), ".2f", "x")),
         ("FP8 GEMMs", lambda r: f"{r['fp8_gemm_count']}/{r['gemm_count']}"),
-        ("kernels", lambda r: f"{r['kernels']}"),
-        ("saved act MiB", lambda r: f"{r['saved_act_mb']:.1f}"),
+        ("kernels", lambda r: common.fmt(r.get("kernels"), "d")),
+        ("saved act MiB", lambda r: common.fmt(r.get("saved_act_mb"), ".1f")),
         ("peak MiB", lambda r: common.fmt(r["peak_mem_mb"], ".0f")),
     ]
     return "\n".join(
@@ -153,6 +168,7 @@ RECORD_FIELDS = (
     "tflops",
     "speedup_vs_bf16",
     "speedup_vs_unfused_fp8",
+    "speedup_vs_torchao",
     "fp8_gemms",
     "kernels",
     "saved_act_mb",
@@ -168,23 +184,38 @@ def main(argv=None) -> list[dict]:
     )
     p.add_argument("--cases", nargs="+", type=parse_case, metavar="H,F,T[,ACT]")
     p.add_argument(
-        "--variants", type=lambda s: [v for v in s.split(",") if v], default=list(VARIANTS)
+        "--variants",
+        type=lambda s: [v for v in s.split(",") if v],
+        default=list(DEFAULT_VARIANTS),
+        help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS)} (default: all)",
     )
     p.add_argument("--iters", type=int)
     p.add_argument("--reps", type=int)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    torch_peer.add_cli(p)
     args = p.parse_args(argv)
+    unknown = [v for v in args.variants if v not in DEFAULT_VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(DEFAULT_VARIANTS)}")
     cases = args.cases or (QUICK_CASES if args.quick else DEFAULT_CASES)
     iters, reps = args.iters or (2 if args.quick else 10), args.reps or (2 if args.quick else 5)
     config = fp8jax.Fp8Config(selective=False) if args.quick else fp8jax.Fp8Config()
+    variants, peer_variants = torch_peer.split_variants(args.variants)
+    # torch first, in its own process, before run_meta starts JAX's GPU backend (run_peer).
+    peer = torch_peer.run_peer(
+        "mlp", cases, peer_variants, iters, reps, args.torch_site, compile=not args.quick
+    )
     meta = common.run_meta(argv, bench="mlp", prefix=COMMAND_PREFIX)
     return common.run_cases(
         cases,
-        lambda case: run_case(case, args.variants, iters, reps, meta, config=config),
+        lambda case: run_case(
+            case, variants, iters, reps, meta, config=config, peer_rows=peer.get(tuple(case), ())
+        ),
         markdown_table,
         args.out,
         RECORD_FIELDS,
         record=not args.quick,
+        optional=torch_peer.RECORD_EXTRA,
     )
 
 

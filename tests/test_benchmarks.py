@@ -19,6 +19,7 @@ def test_linear_quick_runs_all_variants(capsys, tmp_path):
     shape = linear.QUICK_SHAPES[0]  # one tiny shape: every variant runs on CPU
     rows = linear.main(["--quick", "--shapes", ",".join(map(str, shape)), "--out", str(out)])
     printed = capsys.readouterr().out
+    rows = [r for r in rows if r["variant"] not in linear.PEER_VARIANTS]  # torch: tests below
 
     assert {r["variant"] for r in rows} == set(linear.VARIANTS)
     assert len(rows) == len(linear.VARIANTS)
@@ -37,6 +38,7 @@ def test_linear_quick_runs_all_variants(capsys, tmp_path):
 def test_mlp_quick_runs_all_variants(tmp_path):
     out = tmp_path / "mlp.jsonl"
     rows = mlp.main(["--quick", "--out", str(out)])
+    rows = [r for r in rows if r["variant"] not in mlp.PEER_VARIANTS]  # torch: tests below
     assert len(rows) == len(mlp.QUICK_CASES) * len(mlp.VARIANTS)
     for r in rows:
         assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
@@ -117,3 +119,43 @@ ENTRY %main (p0: bf16[64,32]) -> f8e4m3fn[64,32] {
     rows = big_writes(text, 64 * 32)
     assert rows == [("act", "fusion", ["f8e4m3fn[2048]", "bf16[2048]"]),
                     ("gemm", "custom-call:__cublas$lt$matmul$f8", ["bf16[2048]"])]
+
+
+def test_torch_peer_runs_a_tiny_linear_and_mlp_on_cpu():
+    """The torch child process (eager, CPU) measures every torchao variant with the GEMM
+    counts of the step; skipped where torch (or torchao) cannot be imported (CI)."""
+    import os
+
+    from benchmarks import torch_peer
+
+    site = os.environ.get(torch_peer.SITE_ENV)
+    peer = torch_peer.run_peer("linear", [(64, 32, 48)], torch_peer.VARIANTS, 2, 2, site,
+                               compile=False, device="cpu")
+    rows = peer[(64, 32, 48)]
+    if len(rows) < len(torch_peer.VARIANTS):
+        pytest.skip("torch or torchao not importable")
+    for r in rows:
+        assert r["error"] is None, f"{r['variant']}: {r['error']}"
+        assert r["ms"] > 0 and r["gemm_count"] == 3 and r["params"] == dict(M=64, K=32, N=48)
+        assert r["fp8_gemm_count"] == (0 if r["variant"] == "torchao-bf16" else 3)
+        assert r["fp8_gemms"] == (r["variant"] != "torchao-bf16") and r["torch"]
+    case = (64, 96, 128, "swiglu")
+    (row,) = torch_peer.run_peer("mlp", [case], ["torchao-tensorwise"], 2, 2, site,
+                                 compile=False, device="cpu")[case]
+    assert row["error"] is None and row["ms"] > 0
+    assert (row["fp8_gemm_count"], row["gemm_count"]) == (6, 6) and row["torchao"]
+
+
+def test_linear_with_torchao_variants_but_no_torch_skips_them_in_one_line(capsys, tmp_path):
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)  # a torch that cannot be imported, put first
+    (site / "torch" / "__init__.py").write_text("raise ImportError('no torch in this test')\n")
+    variants = ["bf16", "fp8jax-delayed", *linear.PEER_VARIANTS]
+    rows = linear.main(["--quick", "--shapes", "64,32,48", "--variants", ",".join(variants),
+                        "--torch-site", str(site)])
+    printed = capsys.readouterr().out
+    skip_lines = [line for line in printed.splitlines() if "torch is not importable" in line]
+    assert len(skip_lines) == 1 and all(v in skip_lines[0] for v in linear.PEER_VARIANTS)
+    assert [r["variant"] for r in rows] == ["bf16", "fp8jax-delayed"]
+    assert all(r["error"] is None and r["ms"] > 0 for r in rows)
+    assert "Traceback" not in printed
