@@ -264,11 +264,21 @@ def no_proposal(state: tuple) -> tuple:
 
 
 def record(history, value, axis: int = 0):
-    """flax's amax-history update: roll by one, newest value at index 0 along ``axis``."""
-    rolled = jnp.roll(history, -1, axis=axis)
+    """flax's amax-history update: roll by one, newest value at index 0 along ``axis``.
+
+    ``roll(h, -1).at[0].set(v)`` is ``[v, h[2:], h[0]]``: written as one concatenate, which
+    XLA fuses with its neighbours, where the scatter of ``.at[].set`` is a kernel of its own.
+    """
+    axis %= history.ndim
+    length = history.shape[axis]
     value = jnp.asarray(value, history.dtype)
-    index = (slice(None),) * (axis % history.ndim) + (0,)
-    return rolled.at[index].set(value)
+    if value.ndim == history.ndim - 1:  # one value per slot along the other dims
+        value = jnp.expand_dims(value, axis)
+    value = jnp.broadcast_to(value, history.shape[:axis] + (1,) + history.shape[axis + 1 :])
+    if length == 1:
+        return value
+    parts = [value, lax.slice_in_dim(history, 2, length, axis=axis)] if length > 2 else [value]
+    return jnp.concatenate(parts + [lax.slice_in_dim(history, 0, 1, axis=axis)], axis=axis)
 
 
 def from_history(history, algo: str, axis: int = 0):
