@@ -119,14 +119,19 @@ def _weight_fp8(weight: Array, weight_scaling: str, margin: float) -> tuple[Arra
     return q.saturate(w, (1.0 / scale)[..., None], E4M3), scale
 
 
-def _frozen_input_scale(layer: Linear) -> tuple[Array, bool]:
+def _frozen_input_scale(layer: Linear) -> Array:
     """The input scale delayed scaling would use next: from the amax history with the
-    layer's algorithm and margin; and whether the history held any amax."""
+    layer's algorithm and margin (its current scale where the history holds no amax)."""
     op = layer.dot_general
     cfg = op.config
     amax = from_history(op.input_amax_history, cfg.amax_compute_algo, axis=-1)
-    scale = q.scale_from_amax(amax, op.input_scale, E4M3, cfg.margin)
-    return scale, bool(jnp.any(op.input_amax_history > 0))
+    return q.scale_from_amax(amax, op.input_scale, E4M3, cfg.margin)
+
+
+def _never_ran(layer: Linear) -> bool:
+    """Whether the layer's input amax history is all zero (a traced one: unknown, False)."""
+    history = layer.dot_general.input_amax_history
+    return not isinstance(history, jax.core.Tracer) and not bool(jnp.any(history > 0))
 
 
 def inference_linear(
@@ -137,7 +142,7 @@ def inference_linear(
     _check_option("input_scale", input_scale, INPUT_SCALES)
     cfg = layer.dot_general.config
     weight, w_scale = _weight_fp8(layer.weight, weight_scaling, cfg.margin)
-    x_scale = _frozen_input_scale(layer)[0] if input_scale == "frozen" else None
+    x_scale = _frozen_input_scale(layer) if input_scale == "frozen" else None
     new = object.__new__(Fp8InferenceLinear)
     for name, value in dict(
         weight=weight,
@@ -186,7 +191,7 @@ def to_inference(model: Any, *, weight_scaling: str = "tensor", input_scale: str
             )
         )
     if input_scale == "frozen":
-        unseen = [name for name, layer in layers if not _frozen_input_scale(layer)[1]]
+        unseen = [name for name, layer in layers if _never_ran(layer)]
         if unseen:
             warnings.warn(
                 "to_inference: no input amax recorded for "
