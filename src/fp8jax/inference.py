@@ -1,15 +1,19 @@
 """FP8 inference weights: a trained fp8jax model as a forward-only model whose FP8 linear
 layers hold their weights in e4m3 with their scales (half the weight memory of bf16).
 
-`to_inference` swaps every `fp8jax.nn.Linear` (what `fp8_linear_layers` made) for an
-`Fp8InferenceLinear`; every other layer stays as it is. The layer's GEMM is one FP8
-``dot_general`` (e4m3 activations x e4m3 weights, both contracting on their minor dim, bf16
-or f32 out), the scales applied to its output afterwards, so XLA runs it as a cuBLASLt FP8
-GEMM on Hopper. `save_inference` / `load_inference` write and read it with orbax.
+`to_inference` swaps every FP8-trained linear for its inference twin: `fp8jax.nn.Linear`
+(equinox, what `fp8_linear_layers` made) -> `Fp8InferenceLinear`; haliax and flax nnx
+linears with fp8jax's dot_general -> an e4m3 kernel and an `Fp8InferenceDot`
+(`fp8jax.interop.inference`, `fp8jax.interop.nnx_inference`). Every other layer stays as it
+is. Each GEMM is one FP8 ``dot_general`` (e4m3 activations x e4m3 weights, both contracting
+on their minor dim, bf16 or f32 out) with the scales applied to its output afterwards, so
+XLA runs it as a cuBLASLt FP8 GEMM on Hopper. `save_inference` / `load_inference` write and
+read the model with orbax.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from . import checks
 from . import quant as q
-from .convert import _path_str
+from .convert import _foreign_module, _path_str
 from .kernels import gemm as _gemm
 from .nn.linear import Linear
 from .ops.dot import _under_vmap
@@ -73,28 +77,96 @@ class Fp8InferenceLinear(eqx.Module):
                 f"Fp8InferenceLinear: stacked weight {self.weight.shape}; run a stacked layer one "
                 "slice at a time (jax.lax.scan over the stack or eqx.filter_vmap)."
             )
-        out_dtype = x.dtype
         x2 = x.reshape(-1, self.in_features)
-        m = x2.shape[0]
-        x_scale = self.input_scale
-        if x_scale is None:  # current scaling: this call's amax
-            x_scale = q.scale_from_amax(q.amax(x2), jnp.ones((1,), F32), E4M3, self.margin)
-        xq = q.quantize(x2, x_scale, E4M3)
-        pad = 0 if _under_vmap(x2) else -m % _ROW_ALIGNMENT
-        if pad:
-            xq = jnp.pad(xq, ((0, pad), (0, 0)))
-        precision = _gemm.gemm_precision(self.fast_accumulation)
-        y = _gemm.gemm(xq[None], self.weight[None], out_dtype, precision)[0, :m]
-        scale = x_scale.astype(F32).reshape(()) * self.weight_scale.astype(F32)
-        y = (y.astype(F32) * scale).astype(out_dtype)
+        y = fp8_matmul(
+            x2,
+            self.weight,
+            self.weight_scale,
+            self.input_scale,
+            self.margin,
+            self.fast_accumulation,
+            x.dtype,
+        )
         if self.bias is not None:
-            y = y + self.bias.astype(out_dtype)
+            y = y + self.bias.astype(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self, dtype=F32) -> Array:
         """The weight as ``dtype`` (``weight * weight_scale``), for checks and references."""
         scale = self.weight_scale.astype(F32)[..., None]
         return (self.weight.astype(F32) * scale).astype(dtype)
+
+
+def fp8_matmul(x, weight, weight_scale, input_scale, margin: float, fast: bool, out_dtype):
+    """``x [M, K] @ dequant(weight [N, K]).T`` as one FP8 GEMM: ``x`` cast to e4m3 with
+    ``input_scale`` (None: from its own amax), both operands contracting on their minor
+    dim, ``out_dtype`` out; then ``input_scale * weight_scale`` (``[1]`` or ``[N]``, one
+    per output column) applied to the product."""
+    m = x.shape[0]
+    if input_scale is None:  # current scaling: this call's amax
+        input_scale = q.scale_from_amax(q.amax(x), jnp.ones((1,), F32), E4M3, margin)
+    xq = q.quantize(x, input_scale, E4M3)
+    pad = 0 if _under_vmap(x) else -m % _ROW_ALIGNMENT
+    if pad:
+        xq = jnp.pad(xq, ((0, pad), (0, 0)))
+    precision = _gemm.gemm_precision(fast)
+    y = _gemm.gemm(xq[None], weight[None], out_dtype, precision)[0, :m]
+    scale = input_scale.astype(F32).reshape(()) * weight_scale.astype(F32)
+    return (y.astype(F32) * scale).astype(out_dtype)
+
+
+class Fp8InferenceDot(eqx.Module):
+    """``jax.lax.dot_general``'s signature over an e4m3 kernel (``rhs``), with the kernel's
+    scale(s) and the frozen input scale: what `to_inference` puts in a haliax or flax nnx
+    layer's ``dot_general``. Any dimension numbers: the operands are brought to
+    ``[B, M, K]`` and ``[B, N, K]`` as `Fp8DotGeneral` does; ``weight_scale`` is ``[1]`` or
+    one per output feature (``N``, the kernel's free dims in their order)."""
+
+    weight_scale: Array
+    input_scale: Array | None
+    margin: float = eqx.field(static=True)
+    fast_accumulation: bool = eqx.field(static=True)
+
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ):
+        del precision  # the FP8 GEMM's accumulation is fast_accumulation's
+        if out_sharding is not None:
+            raise NotImplementedError("Fp8InferenceDot: out_sharding is not supported.")
+        lhs = checks.float_array("Fp8InferenceDot", "lhs", jnp.asarray(lhs))
+        if rhs.dtype != E4M3:
+            raise TypeError(
+                f"Fp8InferenceDot: the kernel (rhs) must be float8_e4m3fn, got "
+                f"{rhs.dtype}; convert the model with fp8jax.to_inference."
+            )
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(i) for i in d) for d in (lc, rc, lb, rb))
+        lf = tuple(i for i in range(lhs.ndim) if i not in lc + lb)
+        rf = tuple(i for i in range(rhs.ndim) if i not in rc + rb)
+        if lb or rb:
+            raise NotImplementedError("Fp8InferenceDot: batch dimensions are not supported.")
+        m_shape = tuple(lhs.shape[i] for i in lf)
+        n_shape = tuple(rhs.shape[i] for i in rf)
+        k = math.prod(lhs.shape[i] for i in lc)
+        x2 = jnp.transpose(lhs, lf + lc).reshape(-1, k)
+        w2 = jnp.transpose(rhs, rf + rc).reshape(-1, k)
+        out_dtype = preferred_element_type or lhs.dtype
+        y = fp8_matmul(
+            x2,
+            w2,
+            self.weight_scale,
+            self.input_scale,
+            self.margin,
+            self.fast_accumulation,
+            out_dtype,
+        )
+        return y.reshape(m_shape + n_shape)
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -142,87 +214,149 @@ def inference_linear(
     _check_option("input_scale", input_scale, INPUT_SCALES)
     cfg = layer.dot_general.config
     weight, w_scale = _weight_fp8(layer.weight, weight_scaling, cfg.margin)
-    x_scale = _frozen_input_scale(layer) if input_scale == "frozen" else None
-    new = object.__new__(Fp8InferenceLinear)
-    for name, value in dict(
+    return Fp8InferenceLinear(
         weight=weight,
         weight_scale=w_scale,
-        input_scale=x_scale,
+        input_scale=_frozen_input_scale(layer) if input_scale == "frozen" else None,
         bias=layer.bias,
         in_features=layer.in_features,
         out_features=layer.out_features,
         weight_scaling=weight_scaling,
         margin=float(cfg.margin),
         fast_accumulation=cfg.fast_forward,
-    ).items():
-        object.__setattr__(new, name, value)
-    return new
+    )
 
 
-def _is_layer(x) -> bool:
-    return isinstance(x, (Linear, Fp8InferenceLinear))
+def _haliax_linear():
+    from .convert import _haliax_linear_type
+
+    return _haliax_linear_type()
+
+
+def _kinds(hlinear) -> tuple[type, ...]:
+    from .interop.inference import HaliaxInferenceLinear
+
+    return (Linear, Fp8InferenceLinear, HaliaxInferenceLinear) + (
+        (hlinear,) if hlinear is not None else ()
+    )
+
+
+def _trained(x, hlinear) -> bool:
+    """An FP8-trained layer: `fp8jax.nn.Linear`, or a haliax Linear with an Fp8DotGeneral."""
+    from .dot_general import Fp8DotGeneral
+
+    if isinstance(x, Linear):
+        return True
+    return (
+        hlinear is not None and isinstance(x, hlinear) and isinstance(x.dot_general, Fp8DotGeneral)
+    )
+
+
+def _served(x) -> bool:
+    from .interop.inference import HaliaxInferenceLinear
+
+    return isinstance(x, (Fp8InferenceLinear, HaliaxInferenceLinear))
+
+
+def _no_layer_error(model, already: bool) -> ValueError:
+    return ValueError(
+        f"to_inference: {type(model).__name__} has no FP8 layer (fp8jax.nn.Linear, or a "
+        "haliax/nnx Linear with fp8jax's dot_general) to convert; "
+        + (
+            "it is already an inference model."
+            if already
+            else "convert it with fp8jax.fp8_linear_layers (fp8jax.nnx.fp8_linear_layers for "
+            "nnx) and train it first."
+        )
+    )
+
+
+def _warn_unseen(layers) -> None:
+    unseen = [name for name, layer in layers if _never_ran(layer)]
+    if unseen:
+        warnings.warn(
+            "to_inference: no input amax recorded for "
+            + ", ".join(unseen)
+            + " (never trained in FP8?); their frozen input scale stays at its initial "
+            "value. Use input_scale='dynamic', or run the FP8 model on data first.",
+            stacklevel=3,
+        )
 
 
 def to_inference(model: Any, *, weight_scaling: str = "tensor", input_scale: str = "frozen"):
-    """``model`` for inference: every FP8 linear (`fp8jax.nn.Linear`, as
-    `fp8_linear_layers` makes them) becomes an `Fp8InferenceLinear` with its weight in
-    e4m3; every other layer and array stays as it is.
+    """``model`` for inference: every FP8-trained linear becomes a forward-only layer with
+    its weight in e4m3 and its scales; every other layer and array stays as it is.
+
+    * equinox: each `fp8jax.nn.Linear` (what `fp8_linear_layers` makes) becomes an
+      `Fp8InferenceLinear`; a new model is returned.
+    * haliax: each ``haliax.nn.Linear`` with an `Fp8DotGeneral` gets an e4m3 weight and an
+      `Fp8InferenceDot`; a new model is returned.
+    * flax nnx: each ``nnx.Linear`` with an `fp8jax.nnx.Fp8DotGeneralOp` is changed **in
+      place** (e4m3 kernel, `Fp8InferenceDotOp`); ``model`` is returned.
 
     ``weight_scaling``: ``"tensor"`` (one scale per weight) or ``"channel"`` (one per
-    output channel). ``input_scale``: ``"frozen"`` (from the training amax history, as
-    delayed scaling would use next; a layer that never recorded an amax keeps its scale
-    and is named in a warning) or ``"dynamic"`` (each call's own amax: one more reduction).
+    output channel, applied to the GEMM's output columns). ``input_scale``: ``"frozen"``
+    (from the training amax history, as delayed scaling would use next; a layer that never
+    recorded an amax keeps its scale and is named in a warning) or ``"dynamic"`` (each
+    call's own amax: one more reduction).
 
-    Raises ``ValueError`` for another option value, or when ``model`` has no FP8 linear
-    layer (convert and train it with `fp8_linear_layers` first).
+    Raises ``ValueError`` for another option value, or when ``model`` has no FP8 layer.
     """
     _check_option("weight_scaling", weight_scaling, WEIGHT_SCALINGS)
     _check_option("input_scale", input_scale, INPUT_SCALES)
-    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
-    layers = [(_path_str(p), x) for p, x in flat if isinstance(x, Linear)]
+    if _foreign_module(model) == "flax.nnx":
+        return _nnx_to_inference(model, weight_scaling, input_scale)
+    hlinear = _haliax_linear()
+    kinds = _kinds(hlinear)
+    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, kinds))[0]
+    layers = [(_path_str(p), x) for p, x in flat if _trained(x, hlinear)]
     if not layers:
-        done = any(isinstance(x, Fp8InferenceLinear) for _, x in flat)
-        raise ValueError(
-            f"to_inference: {type(model).__name__} has no FP8 layer (fp8jax.nn.Linear) to "
-            + (
-                "convert; it is already an inference model."
-                if done
-                else "convert; build it with fp8jax.fp8_linear_layers and train it first."
-            )
-        )
+        raise _no_layer_error(model, any(_served(x) for _, x in flat))
     if input_scale == "frozen":
-        unseen = [name for name, layer in layers if _never_ran(layer)]
-        if unseen:
-            warnings.warn(
-                "to_inference: no input amax recorded for "
-                + ", ".join(unseen)
-                + " (never trained in FP8?); their frozen input scale stays at its initial "
-                "value. Use input_scale='dynamic', or run the FP8 model on data first.",
-                stacklevel=2,
-            )
+        _warn_unseen(layers)
 
     def convert(x):
         if isinstance(x, Linear):
             return inference_linear(x, weight_scaling, input_scale)
+        if _trained(x, hlinear):
+            from .interop.inference import haliax_linear
+
+            return haliax_linear(x, weight_scaling, input_scale)
         return x
 
-    return jax.tree_util.tree_map(convert, model, is_leaf=_is_layer)
+    return jax.tree_util.tree_map(convert, model, is_leaf=lambda x: isinstance(x, kinds))
+
+
+def _nnx_to_inference(model, weight_scaling: str, input_scale: str):
+    from flax import nnx
+
+    from .interop import nnx_inference as nnx_inf
+
+    layers = nnx_inf.fp8_layers(model)
+    if not layers:
+        served = any(nnx_inf.is_inference_layer(m) for _, m in nnx.iter_modules(model))
+        raise _no_layer_error(model, served)
+    if input_scale == "frozen":
+        _warn_unseen([(name, nnx_inf.Trained(layer)) for name, layer in layers])
+    nnx_inf.convert_in_place(model, weight_scaling, input_scale)
+    return model
 
 
 # ----------------------------------------------------------------------------- utilities
 def cast_compute(model: Any, dtype) -> Any:
     """Floating arrays of ``model`` in ``dtype`` (e.g. bfloat16 for serving), except what
-    must stay: FP8 weights and their scales, and training FP8 state."""
+    must stay: FP8 weights and their scales, and training FP8 state (equinox and haliax
+    models; an nnx model is cast with ``nnx`` itself)."""
     from .state import OverwriteWithGradient
 
     def keep(x):
-        return isinstance(x, (Fp8InferenceLinear, OverwriteWithGradient))
+        return isinstance(x, (Fp8InferenceLinear, Fp8InferenceDot, OverwriteWithGradient))
 
     def cast(x):
         if isinstance(x, Fp8InferenceLinear):
             bias = None if x.bias is None else x.bias.astype(dtype)
             return eqx.tree_at(lambda m: m.bias, x, bias, is_leaf=lambda v: v is None)
-        if keep(x) or not eqx.is_inexact_array(x):
+        if keep(x) or not eqx.is_inexact_array(x) or x.dtype.itemsize == 1:  # e4m3 stays
             return x
         return x.astype(dtype)
 
@@ -234,16 +368,29 @@ def weight_bytes(model: Any) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))
 
 
+def _is_nnx(model) -> bool:
+    return _foreign_module(model) == "flax.nnx"
+
+
+def _arrays(model):
+    """What is saved: an nnx model's state as a pure dict, else the pytree's arrays."""
+    if _is_nnx(model):
+        from flax import nnx
+
+        return nnx.to_pure_dict(nnx.state(model))
+    return eqx.filter(model, eqx.is_array)
+
+
 def save_inference(path: str | Path, model: Any) -> Path:
-    """Write ``model``'s arrays (e4m3 weights as they are) to the orbax checkpoint ``path``
-    (a new directory); returns its absolute path."""
+    """Write ``model``'s arrays (e4m3 weights as they are; an nnx model's state) to the
+    orbax checkpoint ``path`` (a new directory); returns its absolute path."""
     import orbax.checkpoint as ocp
 
     path = Path(path).expanduser().resolve()
     if path.exists():
         raise FileExistsError(f"save_inference: {path} exists; pass a new directory.")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, eqx.filter(model, eqx.is_array))
+    checkpointer.save(path, _arrays(model))
     checkpointer.wait_until_finished()
     return path
 
@@ -253,15 +400,29 @@ def _is_array_like(x) -> bool:
 
 
 def load_inference(path: str | Path, like: Any) -> Any:
-    """Read a `save_inference` checkpoint into a model shaped like ``like`` (an inference
-    model of the same structure and options, e.g. ``eqx.filter_eval_shape`` of the
-    `to_inference` call); arrays come back bit for bit."""
+    """Read a `save_inference` checkpoint into a model shaped like ``like``: an inference
+    model of the same structure and options (equinox/haliax: e.g. ``eqx.filter_eval_shape``
+    of the `to_inference` call, a new model is returned; nnx: a converted model, e.g. from
+    ``nnx.eval_shape``, updated in place and returned). Arrays come back bit for bit."""
     import orbax.checkpoint as ocp
 
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise FileNotFoundError(f"load_inference: no checkpoint at {path}.")
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    checkpointer = ocp.StandardCheckpointer()
+    if _is_nnx(like):
+        from flax import nnx
+
+        state = nnx.state(like)
+        pure = nnx.to_pure_dict(state)
+        restored = checkpointer.restore(path, jax.tree_util.tree_map(spec, pure))
+        nnx.replace_by_pure_dict(state, restored)
+        nnx.update(like, state)
+        return like
     params, static = eqx.partition(like, _is_array_like)
-    target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    restored = ocp.StandardCheckpointer().restore(path, target)
+    restored = checkpointer.restore(path, jax.tree_util.tree_map(spec, params))
     return eqx.combine(restored, static)
