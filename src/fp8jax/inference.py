@@ -118,9 +118,10 @@ def fp8_matmul(x, weight, weight_scale, input_scale, margin: float, fast: bool, 
 class Fp8InferenceDot(eqx.Module):
     """``jax.lax.dot_general``'s signature over an e4m3 kernel (``rhs``), with the kernel's
     scale(s) and the frozen input scale: what `to_inference` puts in a haliax or flax nnx
-    layer's ``dot_general``. Any dimension numbers: the operands are brought to
-    ``[B, M, K]`` and ``[B, N, K]`` as `Fp8DotGeneral` does; ``weight_scale`` is ``[1]`` or
-    one per output feature (``N``, the kernel's free dims in their order)."""
+    layer's ``dot_general``. Any contracting dims (no batch dims): the operands are brought
+    to ``[M, K]`` and ``[N, K]`` (K-major, as `Fp8DotGeneral` does; a kernel stored
+    ``[in, out]`` is transposed per call); ``weight_scale`` is ``[1]`` or one per output
+    feature (``N``, the kernel's free dims in their order)."""
 
     weight_scale: Array
     input_scale: Array | None
@@ -179,16 +180,20 @@ def _check_option(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         )
 
 
-def _weight_fp8(weight: Array, weight_scaling: str, margin: float) -> tuple[Array, Array]:
-    """``weight [*stack, out, in]`` in e4m3 and its dequantization scale(s): ``[*stack, 1]``
-    (amax over the whole matrix) or ``[*stack, out]`` (amax over each output row)."""
-    w = jnp.asarray(weight, F32)
-    if weight_scaling == "tensor":
-        amax = jnp.max(jnp.abs(w), axis=(-2, -1))[..., None]
-    else:
-        amax = jnp.max(jnp.abs(w), axis=-1)
+def quantize_kernel(
+    w, stack: int, in_axes: tuple[int, ...], weight_scaling: str, margin: float
+) -> tuple[Array, Array]:
+    """(e4m3 kernel, ``[*stack, 1]`` or ``[*stack, N]`` dequantization scale) of a kernel
+    whose first ``stack`` dims are layers and ``in_axes`` its contracting dims: the amax
+    over the whole matrix (``"tensor"``) or over ``in_axes`` for each output feature
+    (``"channel"``; N: the kernel's other dims, in their order)."""
+    w = jnp.asarray(w, F32)
+    free = tuple(i for i in range(stack, w.ndim) if i not in in_axes)
+    reduce = tuple(range(stack, w.ndim)) if weight_scaling == "tensor" else in_axes
+    amax = jnp.max(jnp.abs(w), axis=reduce, keepdims=True)
     scale = q.scale_from_amax(amax, jnp.ones_like(amax), E4M3, margin)
-    return q.saturate(w, (1.0 / scale)[..., None], E4M3), scale
+    n = 1 if weight_scaling == "tensor" else math.prod(w.shape[i] for i in free)
+    return q.saturate(w, 1.0 / scale, E4M3), scale.reshape(w.shape[:stack] + (n,))
 
 
 def _frozen_input_scale(layer: Linear) -> Array:
@@ -213,7 +218,8 @@ def inference_linear(
     _check_option("weight_scaling", weight_scaling, WEIGHT_SCALINGS)
     _check_option("input_scale", input_scale, INPUT_SCALES)
     cfg = layer.dot_general.config
-    weight, w_scale = _weight_fp8(layer.weight, weight_scaling, cfg.margin)
+    w = layer.weight  # [*stack, out, in]
+    weight, w_scale = quantize_kernel(w, w.ndim - 2, (w.ndim - 1,), weight_scaling, cfg.margin)
     return Fp8InferenceLinear(
         weight=weight,
         weight_scale=w_scale,

@@ -1,5 +1,5 @@
-"""FP8 inference weights for haliax layers, and the kernel quantization the haliax and nnx
-paths share (`fp8jax.to_inference` calls these).
+"""FP8 inference weights for haliax layers (`fp8jax.to_inference` calls these), and the
+inference dot the haliax and nnx paths share.
 
 A ``haliax.nn.Linear`` with an `fp8jax.Fp8DotGeneral` (what `fp8_linear_layers` made) becomes
 a `HaliaxInferenceLinear`: its weight a NamedArray of e4m3 values, its ``dot_general`` an
@@ -8,14 +8,11 @@ a `HaliaxInferenceLinear`: its weight a NamedArray of e4m3 values, its ``dot_gen
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import equinox as eqx
-import jax.numpy as jnp
 
-from .. import quant as q
-from ..inference import E4M3, F32, Fp8InferenceDot, _frozen_input_scale
+from ..inference import Fp8InferenceDot, _frozen_input_scale, quantize_kernel
 
 
 class HaliaxInferenceLinear(eqx.Module):
@@ -41,21 +38,6 @@ class HaliaxInferenceLinear(eqx.Module):
             preferred_element_type=inputs.dtype,
         )
         return out if self.bias is None else out + self.bias.astype(out.dtype)
-
-
-def quantize_kernel(
-    w, stack: int, in_axes: tuple[int, ...], weight_scaling: str, margin: float
-) -> tuple:
-    """(e4m3 kernel, ``[*stack, 1]`` or ``[*stack, N]`` scale) of a kernel whose first
-    ``stack`` dims are layers and ``in_axes`` its contracting dims; N: its other dims, in
-    their order (the dot's output features)."""
-    w = jnp.asarray(w, F32)
-    free = tuple(i for i in range(stack, w.ndim) if i not in in_axes)
-    reduce = tuple(range(stack, w.ndim)) if weight_scaling == "tensor" else in_axes
-    amax = jnp.max(jnp.abs(w), axis=reduce, keepdims=True)
-    scale = q.scale_from_amax(amax, jnp.ones_like(amax), E4M3, margin)
-    n = 1 if weight_scaling == "tensor" else math.prod(w.shape[i] for i in free)
-    return q.saturate(w, 1.0 / scale, E4M3), scale.reshape(w.shape[:stack] + (n,))
 
 
 def inference_dot(layer, scale, input_scale: str) -> Fp8InferenceDot:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from ..inference import Fp8InferenceDot
-from .inference import inference_dot, quantize_kernel
+from ..inference import Fp8InferenceDot, quantize_kernel
+from .inference import inference_dot
 from .nnx import Fp8DotGeneralOp
 
 
