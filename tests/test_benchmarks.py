@@ -159,3 +159,20 @@ def test_linear_with_torchao_variants_but_no_torch_skips_them_in_one_line(capsys
     assert [r["variant"] for r in rows] == ["bf16", "fp8jax-delayed"]
     assert all(r["error"] is None and r["ms"] > 0 for r in rows)
     assert "Traceback" not in printed
+
+
+def test_inference_quick_runs_both_variants(tmp_path):
+    from benchmarks import inference
+
+    out = tmp_path / "inference.jsonl"
+    rows = inference.main(["--quick", "--out", str(out)])
+    assert len(rows) == len(inference.QUICK_CASES) * len(inference.VARIANTS)
+    for r in rows:
+        assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_ms_per_token"] > 0
+        assert math.isfinite(r["val_loss"]) and set(inference.RECORD_FIELDS) - {"val_loss_train",
+               "val_loss_delta", "weight_scaling", "input_scale"} <= set(r)
+    bf16, fp8 = sorted(rows, key=lambda r: r["variant"])
+    assert fp8["weight_mb"] < bf16["weight_mb"]  # e4m3 block weights
+    assert abs(fp8["val_loss_delta"]) < 0.05 * fp8["val_loss_train"]  # frozen scales: close
+    assert not out.exists()

@@ -20,6 +20,7 @@ from .grad_overwrite import (
     scale_grads,
     trainable,
 )
+from .inference import Fp8InferenceLinear, load_inference, save_inference, to_inference
 from .inspect import GemmReport, assert_fp8, fp8_gemm_report, saved_activation_bytes
 from .state import OverwriteWithGradient
 
@@ -29,6 +30,7 @@ __all__ = [
     "ConversionReport",
     "Fp8Config",
     "Fp8DotGeneral",
+    "Fp8InferenceLinear",
     "GemmReport",
     "OverwriteWithGradient",
     "accumulate_grads",
@@ -38,13 +40,16 @@ __all__ = [
     "fp8_gemm_report",
     "fp8_linear_layers",
     "fp8_state",
+    "load_inference",
     "nn",
     "optax_step",
     "partition_for_grad_overwrite",
     "record_fsdp",
+    "save_inference",
     "saved_activation_bytes",
     "scale_grads",
     "shard_model",
     "skip_triton_gemm_autotuning",
+    "to_inference",
     "trainable",
 ]

@@ -129,8 +129,9 @@ def _check_linear_arrays(linear: eqx.nn.Linear) -> None:
 
 
 def apply_linear(layer: "Linear | eqx.nn.Linear", x: Array) -> Array:
-    """An fp8jax or eqx linear on ``x: [..., in]`` (``eqx.nn.Linear`` takes one vector)."""
-    if isinstance(layer, Linear):
+    """An fp8jax or eqx linear on ``x: [..., in]`` (``eqx.nn.Linear`` takes one vector; any
+    other layer, e.g. `fp8jax.inference.Fp8InferenceLinear`, is called on ``x``)."""
+    if not isinstance(layer, eqx.nn.Linear):
         return layer(x)
     y = jnp.einsum("...i,oi->...o", x, layer.weight.astype(x.dtype))
     return y if layer.bias is None else y + layer.bias.astype(y.dtype)

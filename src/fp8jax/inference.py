@@ -1,0 +1,434 @@
+"""FP8 inference weights: a trained fp8jax model as a forward-only model whose FP8 linear
+layers hold their weights in e4m3 with their scales (half the weight memory of bf16).
+
+`to_inference` swaps every FP8-trained linear for its inference twin: `fp8jax.nn.Linear`
+(equinox, what `fp8_linear_layers` made) -> `Fp8InferenceLinear`; haliax and flax nnx
+linears with fp8jax's dot_general -> an e4m3 kernel and an `Fp8InferenceDot`
+(`fp8jax.interop.inference`, `fp8jax.interop.nnx_inference`). Every other layer stays as it
+is. Each GEMM is one FP8 ``dot_general`` (e4m3 activations x e4m3 weights, both contracting
+on their minor dim, bf16 or f32 out) with the scales applied to its output afterwards, so
+XLA runs it as a cuBLASLt FP8 GEMM on Hopper. `save_inference` / `load_inference` write and
+read the model with orbax.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from . import checks
+from . import quant as q
+from .convert import _foreign_module, _path_str
+from .kernels import gemm as _gemm
+from .nn.linear import Linear
+from .ops.dot import _under_vmap
+from .state import from_history
+
+E4M3 = jnp.float8_e4m3fn
+F32 = jnp.float32
+WEIGHT_SCALINGS = ("tensor", "channel")
+INPUT_SCALES = ("frozen", "dynamic")
+_ROW_ALIGNMENT = 16  # cuBLASLt FP8 GEMMs want every dim a multiple of 16
+
+
+class Fp8InferenceLinear(eqx.Module):
+    """``y = x @ dequant(weight).T + bias`` as one FP8 GEMM, forward only.
+
+    ``weight``: e4m3 ``[out, in]`` (K-major, as Hopper's FP8 GEMM wants); ``weight_scale``:
+    dequantization factor(s), ``[1]`` (``"tensor"``) or ``[out]`` (``"channel"``: one per
+    output channel, applied to the GEMM's output columns); ``input_scale``: the frozen
+    activation scale ``[1]``, or None to compute it from each call's amax (``"dynamic"``).
+    Stacked layers (``eqx.filter_vmap``) carry leading stack dims and run one slice at a
+    time (``lax.scan``), as training ran them.
+    """
+
+    weight: Array
+    weight_scale: Array
+    input_scale: Array | None
+    bias: Array | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    weight_scaling: str = eqx.field(static=True)
+    margin: float = eqx.field(static=True)
+    fast_accumulation: bool = eqx.field(static=True)
+
+    @property
+    def input_scaling(self) -> str:
+        return "dynamic" if self.input_scale is None else "frozen"
+
+    @jax.named_scope("fp8jax.Fp8InferenceLinear")
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        del key
+        x = checks.float_array("Fp8InferenceLinear", "x", x)
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Fp8InferenceLinear expects inputs of shape (..., {self.in_features}), "
+                f"got {x.shape}."
+            )
+        if self.weight.ndim != 2:
+            raise ValueError(
+                f"Fp8InferenceLinear: stacked weight {self.weight.shape}; run a stacked layer one "
+                "slice at a time (jax.lax.scan over the stack or eqx.filter_vmap)."
+            )
+        x2 = x.reshape(-1, self.in_features)
+        y = fp8_matmul(
+            x2,
+            self.weight,
+            self.weight_scale,
+            self.input_scale,
+            self.margin,
+            self.fast_accumulation,
+            x.dtype,
+        )
+        if self.bias is not None:
+            y = y + self.bias.astype(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self, dtype=F32) -> Array:
+        """The weight as ``dtype`` (``weight * weight_scale``), for checks and references."""
+        scale = self.weight_scale.astype(F32)[..., None]
+        return (self.weight.astype(F32) * scale).astype(dtype)
+
+
+def fp8_matmul(x, weight, weight_scale, input_scale, margin: float, fast: bool, out_dtype):
+    """``x [M, K] @ dequant(weight [N, K]).T`` as one FP8 GEMM: ``x`` cast to e4m3 with
+    ``input_scale`` (None: from its own amax), both operands contracting on their minor
+    dim, ``out_dtype`` out; then ``input_scale * weight_scale`` (``[1]`` or ``[N]``, one
+    per output column) applied to the product."""
+    m = x.shape[0]
+    if input_scale is None:  # current scaling: this call's amax
+        input_scale = q.scale_from_amax(q.amax(x), jnp.ones((1,), F32), E4M3, margin)
+    xq = q.quantize(x, input_scale, E4M3)
+    pad = 0 if _under_vmap(x) else -m % _ROW_ALIGNMENT
+    if pad:
+        xq = jnp.pad(xq, ((0, pad), (0, 0)))
+    precision = _gemm.gemm_precision(fast)
+    y = _gemm.gemm(xq[None], weight[None], out_dtype, precision)[0, :m]
+    scale = input_scale.astype(F32).reshape(()) * weight_scale.astype(F32)
+    return (y.astype(F32) * scale).astype(out_dtype)
+
+
+class Fp8InferenceDot(eqx.Module):
+    """``jax.lax.dot_general``'s signature over an e4m3 kernel (``rhs``), with the kernel's
+    scale(s) and the frozen input scale: what `to_inference` puts in a haliax or flax nnx
+    layer's ``dot_general``. Any contracting dims (no batch dims): the operands are brought
+    to ``[M, K]`` and ``[N, K]`` (K-major, as `Fp8DotGeneral` does; a kernel stored
+    ``[in, out]`` is transposed per call); ``weight_scale`` is ``[1]`` or one per output
+    feature (``N``, the kernel's free dims in their order)."""
+
+    weight_scale: Array
+    input_scale: Array | None
+    margin: float = eqx.field(static=True)
+    fast_accumulation: bool = eqx.field(static=True)
+
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ):
+        del precision  # the FP8 GEMM's accumulation is fast_accumulation's
+        if out_sharding is not None:
+            raise NotImplementedError("Fp8InferenceDot: out_sharding is not supported.")
+        lhs = checks.float_array("Fp8InferenceDot", "lhs", jnp.asarray(lhs))
+        if rhs.dtype != E4M3:
+            raise TypeError(
+                f"Fp8InferenceDot: the kernel (rhs) must be float8_e4m3fn, got "
+                f"{rhs.dtype}; convert the model with fp8jax.to_inference."
+            )
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(i) for i in d) for d in (lc, rc, lb, rb))
+        lf = tuple(i for i in range(lhs.ndim) if i not in lc + lb)
+        rf = tuple(i for i in range(rhs.ndim) if i not in rc + rb)
+        if lb or rb:
+            raise NotImplementedError("Fp8InferenceDot: batch dimensions are not supported.")
+        m_shape = tuple(lhs.shape[i] for i in lf)
+        n_shape = tuple(rhs.shape[i] for i in rf)
+        k = math.prod(lhs.shape[i] for i in lc)
+        x2 = jnp.transpose(lhs, lf + lc).reshape(-1, k)
+        w2 = jnp.transpose(rhs, rf + rc).reshape(-1, k)
+        out_dtype = preferred_element_type or lhs.dtype
+        y = fp8_matmul(
+            x2,
+            w2,
+            self.weight_scale,
+            self.input_scale,
+            self.margin,
+            self.fast_accumulation,
+            out_dtype,
+        )
+        return y.reshape(m_shape + n_shape)
+
+
+# ----------------------------------------------------------------------------- conversion
+def _check_option(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(
+            f"to_inference: {name}={value!r} is not allowed; expected one of "
+            + ", ".join(repr(a) for a in allowed)
+            + "."
+        )
+
+
+def quantize_kernel(
+    w, stack: int, in_axes: tuple[int, ...], weight_scaling: str, margin: float
+) -> tuple[Array, Array]:
+    """(e4m3 kernel, ``[*stack, 1]`` or ``[*stack, N]`` dequantization scale) of a kernel
+    whose first ``stack`` dims are layers and ``in_axes`` its contracting dims: the amax
+    over the whole matrix (``"tensor"``) or over ``in_axes`` for each output feature
+    (``"channel"``; N: the kernel's other dims, in their order)."""
+    w = jnp.asarray(w, F32)
+    free = tuple(i for i in range(stack, w.ndim) if i not in in_axes)
+    reduce = tuple(range(stack, w.ndim)) if weight_scaling == "tensor" else in_axes
+    amax = jnp.max(jnp.abs(w), axis=reduce, keepdims=True)
+    scale = q.scale_from_amax(amax, jnp.ones_like(amax), E4M3, margin)
+    n = 1 if weight_scaling == "tensor" else math.prod(w.shape[i] for i in free)
+    return q.saturate(w, 1.0 / scale, E4M3), scale.reshape(w.shape[:stack] + (n,))
+
+
+def _frozen_input_scale(layer: Linear) -> Array:
+    """The input scale delayed scaling would use next: from the amax history with the
+    layer's algorithm and margin (its current scale where the history holds no amax)."""
+    op = layer.dot_general
+    cfg = op.config
+    amax = from_history(op.input_amax_history, cfg.amax_compute_algo, axis=-1)
+    return q.scale_from_amax(amax, op.input_scale, E4M3, cfg.margin)
+
+
+def _never_ran(layer: Linear) -> bool:
+    """Whether the layer's input amax history is all zero (a traced one: unknown, False)."""
+    history = layer.dot_general.input_amax_history
+    return not isinstance(history, jax.core.Tracer) and not bool(jnp.any(history > 0))
+
+
+def inference_linear(
+    layer: Linear, weight_scaling: str = "tensor", input_scale: str = "frozen"
+) -> Fp8InferenceLinear:
+    """One trained `fp8jax.nn.Linear` as an `Fp8InferenceLinear` (see `to_inference`)."""
+    _check_option("weight_scaling", weight_scaling, WEIGHT_SCALINGS)
+    _check_option("input_scale", input_scale, INPUT_SCALES)
+    cfg = layer.dot_general.config
+    w = layer.weight  # [*stack, out, in]
+    weight, w_scale = quantize_kernel(w, w.ndim - 2, (w.ndim - 1,), weight_scaling, cfg.margin)
+    return Fp8InferenceLinear(
+        weight=weight,
+        weight_scale=w_scale,
+        input_scale=_frozen_input_scale(layer) if input_scale == "frozen" else None,
+        bias=layer.bias,
+        in_features=layer.in_features,
+        out_features=layer.out_features,
+        weight_scaling=weight_scaling,
+        margin=float(cfg.margin),
+        fast_accumulation=cfg.fast_forward,
+    )
+
+
+def _haliax_linear():
+    from .convert import _haliax_linear_type
+
+    return _haliax_linear_type()
+
+
+def _kinds(hlinear) -> tuple[type, ...]:
+    from .interop.inference import HaliaxInferenceLinear
+
+    return (Linear, Fp8InferenceLinear, HaliaxInferenceLinear) + (
+        (hlinear,) if hlinear is not None else ()
+    )
+
+
+def _trained(x, hlinear) -> bool:
+    """An FP8-trained layer: `fp8jax.nn.Linear`, or a haliax Linear with an Fp8DotGeneral."""
+    from .dot_general import Fp8DotGeneral
+
+    if isinstance(x, Linear):
+        return True
+    return (
+        hlinear is not None and isinstance(x, hlinear) and isinstance(x.dot_general, Fp8DotGeneral)
+    )
+
+
+def _served(x) -> bool:
+    from .interop.inference import HaliaxInferenceLinear
+
+    return isinstance(x, (Fp8InferenceLinear, HaliaxInferenceLinear))
+
+
+def _no_layer_error(model, already: bool) -> ValueError:
+    return ValueError(
+        f"to_inference: {type(model).__name__} has no FP8 layer (fp8jax.nn.Linear, or a "
+        "haliax/nnx Linear with fp8jax's dot_general) to convert; "
+        + (
+            "it is already an inference model."
+            if already
+            else "convert it with fp8jax.fp8_linear_layers (fp8jax.nnx.fp8_linear_layers for "
+            "nnx) and train it first."
+        )
+    )
+
+
+def _warn_unseen(layers) -> None:
+    unseen = [name for name, layer in layers if _never_ran(layer)]
+    if unseen:
+        warnings.warn(
+            "to_inference: no input amax recorded for "
+            + ", ".join(unseen)
+            + " (never trained in FP8?); their frozen input scale stays at its initial "
+            "value. Use input_scale='dynamic', or run the FP8 model on data first.",
+            stacklevel=3,
+        )
+
+
+def to_inference(model: Any, *, weight_scaling: str = "tensor", input_scale: str = "frozen"):
+    """``model`` for inference: every FP8-trained linear becomes a forward-only layer with
+    its weight in e4m3 and its scales; every other layer and array stays as it is.
+
+    * equinox: each `fp8jax.nn.Linear` (what `fp8_linear_layers` makes) becomes an
+      `Fp8InferenceLinear`; a new model is returned.
+    * haliax: each ``haliax.nn.Linear`` with an `Fp8DotGeneral` gets an e4m3 weight and an
+      `Fp8InferenceDot`; a new model is returned.
+    * flax nnx: each ``nnx.Linear`` with an `fp8jax.nnx.Fp8DotGeneralOp` is changed **in
+      place** (e4m3 kernel, `Fp8InferenceDotOp`); ``model`` is returned.
+
+    ``weight_scaling``: ``"tensor"`` (one scale per weight) or ``"channel"`` (one per
+    output channel, applied to the GEMM's output columns). ``input_scale``: ``"frozen"``
+    (from the training amax history, as delayed scaling would use next; a layer that never
+    recorded an amax keeps its scale and is named in a warning) or ``"dynamic"`` (each
+    call's own amax: one more reduction).
+
+    Raises ``ValueError`` for another option value, or when ``model`` has no FP8 layer.
+    """
+    _check_option("weight_scaling", weight_scaling, WEIGHT_SCALINGS)
+    _check_option("input_scale", input_scale, INPUT_SCALES)
+    if _foreign_module(model) == "flax.nnx":
+        return _nnx_to_inference(model, weight_scaling, input_scale)
+    hlinear = _haliax_linear()
+    kinds = _kinds(hlinear)
+    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, kinds))[0]
+    layers = [(_path_str(p), x) for p, x in flat if _trained(x, hlinear)]
+    if not layers:
+        raise _no_layer_error(model, any(_served(x) for _, x in flat))
+    if input_scale == "frozen":
+        _warn_unseen(layers)
+
+    def convert(x):
+        if isinstance(x, Linear):
+            return inference_linear(x, weight_scaling, input_scale)
+        if _trained(x, hlinear):
+            from .interop.inference import haliax_linear
+
+            return haliax_linear(x, weight_scaling, input_scale)
+        return x
+
+    return jax.tree_util.tree_map(convert, model, is_leaf=lambda x: isinstance(x, kinds))
+
+
+def _nnx_to_inference(model, weight_scaling: str, input_scale: str):
+    from flax import nnx
+
+    from .interop import nnx_inference as nnx_inf
+
+    layers = nnx_inf.fp8_layers(model)
+    if not layers:
+        served = any(nnx_inf.is_inference_layer(m) for _, m in nnx.iter_modules(model))
+        raise _no_layer_error(model, served)
+    if input_scale == "frozen":
+        _warn_unseen([(name, nnx_inf.Trained(layer)) for name, layer in layers])
+    nnx_inf.convert_in_place(model, weight_scaling, input_scale)
+    return model
+
+
+# ----------------------------------------------------------------------------- utilities
+def cast_compute(model: Any, dtype) -> Any:
+    """Floating arrays of ``model`` in ``dtype`` (e.g. bfloat16 for serving), except what
+    must stay: FP8 weights and their scales, and training FP8 state (equinox and haliax
+    models; an nnx model is cast with ``nnx`` itself)."""
+    from .state import OverwriteWithGradient
+
+    def keep(x):
+        return isinstance(x, (Fp8InferenceLinear, Fp8InferenceDot, OverwriteWithGradient))
+
+    def cast(x):
+        if isinstance(x, Fp8InferenceLinear):
+            bias = None if x.bias is None else x.bias.astype(dtype)
+            return eqx.tree_at(lambda m: m.bias, x, bias, is_leaf=lambda v: v is None)
+        if keep(x) or not eqx.is_inexact_array(x) or x.dtype.itemsize == 1:  # e4m3 stays
+            return x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map(cast, model, is_leaf=keep)
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of every array in ``model`` (its weights, scales and any state)."""
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))
+
+
+def _is_nnx(model) -> bool:
+    return _foreign_module(model) == "flax.nnx"
+
+
+def _arrays(model):
+    """What is saved: an nnx model's state as a pure dict, else the pytree's arrays."""
+    if _is_nnx(model):
+        from flax import nnx
+
+        return nnx.to_pure_dict(nnx.state(model))
+    return eqx.filter(model, eqx.is_array)
+
+
+def save_inference(path: str | Path, model: Any) -> Path:
+    """Write ``model``'s arrays (e4m3 weights as they are; an nnx model's state) to the
+    orbax checkpoint ``path`` (a new directory); returns its absolute path."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).expanduser().resolve()
+    if path.exists():
+        raise FileExistsError(f"save_inference: {path} exists; pass a new directory.")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, _arrays(model))
+    checkpointer.wait_until_finished()
+    return path
+
+
+def _is_array_like(x) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def load_inference(path: str | Path, like: Any) -> Any:
+    """Read a `save_inference` checkpoint into a model shaped like ``like``: an inference
+    model of the same structure and options (equinox/haliax: e.g. ``eqx.filter_eval_shape``
+    of the `to_inference` call, a new model is returned; nnx: a converted model, e.g. from
+    ``nnx.eval_shape``, updated in place and returned). Arrays come back bit for bit."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"load_inference: no checkpoint at {path}.")
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    checkpointer = ocp.StandardCheckpointer()
+    if _is_nnx(like):
+        from flax import nnx
+
+        state = nnx.state(like)
+        pure = nnx.to_pure_dict(state)
+        restored = checkpointer.restore(path, jax.tree_util.tree_map(spec, pure))
+        nnx.replace_by_pure_dict(state, restored)
+        nnx.update(like, state)
+        return like
+    params, static = eqx.partition(like, _is_array_like)
+    restored = checkpointer.restore(path, jax.tree_util.tree_map(spec, params))
+    return eqx.combine(restored, static)
