@@ -132,23 +132,42 @@ def test_sharded_training_matches_single_device(reference, setup):
     )
 
 
-def test_user_placed_weights_zero_configuration(reference):
-    """Weights placed by hand (no helper): GSPMD alone gives the single-device result;
-    `record_fsdp` then makes the same program gather FP8 weights."""
-    mesh = _mesh(1, 8, 1)
+def _user_placed(mesh):
+    """The model with its weights placed by hand (FSDP, no fp8jax helper), as a user
+    would with `eqx.filter_shard`."""
     model = _model()
-    model = eqx.tree_at(
+    specs = eqx.tree_at(
         lambda m: (m.l1.weight, m.l2.weight),
-        model,
-        (
-            jax.device_put(model.l1.weight, NamedSharding(mesh, P("fsdp", None))),
-            jax.device_put(model.l2.weight, NamedSharding(mesh, P(None, "fsdp"))),
-        ),
+        jax.tree_util.tree_map(lambda _: P(), model),
+        (P("fsdp", None), P(None, "fsdp")),
     )
+    shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
+    return eqx.filter_shard(model, shardings)
+
+
+def test_user_placed_weights_zero_configuration(reference):
+    """Weights placed by the user and a plain `eqx.filter_jit` step: the weights are
+    all-gathered in FP8 (found when compiling, `fp8jax.ops.fsdp`) and the run matches
+    the single-device one; `record_fsdp` (recorded shardings) gives the same."""
+    mesh = _mesh(1, 8, 1)
+    model = _user_placed(mesh)
+    assert model.l1.dot_general.weight_sharding is None
     batch = NamedSharding(mesh, P("fsdp", None))
     x, y = (jax.device_put(a, batch) for a in _data())
-    _, losses, _ = _train(model, x, y)
+    cs = _collectives(model, mesh, P("fsdp", None))
+    gathers = [c for c in cs if c.kind == "all-gather"]
+    # forward: both weights; backward: l2's for its dgrad; nothing else is gathered
+    assert sorted(c.shape for c in gathers) == ["[1,256,64]", "[1,256,64]", "[1,64,256]"]
+    assert all(c.dtype == "f8e4m3fn" for c in gathers), gathers
+    _amaxes_are_scalar_all_reduces(cs)
+    trained, losses, grads = _train(model, x, y)
     np.testing.assert_allclose(losses, reference[1], rtol=LOSS_RTOL)
+    for g, rg in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference[2]), strict=True
+    ):
+        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
+    assert distributed.fp8_state_replicated(trained)
+    assert trained.l1.weight.sharding.spec == P("fsdp", None)  # stays sharded
     recorded = distributed.record_fsdp(model)
     assert recorded.l2.dot_general.weight_sharding.spec == (None, "fsdp")
     _, losses, _ = _train(recorded, x, y)

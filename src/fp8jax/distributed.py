@@ -88,13 +88,16 @@ def shard_model(
     *,
     column_parallel: Sequence[str] = (),
     row_parallel: Sequence[str] = (),
+    expert_axis: str | None = None,
     fp8_all_gather: bool = True,
 ) -> Any:
     """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
     ``fsdp_axis`` along its larger dim (FSDP) and, for layers whose dotted path matches
     ``column_parallel`` / ``row_parallel`` (names or fnmatch patterns), over
     ``tensor_axis`` along out / in (Megatron; a column-parallel bias too); everything
-    else, the FP8 state included, replicated. ``fp8_all_gather``: record the sharding
+    else, the FP8 state included, replicated. ``expert_axis``: shard every
+    `fp8jax.nn.GroupedLinear`'s experts (``weight [E, in, out]`` along ``E``; MoE expert
+    parallel), else replicate them. ``fp8_all_gather``: record the sharding
     in each FP8 layer so it casts its shard and all-gathers FP8 (`record_fsdp`).
 
     Raises ``ValueError`` naming the layer, the dim and the axis when an axis size does
@@ -109,6 +112,7 @@ def shard_model(
     if (column_parallel or row_parallel) and tensor_axis is None:
         raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
     _axis_size(mesh, tensor_axis)
+    _axis_size(mesh, expert_axis)
     layers = _layers(model)
     for what, patterns in (("column_parallel", column_parallel), ("row_parallel", row_parallel)):
         for p in patterns:
@@ -117,7 +121,7 @@ def shard_model(
                     f"shard_model: {what} pattern {p!r} matches no linear layer; layers are: "
                     + ", ".join(path for path, _ in layers)
                 )
-    placements: dict[int, NamedSharding] = {}
+    placements: dict[int, NamedSharding] = _expert_placements(model, mesh, expert_axis)
     for path, layer in layers:
         col, row = _matches(path, column_parallel), _matches(path, row_parallel)
         if col and row:
@@ -144,6 +148,41 @@ def shard_model(
 
     model = jax.tree_util.tree_map(place, model)
     return record_fsdp(model, (fsdp_axis,) if fsdp_axis else ()) if fp8_all_gather else model
+
+
+def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, NamedSharding]:
+    """Each `GroupedLinear` weight ``[*stack, E, in, out]`` sharded over ``axis`` along E."""
+    from .nn.grouped import GroupedLinear
+
+    if axis is None:
+        return {}
+    is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_grouped)
+    n, out = _axis_size(mesh, axis), {}
+    for p, layer in flat:
+        if not is_grouped(layer):
+            continue
+        w = layer.weight
+        if w.shape[-3] % n:
+            raise ValueError(
+                f"shard_model: layer {_path_str(p)!r}: num_experts={w.shape[-3]} "
+                f"(weight {tuple(w.shape)}) is not divisible by mesh axis {axis!r} of size {n}."
+            )
+        out[id(w)] = NamedSharding(mesh, P(*(None,) * (w.ndim - 3), axis, None, None))
+    if not out:
+        raise ValueError("shard_model: expert_axis is set but the model has no GroupedLinear.")
+    return out
+
+
+def set_fsdp_axes(axes: Sequence[str]) -> None:
+    """Mesh axis names meaning FSDP for weights placed by the user (default ``("fsdp",)``):
+    an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
+    it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced: set it first."""
+    from .ops import fsdp
+
+    if isinstance(axes, str) or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"set_fsdp_axes: expected a sequence of axis names, got {axes!r}.")
+    fsdp.FSDP_AXES[:] = list(axes)
 
 
 def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
