@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .convert import _path_str
 from .nn.linear import Linear
 from .ops.dot import WeightSharding
+from .ops.expert_parallel import ExpertSharding
 from .state import OverwriteWithGradient
 
 
@@ -147,6 +148,8 @@ def shard_model(
         return jax.device_put(x, placements.get(id(x), replicated))
 
     model = jax.tree_util.tree_map(place, model)
+    if expert_axis is not None:
+        model = _record_experts(model, ExpertSharding(mesh, expert_axis))
     return record_fsdp(model, (fsdp_axis,) if fsdp_axis else ()) if fp8_all_gather else model
 
 
@@ -169,9 +172,34 @@ def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, Na
                 f"(weight {tuple(w.shape)}) is not divisible by mesh axis {axis!r} of size {n}."
             )
         out[id(w)] = NamedSharding(mesh, P(*(None,) * (w.ndim - 3), axis, None, None))
+        state = layer.fp8_state
+        if state is not None:  # per-expert kernel state goes with its experts
+            for a in (state.kernel_scale, state.kernel_amax_history):
+                out[id(a)] = NamedSharding(mesh, P(*(None,) * (a.ndim - 1), axis))
     if not out:
         raise ValueError("shard_model: expert_axis is set but the model has no GroupedLinear.")
     return out
+
+
+def _copy_with(module: Any, name: str, value: Any) -> Any:
+    """A shallow copy of an equinox module with one (static) field set."""
+    new = object.__new__(type(module))
+    for key, v in vars(module).items():
+        object.__setattr__(new, key, v)
+    object.__setattr__(new, name, value)
+    return new
+
+
+def _record_experts(model: Any, experts: ExpertSharding) -> Any:
+    """Every `GroupedLinear` runs its FP8 GEMMs per device on its own experts."""
+    from .nn.grouped import GroupedLinear
+
+    is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda x: _copy_with(x, "expert_sharding", experts) if is_grouped(x) else x,
+        model,
+        is_leaf=is_grouped,
+    )
 
 
 def set_fsdp_axes(axes: Sequence[str]) -> None:
@@ -201,19 +229,17 @@ def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
             return layer
         _check_auto(sharding.mesh, "record_fsdp")
         spec = tuple(sharding.spec) + (None,) * (layer.weight.ndim - len(sharding.spec))
-        op = object.__new__(type(layer.dot_general))  # a copy with the static field set
-        for name, value in vars(layer.dot_general).items():
-            object.__setattr__(op, name, value)
-        object.__setattr__(
-            op, "weight_sharding", WeightSharding(sharding.mesh, spec[-2:], fsdp_axes)
-        )
+        ws = WeightSharding(sharding.mesh, spec[-2:], fsdp_axes)
+        op = _copy_with(layer.dot_general, "weight_sharding", ws)
         return eqx.tree_at(lambda lin: lin.dot_general, layer, op)
 
     return jax.tree_util.tree_map(record, model, is_leaf=lambda x: isinstance(x, Linear))
 
 
 def fp8_state_replicated(model: Any) -> bool:
-    """Whether every FP8 state array holds the same bytes on all its devices."""
+    """Whether every FP8 state array holds the same bytes on all devices that hold the
+    same part of it (all devices for replicated state; those of one expert shard for a
+    per-expert state sharded with its experts)."""
     import numpy as np
 
     flat = jax.tree_util.tree_leaves(
@@ -224,9 +250,11 @@ def fp8_state_replicated(model: Any) -> bool:
         )
     )
     for leaf in flat:
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        if any(s.tobytes() != shards[0].tobytes() or s.shape != shards[0].shape for s in shards):
-            return False
+        parts: dict[str, bytes] = {}
+        for s in leaf.addressable_shards:
+            data = np.asarray(s.data)
+            if parts.setdefault(str(s.index), data.tobytes()) != data.tobytes():
+                return False
     return True
 
 

@@ -35,6 +35,7 @@ from ..config import Fp8Config
 from ..kernels import dispatch
 from ..kernels import grouped_gemm as gk
 from . import dot as _dot
+from . import expert_parallel as _ep
 
 GROUPED_SCOPE = (
     "fp8jax_grouped_gemm"  # named scope around the grouped-GEMM kernels (in HLO metadata)
@@ -359,6 +360,20 @@ class Spec(NamedTuple):
     backend: str
     x_dtype: np.dtype
     w_dtype: np.dtype
+    experts: _ep.ExpertSharding | None = None  # expert parallel: GEMMs per device
+
+
+ExpertSharding = _ep.ExpertSharding
+
+
+def _gemms(spec: Spec):
+    """(rows, wgrad) GEMMs: the module's, or each device's on its experts (`_ep`)."""
+    if spec.experts is None:
+        return rows_gemm, wgrad_gemm
+    return (
+        functools.partial(_ep.rows_gemm, spec.experts),
+        functools.partial(_ep.wgrad_gemm, spec.experts),
+    )
 
 
 def _per_expert_amax(w):
@@ -390,7 +405,7 @@ def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(
         cfg.kernel_dtype
     )  # [G, in, out]
-    y = rows_gemm(spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
+    y = _gemms(spec)[0](spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
     return y, (xq.T, wq, sx, sw, ax, aw)
 
 
@@ -409,8 +424,9 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
     ag = q.amax(dym)
     sg = cfg.recipe.scale(g_h, g_s, cfg.grad_dtype, ag)
     dyq = q.quantize(dym, sg, cfg.grad_dtype)
-    dx = _masked(rows_gemm(spec.backend, dyq, wq, layout, sg * sw, spec.x_dtype), layout)
-    dw = wgrad_gemm(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)
+    rows, wgrad = _gemms(spec)
+    dx = _masked(rows(spec.backend, dyq, wq, layout, sg * sw, spec.x_dtype), layout)
+    dw = wgrad(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)
 
     observed, bad = q.sanitize_amax(jnp.concatenate([ax.reshape(1), ag.reshape(1), aw]))
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
