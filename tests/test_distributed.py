@@ -365,3 +365,16 @@ def test_current_scaling_one_scalar_all_reduce_per_amax():
     assert distributed.fp8_state_replicated(trained)
     for a, b in zip(_state(trained), _state(single), strict=True):
         np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
+
+
+def test_explicit_mesh_weights_get_a_clear_error():
+    """Explicit axes (``jax.make_mesh``'s default in newer JAX) are refused by shard_model
+    (test above) and, for weights placed by hand, by the op itself, naming the axis."""
+    explicit = jax.make_mesh(
+        (1, 8, 1), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 3
+    )
+    model = _model()
+    w = jax.device_put(model.l1.weight, NamedSharding(explicit, P("fsdp", None)))
+    model = eqx.tree_at(lambda m: m.l1.weight, model, w)
+    with pytest.raises(ValueError, match=r"rhs float32\[256@fsdp,64\].*Explicit mesh axes"):
+        eqx.filter_jit(lambda m, x: m(x))(model, _data()[0])

@@ -89,3 +89,22 @@ def gather_fsdp(w: jax.Array) -> jax.Array:
     if not 1 <= w.ndim <= 8:
         return w
     return _op(w.ndim)(w, tuple(FSDP_AXES))
+
+
+def check_auto_axes(owner: str, **arrays) -> None:
+    """Raise a clear error when an array is sharded over an Explicit mesh axis (``jax.make_mesh``'s
+    default in newer JAX): fp8jax's sharded ops are written for GSPMD (Auto) axes, and JAX's
+    explicit-sharding type checks reject the FP8 GEMMs' operand layouts deep inside."""
+    for name, a in arrays.items():
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", ())
+        types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+        used = [x for e in spec for x in (e if isinstance(e, tuple) else (e,)) if x is not None]
+        explicit = [x for x in used if "Explicit" in str(types.get(x, ""))]
+        if explicit:
+            raise ValueError(
+                f"{owner}: {name} {jax.typeof(a).str_short()} is sharded over Explicit mesh "
+                f"axes {explicit}; fp8jax's sharded FP8 ops need Auto (GSPMD) axes: build the "
+                "mesh with jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,)"
+                " * len(names)) or jax.sharding.Mesh(devices, names)."
+            )
