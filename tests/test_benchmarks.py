@@ -117,3 +117,20 @@ ENTRY %main (p0: bf16[64,32]) -> f8e4m3fn[64,32] {
     rows = big_writes(text, 64 * 32)
     assert rows == [("act", "fusion", ["f8e4m3fn[2048]", "bf16[2048]"]),
                     ("gemm", "custom-call:__cublas$lt$matmul$f8", ["bf16[2048]"])]
+
+
+def test_distributed_quick_runs_both_variants_on_a_mesh(tmp_path):
+    from benchmarks import distributed
+
+    out = tmp_path / "distributed.jsonl"
+    mesh = "data=2,fsdp=2,tensor=2"
+    rows = distributed.main(["--quick", "--mesh", mesh, "--no-baseline", "--out", str(out)])
+    assert [r["variant"] for r in rows] == list(distributed.VARIANTS)
+    for r in rows:
+        assert r.get("error") is None, r.get("error")
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["params"]["gpus"] == 8
+    gathers = {r["variant"]: r["allgather_dtypes"] for r in rows}
+    assert gathers["fp8"].get("f8e4m3fn", 0) > 0 and "f8e4m3fn" not in gathers["bf16"]
+    by = {r["variant"]: r["allgather_bytes"] for r in rows}
+    assert by["fp8"] < by["bf16"]  # weights gathered at 1 byte/element instead of 2
+    assert not out.exists()

@@ -297,6 +297,12 @@ def hlo_collectives(lowered: Any) -> list[Collective]:
     """The collectives of a lowered program (``jax.jit(f).lower(...)`` or equinox's) as
     XLA's SPMD partitioner made them: their dtypes before a backend's own rewrites (the
     CPU backend carries FP8 collectives as f16; GPUs move FP8)."""
+    return compile_with_collectives(lowered)[1]
+
+
+def compile_with_collectives(lowered: Any) -> tuple[Any, list[Collective]]:
+    """``lowered`` compiled, and its collectives as `hlo_collectives` lists them (one
+    compilation for both)."""
     lowered = getattr(lowered, "lowered", lowered)
     with tempfile.TemporaryDirectory() as d:
         compiled = lowered.compile(
@@ -304,6 +310,6 @@ def hlo_collectives(lowered: Any) -> list[Collective]:
         )
         names = sorted(n for n in os.listdir(d) if "after_spmd-partitioning" in n)
         if not names:  # one device: nothing to partition
-            return parse_collectives(compiled.as_text())
+            return compiled, parse_collectives(compiled.as_text())
         with open(os.path.join(d, names[-1])) as f:
-            return parse_collectives(f.read())
+            return compiled, parse_collectives(f.read())
