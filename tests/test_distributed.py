@@ -263,7 +263,7 @@ def test_shard_model_bad_arguments():
 
 # --- blocks: FusedMLP, MultiHeadAttention, MoE -------------------------------------------------
 # Each block trained 3 steps on a (2, 2, 2) mesh against one device. Measured on CPU:
-# losses within 3e-7 relative, gradients within 3e-7 of their max, the state equal but
+# losses within 3e-7 relative, gradients within 5e-7 of their max, the state equal but
 # for MoE's output-gradient amaxes (the combine's sums in another order: 1.6e-7).
 BLOCK_MESH = ("data", "fsdp", "tensor")
 
@@ -276,13 +276,15 @@ def _block(kind):
         return fp8jax.nn.MultiHeadAttention(
             64, 4, mode="fp8_mha", backend="reference", config=CFG, key=k
         )
-    return fp8jax.nn.MoE(64, 64, 8, top_k=2, backend="reference", config=CFG, key=k)
+    fp8 = kind == "moe"  # "moe-bf16": the same grouped GEMMs in the input precision
+    return fp8jax.nn.MoE(64, 64, 8, top_k=2, backend="reference", fp8=fp8, config=CFG, key=k)
 
 
 BLOCK_SHARDING = {  # shard_model keyword arguments per block
     "mlp": dict(tensor_axis="tensor", column_parallel=["fc1"], row_parallel=["fc2"]),
     "mha": dict(tensor_axis="tensor", column_parallel=["qkv"], row_parallel=["out"]),
     "moe": dict(fsdp_axis=None, expert_axis="tensor"),  # replicated experts: plain DP
+    "moe-bf16": dict(fsdp_axis=None, expert_axis="tensor"),
 }
 
 
@@ -316,7 +318,7 @@ def test_blocks_sharded_match_single_device(setup):
     model = fp8jax.shard_model(_block(kind), mesh, **BLOCK_SHARDING[setup])
     batch = NamedSharding(mesh, P(("data", "fsdp")))
     xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
-    if setup == "moe":  # each device runs the grouped GEMMs on its own 4 experts
+    if setup.startswith("moe"):  # each device runs the grouped GEMMs on its own 4 experts
         cs = _block_collectives(model, xs, ys)
         # rows GEMMs' outputs summed over the expert axis: fc1 and fc2 forward, fc2's
         # dgrad (fc1's, the tokens' gradient, is dead code); no expert weight gathered

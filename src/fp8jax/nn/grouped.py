@@ -176,7 +176,7 @@ class GroupedLinear(eqx.Module):
             x.dtype if self.fp8_state is None else jnp.float8_e4m3fn,
         )
         if self.fp8_state is None:
-            return gr.grouped_plain(backend, x, self.weight, layout)
+            return gr.grouped_plain(backend, x, self.weight, layout, self.expert_sharding)
         state = self.fp8_state
         spec = gr.Spec(
             state.config,

@@ -323,15 +323,16 @@ def _masked(x, layout: GroupLayout):
 
 
 # ----------------------------------------------------------------------------- bf16 (no FP8)
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def grouped_plain(backend: str, x, w, layout: GroupLayout):
-    """``y = x . W_e`` per group in the input precision through the same kernels."""
-    return _plain_fwd(backend, x, w, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def grouped_plain(backend: str, x, w, layout: GroupLayout, experts=None):
+    """``y = x . W_e`` per group in the input precision through the same kernels
+    (``experts``: an `ExpertSharding` to run them per device on its own experts)."""
+    return _plain_fwd(backend, x, w, layout, experts)[0]
 
 
-def _plain_fwd(backend, x, w, layout):
+def _plain_fwd(backend, x, w, layout, experts=None):
     xm = _masked(x, layout)
-    y = rows_gemm(
+    y = _gemms_for(experts)[0](
         backend,
         xm,
         jnp.swapaxes(w, 1, 2).astype(x.dtype),
@@ -342,12 +343,13 @@ def _plain_fwd(backend, x, w, layout):
     return y, (xm, w, layout)
 
 
-def _plain_bwd(backend, res, dy):
+def _plain_bwd(backend, experts, res, dy):
     xm, w, layout = res
+    rows, wgrad = _gemms_for(experts)
     dym = _masked(dy.astype(xm.dtype), layout)
     ones = jnp.ones((layout.num_groups,), F32)
-    dx = _masked(rows_gemm(backend, dym, w.astype(xm.dtype), layout, ones, xm.dtype), layout)
-    dw = wgrad_gemm(backend, xm.T, dym.T, layout, jnp.ones((), F32), w.dtype)
+    dx = _masked(rows(backend, dym, w.astype(xm.dtype), layout, ones, xm.dtype), layout)
+    dw = wgrad(backend, xm.T, dym.T, layout, jnp.ones((), F32), w.dtype)
     return dx, dw, jax.tree_util.tree_map(_zero_ct, layout)
 
 
@@ -367,12 +369,16 @@ ExpertSharding = _ep.ExpertSharding
 
 
 def _gemms(spec: Spec):
+    return _gemms_for(spec.experts)
+
+
+def _gemms_for(experts: _ep.ExpertSharding | None):
     """(rows, wgrad) GEMMs: the module's, or each device's on its experts (`_ep`)."""
-    if spec.experts is None:
+    if experts is None:
         return rows_gemm, wgrad_gemm
     return (
-        functools.partial(_ep.rows_gemm, spec.experts),
-        functools.partial(_ep.wgrad_gemm, spec.experts),
+        functools.partial(_ep.rows_gemm, experts),
+        functools.partial(_ep.wgrad_gemm, experts),
     )
 
 
