@@ -349,7 +349,7 @@ def test_expert_axis_not_dividing_experts():
         fp8jax.shard_model(_model(), mesh, fsdp_axis=None, expert_axis="tensor")
 
 
-# --- current scaling ------------------------------------------------------------------------------
+# --- current scaling -------------------------------------------------------------------------
 def test_current_scaling_one_scalar_all_reduce_per_amax():
     """Current scaling under FSDP: each tensor's amax is one scalar all-reduce (max),
     and every device computes the same scales (the replicated state is equal bytes)."""
@@ -362,7 +362,8 @@ def test_current_scaling_one_scalar_all_reduce_per_amax():
     assert all(c.dtype == "f8e4m3fn" for c in cs if c.kind == "all-gather")
     x, y = (jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp")))) for a in _data())
     trained, losses, _ = _train(model, x, y)
-    single, ref_losses, _ = _train(fp8jax.fp8_linear_layers(MLP(jax.random.PRNGKey(0)), cfg), *_data())
+    single = fp8jax.fp8_linear_layers(MLP(jax.random.PRNGKey(0)), cfg)
+    single, ref_losses, _ = _train(single, *_data())
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert distributed.fp8_state_replicated(trained)
     for a, b in zip(_state(trained), _state(single), strict=True):
