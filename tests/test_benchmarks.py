@@ -175,4 +175,20 @@ def test_inference_quick_runs_both_variants(tmp_path):
     bf16, fp8 = sorted(rows, key=lambda r: r["variant"])
     assert fp8["weight_mb"] < bf16["weight_mb"]  # e4m3 block weights
     assert abs(fp8["val_loss_delta"]) < 0.05 * fp8["val_loss_train"]  # frozen scales: close
+
+
+def test_distributed_quick_runs_both_variants_on_a_mesh(tmp_path):
+    from benchmarks import distributed
+
+    out = tmp_path / "distributed.jsonl"
+    mesh = "data=2,fsdp=2,tensor=2"
+    rows = distributed.main(["--quick", "--mesh", mesh, "--no-baseline", "--out", str(out)])
+    assert [r["variant"] for r in rows] == list(distributed.VARIANTS)
+    for r in rows:
+        assert r.get("error") is None, r.get("error")
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["params"]["gpus"] == 8
+    gathers = {r["variant"]: r["allgather_dtypes"] for r in rows}
+    assert gathers["fp8"].get("f8e4m3fn", 0) > 0 and "f8e4m3fn" not in gathers["bf16"]
+    by = {r["variant"]: r["allgather_bytes"] for r in rows}
+    assert by["fp8"] < by["bf16"]  # weights gathered at 1 byte/element instead of 2
     assert not out.exists()

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .convert import _path_str
 from .nn.linear import Linear
 from .ops.dot import WeightSharding
+from .ops.expert_parallel import ExpertSharding
 from .state import OverwriteWithGradient
 
 
@@ -88,13 +89,16 @@ def shard_model(
     *,
     column_parallel: Sequence[str] = (),
     row_parallel: Sequence[str] = (),
+    expert_axis: str | None = None,
     fp8_all_gather: bool = True,
 ) -> Any:
     """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
     ``fsdp_axis`` along its larger dim (FSDP) and, for layers whose dotted path matches
     ``column_parallel`` / ``row_parallel`` (names or fnmatch patterns), over
     ``tensor_axis`` along out / in (Megatron; a column-parallel bias too); everything
-    else, the FP8 state included, replicated. ``fp8_all_gather``: record the sharding
+    else, the FP8 state included, replicated. ``expert_axis``: shard every
+    `fp8jax.nn.GroupedLinear`'s experts (``weight [E, in, out]`` along ``E``; MoE expert
+    parallel), else replicate them. ``fp8_all_gather``: record the sharding
     in each FP8 layer so it casts its shard and all-gathers FP8 (`record_fsdp`).
 
     Raises ``ValueError`` naming the layer, the dim and the axis when an axis size does
@@ -109,6 +113,7 @@ def shard_model(
     if (column_parallel or row_parallel) and tensor_axis is None:
         raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
     _axis_size(mesh, tensor_axis)
+    _axis_size(mesh, expert_axis)
     layers = _layers(model)
     for what, patterns in (("column_parallel", column_parallel), ("row_parallel", row_parallel)):
         for p in patterns:
@@ -117,7 +122,7 @@ def shard_model(
                     f"shard_model: {what} pattern {p!r} matches no linear layer; layers are: "
                     + ", ".join(path for path, _ in layers)
                 )
-    placements: dict[int, NamedSharding] = {}
+    placements: dict[int, NamedSharding] = _expert_placements(model, mesh, expert_axis)
     for path, layer in layers:
         col, row = _matches(path, column_parallel), _matches(path, row_parallel)
         if col and row:
@@ -143,7 +148,69 @@ def shard_model(
         return jax.device_put(x, placements.get(id(x), replicated))
 
     model = jax.tree_util.tree_map(place, model)
+    if expert_axis is not None:
+        model = _record_experts(model, ExpertSharding(mesh, expert_axis))
     return record_fsdp(model, (fsdp_axis,) if fsdp_axis else ()) if fp8_all_gather else model
+
+
+def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, NamedSharding]:
+    """Each `GroupedLinear` weight ``[*stack, E, in, out]`` sharded over ``axis`` along E."""
+    from .nn.grouped import GroupedLinear
+
+    if axis is None:
+        return {}
+    is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_grouped)
+    n, out = _axis_size(mesh, axis), {}
+    for p, layer in flat:
+        if not is_grouped(layer):
+            continue
+        w = layer.weight
+        if w.shape[-3] % n:
+            raise ValueError(
+                f"shard_model: layer {_path_str(p)!r}: num_experts={w.shape[-3]} "
+                f"(weight {tuple(w.shape)}) is not divisible by mesh axis {axis!r} of size {n}."
+            )
+        out[id(w)] = NamedSharding(mesh, P(*(None,) * (w.ndim - 3), axis, None, None))
+        state = layer.fp8_state
+        if state is not None:  # per-expert kernel state goes with its experts
+            for a in (state.kernel_scale, state.kernel_amax_history):
+                out[id(a)] = NamedSharding(mesh, P(*(None,) * (a.ndim - 1), axis))
+    if not out:
+        raise ValueError("shard_model: expert_axis is set but the model has no GroupedLinear.")
+    return out
+
+
+def _copy_with(module: Any, name: str, value: Any) -> Any:
+    """A shallow copy of an equinox module with one (static) field set."""
+    new = object.__new__(type(module))
+    for key, v in vars(module).items():
+        object.__setattr__(new, key, v)
+    object.__setattr__(new, name, value)
+    return new
+
+
+def _record_experts(model: Any, experts: ExpertSharding) -> Any:
+    """Every `GroupedLinear` runs its FP8 GEMMs per device on its own experts."""
+    from .nn.grouped import GroupedLinear
+
+    is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda x: _copy_with(x, "expert_sharding", experts) if is_grouped(x) else x,
+        model,
+        is_leaf=is_grouped,
+    )
+
+
+def set_fsdp_axes(axes: Sequence[str]) -> None:
+    """Mesh axis names meaning FSDP for weights placed by the user (default ``("fsdp",)``):
+    an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
+    it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced: set it first."""
+    from .ops import fsdp
+
+    if isinstance(axes, str) or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"set_fsdp_axes: expected a sequence of axis names, got {axes!r}.")
+    fsdp.FSDP_AXES[:] = list(axes)
 
 
 def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
@@ -162,19 +229,17 @@ def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
             return layer
         _check_auto(sharding.mesh, "record_fsdp")
         spec = tuple(sharding.spec) + (None,) * (layer.weight.ndim - len(sharding.spec))
-        op = object.__new__(type(layer.dot_general))  # a copy with the static field set
-        for name, value in vars(layer.dot_general).items():
-            object.__setattr__(op, name, value)
-        object.__setattr__(
-            op, "weight_sharding", WeightSharding(sharding.mesh, spec[-2:], fsdp_axes)
-        )
+        ws = WeightSharding(sharding.mesh, spec[-2:], fsdp_axes)
+        op = _copy_with(layer.dot_general, "weight_sharding", ws)
         return eqx.tree_at(lambda lin: lin.dot_general, layer, op)
 
     return jax.tree_util.tree_map(record, model, is_leaf=lambda x: isinstance(x, Linear))
 
 
 def fp8_state_replicated(model: Any) -> bool:
-    """Whether every FP8 state array holds the same bytes on all its devices."""
+    """Whether every FP8 state array holds the same bytes on all devices that hold the
+    same part of it (all devices for replicated state; those of one expert shard for a
+    per-expert state sharded with its experts)."""
     import numpy as np
 
     flat = jax.tree_util.tree_leaves(
@@ -185,9 +250,11 @@ def fp8_state_replicated(model: Any) -> bool:
         )
     )
     for leaf in flat:
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        if any(s.tobytes() != shards[0].tobytes() or s.shape != shards[0].shape for s in shards):
-            return False
+        parts: dict[str, bytes] = {}
+        for s in leaf.addressable_shards:
+            data = np.asarray(s.data)
+            if parts.setdefault(str(s.index), data.tobytes()) != data.tobytes():
+                return False
     return True
 
 
@@ -230,6 +297,12 @@ def hlo_collectives(lowered: Any) -> list[Collective]:
     """The collectives of a lowered program (``jax.jit(f).lower(...)`` or equinox's) as
     XLA's SPMD partitioner made them: their dtypes before a backend's own rewrites (the
     CPU backend carries FP8 collectives as f16; GPUs move FP8)."""
+    return compile_with_collectives(lowered)[1]
+
+
+def compile_with_collectives(lowered: Any) -> tuple[Any, list[Collective]]:
+    """``lowered`` compiled, and its collectives as `hlo_collectives` lists them (one
+    compilation for both)."""
     lowered = getattr(lowered, "lowered", lowered)
     with tempfile.TemporaryDirectory() as d:
         compiled = lowered.compile(
@@ -237,6 +310,6 @@ def hlo_collectives(lowered: Any) -> list[Collective]:
         )
         names = sorted(n for n in os.listdir(d) if "after_spmd-partitioning" in n)
         if not names:  # one device: nothing to partition
-            return parse_collectives(compiled.as_text())
+            return compiled, parse_collectives(compiled.as_text())
         with open(os.path.join(d, names[-1])) as f:
-            return parse_collectives(f.read())
+            return compiled, parse_collectives(f.read())

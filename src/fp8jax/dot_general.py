@@ -15,6 +15,7 @@ from . import checks
 from . import state as _state
 from .config import Fp8Config, resolve_config
 from .ops import dot as _dot
+from .ops import fsdp as _fsdp
 from .state import STATE_FIELDS, Fp8GemmState, _init_state
 from .state import OverwriteWithGradient  # noqa: F401  (re-exported: older imports)
 
@@ -74,6 +75,7 @@ class Fp8DotGeneral(Fp8GemmState):
         if out_sharding is not None:
             raise NotImplementedError("Fp8DotGeneral: out_sharding is not supported; shard the operands.")
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        _fsdp.check_auto_axes("Fp8DotGeneral", lhs=lhs, rhs=rhs)
         out_dtype = _check_operands(lhs, rhs, dimension_numbers, preferred_element_type)
         if self.input_scale.ndim != 1:
             raise ValueError(

@@ -92,6 +92,9 @@ class GroupedLinear(eqx.Module):
     weight: Float[Array, "experts d_in d_out"]
     fp8_state: Fp8GroupedState | None
     backend: str = eqx.field(static=True)
+    # Expert parallel (`fp8jax.shard_model`'s ``expert_axis``): the FP8 GEMMs run per
+    # device on its experts. None: no constraint.
+    expert_sharding: gr.ExpertSharding | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -116,6 +119,7 @@ class GroupedLinear(eqx.Module):
         )
         self.fp8_state = Fp8GroupedState(num_experts, config) if fp8 else None
         self.backend = gr.check_backend(backend)
+        self.expert_sharding = None
 
     @property
     def num_experts(self) -> int:
@@ -132,7 +136,7 @@ class GroupedLinear(eqx.Module):
     def with_backend(self, backend: str) -> GroupedLinear:
         """The same layer (shared arrays) running on ``backend``."""
         new = object.__new__(type(self))
-        for name in ("weight", "fp8_state"):
+        for name in ("weight", "fp8_state", "expert_sharding"):
             object.__setattr__(new, name, getattr(self, name))
         object.__setattr__(new, "backend", _check_backend("GroupedLinear.with_backend", backend))
         return new
@@ -172,9 +176,15 @@ class GroupedLinear(eqx.Module):
             x.dtype if self.fp8_state is None else jnp.float8_e4m3fn,
         )
         if self.fp8_state is None:
-            return gr.grouped_plain(backend, x, self.weight, layout)
+            return gr.grouped_plain(backend, x, self.weight, layout, self.expert_sharding)
         state = self.fp8_state
-        spec = gr.Spec(state.config, backend, np.dtype(x.dtype), np.dtype(self.weight.dtype))
+        spec = gr.Spec(
+            state.config,
+            backend,
+            np.dtype(x.dtype),
+            np.dtype(self.weight.dtype),
+            self.expert_sharding,
+        )
         return gr.grouped_fp8(spec, x, self.weight, layout, _state.enter(state.state()))
 
     def _check_input(self, x, name):

@@ -29,6 +29,7 @@ from jax.custom_batching import custom_vmap
 from ..kernels import gemm as _gemm
 from .. import quant as q
 from .. import state as _state
+from . import fsdp as _fsdp_op
 from ..config import Fp8Config
 
 F32 = jnp.float32
@@ -92,9 +93,11 @@ def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
 def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
     """FSDP: pin ``a`` (w3's layout, or its transpose) to the kernel's shard layout, or
     to the gathered one. A constraint pair shard -> gathered makes XLA all-gather ``a``
-    itself (FP8, 1 byte/element) instead of choosing what to move. No-op without a mesh."""
+    itself (FP8, 1 byte/element) instead of choosing what to move. Without a recorded
+    sharding (weights placed by the user), gathering is `_fsdp_op.gather_fsdp`'s, decided
+    from the real sharding when compiling; identity on one device."""
     if spec.w_shardings is None:
-        return a
+        return _fsdp_op.gather_fsdp(a) if gathered and not _under_vmap(a) else a
     s = spec.w_shardings[gathered]
     if transposed:
         b, p, c = s.spec

@@ -35,6 +35,7 @@ from ..config import Fp8Config
 from ..kernels import dispatch
 from ..kernels import grouped_gemm as gk
 from . import dot as _dot
+from . import expert_parallel as _ep
 
 GROUPED_SCOPE = (
     "fp8jax_grouped_gemm"  # named scope around the grouped-GEMM kernels (in HLO metadata)
@@ -322,15 +323,16 @@ def _masked(x, layout: GroupLayout):
 
 
 # ----------------------------------------------------------------------------- bf16 (no FP8)
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def grouped_plain(backend: str, x, w, layout: GroupLayout):
-    """``y = x . W_e`` per group in the input precision through the same kernels."""
-    return _plain_fwd(backend, x, w, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def grouped_plain(backend: str, x, w, layout: GroupLayout, experts=None):
+    """``y = x . W_e`` per group in the input precision through the same kernels
+    (``experts``: an `ExpertSharding` to run them per device on its own experts)."""
+    return _plain_fwd(backend, x, w, layout, experts)[0]
 
 
-def _plain_fwd(backend, x, w, layout):
+def _plain_fwd(backend, x, w, layout, experts=None):
     xm = _masked(x, layout)
-    y = rows_gemm(
+    y = _gemms_for(experts)[0](
         backend,
         xm,
         jnp.swapaxes(w, 1, 2).astype(x.dtype),
@@ -341,12 +343,13 @@ def _plain_fwd(backend, x, w, layout):
     return y, (xm, w, layout)
 
 
-def _plain_bwd(backend, res, dy):
+def _plain_bwd(backend, experts, res, dy):
     xm, w, layout = res
+    rows, wgrad = _gemms_for(experts)
     dym = _masked(dy.astype(xm.dtype), layout)
     ones = jnp.ones((layout.num_groups,), F32)
-    dx = _masked(rows_gemm(backend, dym, w.astype(xm.dtype), layout, ones, xm.dtype), layout)
-    dw = wgrad_gemm(backend, xm.T, dym.T, layout, jnp.ones((), F32), w.dtype)
+    dx = _masked(rows(backend, dym, w.astype(xm.dtype), layout, ones, xm.dtype), layout)
+    dw = wgrad(backend, xm.T, dym.T, layout, jnp.ones((), F32), w.dtype)
     return dx, dw, jax.tree_util.tree_map(_zero_ct, layout)
 
 
@@ -359,6 +362,24 @@ class Spec(NamedTuple):
     backend: str
     x_dtype: np.dtype
     w_dtype: np.dtype
+    experts: _ep.ExpertSharding | None = None  # expert parallel: GEMMs per device
+
+
+ExpertSharding = _ep.ExpertSharding
+
+
+def _gemms(spec: Spec):
+    return _gemms_for(spec.experts)
+
+
+def _gemms_for(experts: _ep.ExpertSharding | None):
+    """(rows, wgrad) GEMMs: the module's, or each device's on its experts (`_ep`)."""
+    if experts is None:
+        return rows_gemm, wgrad_gemm
+    return (
+        functools.partial(_ep.rows_gemm, experts),
+        functools.partial(_ep.wgrad_gemm, experts),
+    )
 
 
 def _per_expert_amax(w):
@@ -390,7 +411,7 @@ def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(
         cfg.kernel_dtype
     )  # [G, in, out]
-    y = rows_gemm(spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
+    y = _gemms(spec)[0](spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
     return y, (xq.T, wq, sx, sw, ax, aw)
 
 
@@ -409,8 +430,9 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
     ag = q.amax(dym)
     sg = cfg.recipe.scale(g_h, g_s, cfg.grad_dtype, ag)
     dyq = q.quantize(dym, sg, cfg.grad_dtype)
-    dx = _masked(rows_gemm(spec.backend, dyq, wq, layout, sg * sw, spec.x_dtype), layout)
-    dw = wgrad_gemm(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)
+    rows, wgrad = _gemms(spec)
+    dx = _masked(rows(spec.backend, dyq, wq, layout, sg * sw, spec.x_dtype), layout)
+    dw = wgrad(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)
 
     observed, bad = q.sanitize_amax(jnp.concatenate([ax.reshape(1), ag.reshape(1), aw]))
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state

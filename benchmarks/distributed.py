@@ -1,0 +1,251 @@
+"""Benchmark: the trainer's LM train step on a device mesh, bf16 vs FP8.
+
+Builds a `fp8jax-train` preset's model (`fp8jax.train`), places it with
+`fp8jax.shard_model` on a mesh over all visible devices (FSDP over ``fsdp``, Megatron
+column/row over ``tensor``: ``qkv``/``fc1`` column, ``o``/``fc2`` row; the batch over
+``data`` x ``fsdp``), and times a plain jitted train step. Reports per variant:
+
+* ``tokens_per_s`` and ``ms`` (step time);
+* ``scaling_efficiency``: tokens/s over ``devices x`` the tokens/s of the same step with
+  the per-device batch on one device (1.0 on a mesh of one);
+* ``allgather_bytes``: bytes of the all-gathered results per device per step, from the
+  partitioned HLO (`fp8jax.distributed.hlo_collectives`; layers are unrolled so that each
+  layer's gathers are counted), and ``allgather_dtypes`` (count per element type: FSDP
+  weights move as ``f8e4m3fn`` in the FP8 variant);
+* ``peak_mem_mb`` of the compiled step.
+
+``allgather_ms`` is not reported yet: it needs a multi-GPU profile (on one device there
+is no collective), which waits for the multi-GPU machines.
+
+    python -m benchmarks.distributed --preset 1b              # 1 GPU: a mesh of one
+    python -m benchmarks.distributed --mesh data=2,fsdp=4     # 8 devices
+    python -m benchmarks.distributed --quick                  # CPU smoke run, writes nothing
+
+Records (GPU, not ``--quick``) go to ``benchmarks/results/distributed.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+from benchmarks import common
+from fp8jax import distributed
+from fp8jax.train import cli
+from fp8jax.train.model import ModelConfig, cast_for_compute
+
+VARIANTS = ("bf16", "fp8")
+AXES = ("data", "fsdp", "tensor")
+COLUMN, ROW = ("*.qkv", "*.fc1"), ("*.o", "*.fc2")
+# A CPU-sized model (the trainer's tiny preset is slow to compile 8-way on 2 cores).
+QUICK_MODEL = ModelConfig(dim=64, layers=2, heads=2, kv_heads=2, ffn=128, seq=32)
+DTYPE_BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4}
+DEFAULT_OUT = common.results_path("distributed")
+COMMAND_PREFIX = "python -m benchmarks.distributed"
+RECORD_FIELDS = (
+    *common.META_FIELDS,
+    "ms",
+    "tokens_per_s",
+    "scaling_efficiency",
+    "allgather_bytes",
+    "allgather_dtypes",
+    "peak_mem_mb",
+)
+
+
+def parse_mesh(text: str, devices: int) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4, "tensor": 1}``; the sizes must
+    multiply to ``devices``."""
+    sizes = dict.fromkeys(AXES, 1)
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in AXES or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh: expected axis=size items with axes {AXES}, got {item!r}"
+            )
+        sizes[name] = int(value)
+    if math.prod(sizes.values()) != devices:
+        raise argparse.ArgumentTypeError(
+            f"--mesh {text!r} has {math.prod(sizes.values())} devices; {devices} are visible"
+        )
+    return sizes
+
+
+def make_mesh(sizes: dict[str, int], devices) -> Mesh:
+    return Mesh(np.array(devices).reshape(tuple(sizes[a] for a in AXES)), AXES)
+
+
+def _loss(model, batch):
+    """The trainer's next-byte cross-entropy (plus the MoE load-balancing loss)."""
+    logits, aux = cast_for_compute(model, cli.compute_dtype()).forward(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean() + aux
+
+
+def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
+    """(jitted step, params, opt_state, static) of ``run``'s model sharded on ``mesh``."""
+    model = cli.build_model(run, precision)
+    tensor = mesh.shape["tensor"] > 1
+    model = fp8jax.shard_model(
+        model,
+        mesh,
+        fsdp_axis="fsdp",
+        tensor_axis="tensor" if tensor else None,
+        column_parallel=COLUMN if tensor else (),
+        row_parallel=ROW if tensor else (),
+    )
+    optimizer = cli.make_optimizer(run)
+    params, static = eqx.partition(model, eqx.is_array)
+    opt_state = optimizer.init(fp8jax.trainable(model))
+
+    def step(params, opt_state, batch):
+        model = eqx.combine(params, static)
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, batch)
+        model, opt_state = fp8jax.optax_step(optimizer, model, grads, opt_state)
+        return eqx.filter(model, eqx.is_array), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), params, opt_state
+
+
+def gather_summary(collectives) -> tuple[int, dict[str, int]]:
+    """(bytes of all all-gather results, count per element type)."""
+    total, kinds = 0, collections.Counter()
+    for c in collectives:
+        if c.kind != "all-gather":
+            continue
+        for dtype, shape in zip(c.dtype.split(","), re.findall(r"\[([\d,]*)\]", c.shape)):
+            dims = [int(d) for d in shape.split(",") if d]
+            total += math.prod(dims) * DTYPE_BYTES.get(dtype, 4)
+            kinds[dtype] += 1
+    return total, dict(kinds)
+
+
+def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True) -> dict:
+    """Step time, tokens/s, all-gathers and peak memory of one variant on ``mesh``."""
+    step, params, opt_state = build_step(run, precision, mesh)
+    rng = np.random.default_rng(0)
+    data_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+    batch = jax.device_put(
+        rng.integers(0, 256, (batch_size, run.model.seq + 1), dtype=np.int32),
+        NamedSharding(mesh, P(data_axes)),
+    )
+    lowered = step.lower(params, opt_state, batch)
+    row = {}
+    if hlo and mesh.size > 1:
+        compiled, collectives = distributed.compile_with_collectives(lowered)
+        row["allgather_bytes"], row["allgather_dtypes"] = gather_summary(collectives)
+    else:  # one device: no collectives
+        compiled = lowered.compile()
+        row["allgather_bytes"], row["allgather_dtypes"] = (0, {}) if hlo else (None, None)
+    for _ in range(2):  # warm-up
+        params, opt_state, loss = compiled(params, opt_state, batch)
+    jax.block_until_ready(loss)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        params, opt_state, loss = compiled(params, opt_state, batch)
+    jax.block_until_ready(loss)
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    try:
+        stats = compiled.memory_analysis()
+        mem = (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
+        mem += stats.output_size_in_bytes / 2**20
+    except Exception:  # not every backend implements it
+        mem = None
+    return dict(row, ms=ms, tokens_per_s=batch_size * run.model.seq / (ms * 1e-3), peak_mem_mb=mem)
+
+
+def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
+    mesh = make_mesh(sizes, devices)
+    params = dict(mesh=",".join(f"{a}={sizes[a]}" for a in AXES), gpus=len(devices))
+    try:
+        row = measure(run, precision, mesh, run.batch, steps)
+        row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
+        if baseline and len(devices) > 1:
+            per_device = run.batch // (sizes["data"] * sizes["fsdp"])
+            one = make_mesh(dict.fromkeys(AXES, 1), devices[:1])
+            single = measure(run, precision, one, per_device, steps, hlo=False)
+            row["scaling_efficiency"] = row["tokens_per_s"] / (
+                len(devices) * single["tokens_per_s"]
+            )
+    except Exception as e:  # a variant that fails is reported, the others still run
+        row = dict(error=common.error_text(e))
+    return dict(params=params, variant=precision, **row)
+
+
+def table(rows) -> str:
+    return "\n".join(
+        common.markdown_rows(
+            rows,
+            "mesh",
+            lambda r: r["params"]["mesh"],
+            [
+                ("ms", lambda r: common.fmt(r["ms"], ".1f")),
+                ("tokens/s", lambda r: common.fmt(r["tokens_per_s"], ",.0f")),
+                ("scaling eff.", lambda r: common.fmt(r.get("scaling_efficiency"), ".2f")),
+                ("all-gather MB", lambda r: common.fmt(_mb(r.get("allgather_bytes")), ".2f")),
+                ("all-gathers", lambda r: str(r.get("allgather_dtypes", "-"))),
+                ("peak MiB", lambda r: common.fmt(r.get("peak_mem_mb"), ".0f")),
+            ],
+        )
+    )
+
+
+def _mb(value):
+    return None if value is None else value / 2**20
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="1b", choices=sorted(cli.PRESETS))
+    p.add_argument("--mesh", default=None, help="e.g. data=2,fsdp=4 (default: fsdp=<devices>)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--batch", type=int, default=None, help="global batch (sequences)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--no-baseline", action="store_true", help="skip the one-device run")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")
+    args = p.parse_args(argv)
+    devices = jax.devices()
+    sizes = parse_mesh(args.mesh or f"fsdp={len(devices)}", len(devices))
+    run = cli.RunConfig(**cli.PRESETS["tiny" if args.quick else args.preset])
+    model = QUICK_MODEL if args.quick else run.model
+    # unrolled layers: each layer's all-gathers appear (and are counted) in the HLO
+    model = dataclasses.replace(model, scan_unroll=model.layers)
+    batch = args.batch or (2 * len(devices) if args.quick else run.batch)
+    run = dataclasses.replace(run, model=model, batch=batch, selective=run.selective)
+    steps = args.steps or (2 if args.quick else 10)
+    print(f"{devices[0].device_kind} x{len(devices)}, jax {jax.__version__}, {sizes}", flush=True)
+    meta = common.run_meta(argv, bench="distributed", prefix=COMMAND_PREFIX)
+    preset = "quick" if args.quick else args.preset
+
+    def run_one(precision):
+        row = run_variant(run, precision, sizes, devices, steps, not args.no_baseline)
+        row["params"] = dict(preset=preset, **row["params"])
+        return [dict(meta, **row)]
+
+    return common.run_cases(
+        args.variants,
+        run_one,
+        table,
+        Path(args.out),
+        RECORD_FIELDS,
+        record=not args.quick,
+    )
+
+
+if __name__ == "__main__":
+    main()
