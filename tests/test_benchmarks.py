@@ -117,3 +117,15 @@ ENTRY %main (p0: bf16[64,32]) -> f8e4m3fn[64,32] {
     rows = big_writes(text, 64 * 32)
     assert rows == [("act", "fusion", ["f8e4m3fn[2048]", "bf16[2048]"]),
                     ("gemm", "custom-call:__cublas$lt$matmul$f8", ["bf16[2048]"])]
+
+
+def test_blockwise_gemm_quick_runs_all_variants(tmp_path):
+    from benchmarks import blockwise_gemm
+
+    out = tmp_path / "blockwise_gemm.jsonl"
+    rows = blockwise_gemm.main(["--quick", "--out", str(out)])
+    assert {r["variant"] for r in rows} == set(blockwise_gemm.VARIANTS)
+    for r in rows:
+        assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
+        assert r["ms"] > 0 and r["tflops"] > 0 and set(blockwise_gemm.FIELDS) <= set(r)
+    assert not out.exists()  # --quick writes no records

@@ -277,3 +277,21 @@ def test_jitted_optax_step_and_nonfinite_input(key, recipe):
     # a clean step after the bad one is unaffected by it (no history to poison)
     _, _, clean_loss = step(eqx.tree_at(lambda m: m.up.dot_general, model, model2.up.dot_general), opt_state, x)
     assert np.isfinite(float(clean_loss))
+
+
+def test_kernel_logic_in_interpret_mode(key):
+    """The kernel's pipeline, scale indexing and float32 promotion, in Pallas' GPU interpret
+    mode on CPU (the chunk's dot stands in for ``wgmma``, which the interpreter cannot run
+    on a transposed B; the real kernel is checked on a GPU above)."""
+    mg = pytest.importorskip("fp8jax.kernels.blockwise_gemm_mgpu")
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+    except ImportError:
+        pytest.skip("no Pallas GPU interpret mode in this jax")
+    if mg.plgpu is None:
+        pytest.skip("Pallas Mosaic GPU does not import")
+    a, sa, b, sb = _fp8_operands(key, 128, 256, 384, 128, 256)
+    out = mg.gemm(a[0], sa[0], b[0], sb[0], out_dtype=jnp.bfloat16, interpret=True)
+    ref = bg.reference(a, sa, b, sb, jnp.float32)[0]
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2)

@@ -1,5 +1,5 @@
 """Block-scaled FP8 GEMM (DeepSeek-V3 / DeepGEMM scheme): the plain-JAX reference and the
-dispatch to the Hopper kernel (`fp8jax.kernels.blockwise_gemm_mgpu`).
+dispatch to the Hopper kernel (`fp8jax.kernels.blockwise_gemm_mgpu`, Pallas Mosaic GPU).
 
 ``out[b, i, j] = sum_k  a_scale[b, i, k] * b_scale[b, j, k] * (a[b, i, kchunk] . b[b, j, kchunk])``
 
@@ -93,6 +93,9 @@ def kernel_reason(a, a_scale, b, b_scale, out_dtype, block_size: int) -> str | N
         from . import blockwise_gemm_mgpu as mgpu
     except Exception as e:  # pragma: no cover - depends on the installed JAX
         return f"the kernel module does not import: {e}"
+    trace = getattr(a, "_trace", None)
+    if trace is not None and "Batch" in type(trace).__name__:
+        return "under jax.vmap (the kernel is one GEMM)"
     return mgpu.reason(a.shape, b.shape, a.dtype, b.dtype, out_dtype, block_size) or None
 
 
