@@ -162,15 +162,27 @@ def test_flax_layout_and_vmap(key, recipe):
     """A kernel stored [in, out] (rhs_k_first) and a vmapped call give the same numbers."""
     k1, k2 = jax.random.split(key)
     op = fp8jax.Fp8DotGeneral(_config(recipe))
-    x = jax.random.normal(k1, (4, 32, 256))
+    x = jax.random.normal(k1, (6, 48, 256))  # vmapped: 288 rows, 1x128 tiles across examples
     w = jax.random.normal(k2, (256, 128)) / 16
     dims = (((2,), (0,)), ((), ()))
-    y = op(x, w, dims)
+
+    def loss(x, w, vmapped):
+        if vmapped:
+            y = jax.vmap(lambda xi: op(xi, w, (((1,), (0,)), ((), ()))))(x)
+        else:
+            y = op(x, w, dims)
+        return jnp.sum(y**2), y
+
+    (_, y), (dx, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w, False)
+    (_, yv), (dxv, dwv) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w, True)
     assert sqnr_db(y, np.asarray(x, np.float64) @ np.asarray(w, np.float64)) > 26
-    yv = jax.vmap(lambda xi: op(xi, w, (((1,), (0,)), ((), ()))))(x)
-    assert sqnr_db(yv, y) > 40
-    dw = jax.grad(lambda w: jnp.sum(op(x, w, dims) ** 2))(w)
-    assert dw.shape == w.shape and sqnr_db(dw, jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)) > 22
+    (_, _), (dx_ref, dw_ref) = jax.value_and_grad(
+        lambda x, w: (jnp.sum((x @ w) ** 2), 0), (0, 1), has_aux=True
+    )(x, w)
+    assert dw.shape == w.shape and sqnr_db(dw, dw_ref) > 22 and sqnr_db(dx, dx_ref) > 22
+    # under vmap the examples' rows form one GEMM: the same numbers
+    for got, want in ((yv, y), (dxv, dx), (dwv, dw)):
+        assert sqnr_db(got, want) > 40
 
 
 def test_massive_activation_tokens(key):
@@ -295,3 +307,37 @@ def test_kernel_logic_in_interpret_mode(key):
     ref = bg.reference(a, sa, b, sb, jnp.float32)[0]
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2)
+
+
+def _train_step(model, x, c):
+    # Not under jax.vmap: with backend="kernel" every GEMM, also custom_vmap's per-example
+    # shape trace, must fit the kernel.
+    loss = lambda m, x: jnp.sum(m(x).astype(jnp.float32) * c)  # noqa: E731
+    return jax.value_and_grad(loss, argnums=(0, 1))(model, x)
+
+
+@gpu
+def test_rowwise_train_step_is_three_fp8_gemms(key):
+    model = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(1024, 2048, dtype=jnp.bfloat16, key=key), _config("rowwise")
+    )
+    x = jax.random.normal(key, (4096, 1024), jnp.bfloat16)
+    c = jax.random.normal(key, (4096, 2048), jnp.float32)
+    fp8jax.assert_fp8(_train_step, model, x, c, expected=3)
+
+
+@gpu
+def test_blockwise_train_step_kernel_matches_reference(key):
+    """The block-wise linear's forward, dgrad and wgrad on the Hopper kernel give the
+    reference backend's numbers (same casts, only the float32 summation order differs)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k2, (1024, 512), jnp.bfloat16)
+    c = jax.random.normal(k3, (1024, 768), jnp.float32)
+    layer = eqx.nn.Linear(512, 768, use_bias=False, dtype=jnp.bfloat16, key=k1)
+    results = {}
+    for backend in ("kernel", "reference"):
+        model = fp8jax.fp8_linear_layers(layer, _config("blockwise", blockwise_backend=backend))
+        (loss, (grads, dx)) = jax.jit(_train_step)(model, x, c)
+        results[backend] = (loss, grads.weight, dx)
+    for got, want in zip(results["kernel"], results["reference"]):
+        assert sqnr_db(got, want) > 40

@@ -288,6 +288,13 @@ class BlockWise(_Tiled):
         """``a [B,P,C] . b [B,Q,C]`` with per-tile scales (either operand ``1 x bs`` or
         ``bs x bs``); ``fast_accumulation`` is moot: every K chunk is promoted to float32."""
         del fast_accumulation
+        nk = -(-a.shape[-1] // self.block_size)
+        if a_scale.shape[-1] != nk or b_scale.shape[-1] != nk:
+            # Only in the shape-only trace `jax.custom_vmap` makes of the per-example
+            # backward (`fp8jax.ops.dot`): its x^T residual holds one example's rows but
+            # the scales of the 1 x bs tiles along all examples' rows (the vmap rule runs
+            # the real GEMM on the merged rows). The trace needs the output's shape only.
+            return jnp.zeros((a.shape[0], a.shape[1], b.shape[1]), out_dtype)
         return _bgemm.blockwise_gemm(
             a, a_scale, b, b_scale, out_dtype, block_size=self.block_size, backend=self.backend
         )
