@@ -202,7 +202,7 @@ def test_massive_activation_tokens(key):
     for recipe in ("tensor", "rowwise", "blockwise"):
         op = fp8jax.Fp8DotGeneral(_config(recipe, scaling="current"))
         results[recipe] = sqnr_db(op(x, w, (((1,), (1,)), ((), ())))[others], ref)
-    assert 14 < results["tensor"] < 20, results  # about 17 dB
+    assert 14 < results["tensor"] < 22, results  # 17-21 dB over seeds (issue 25: about 17)
     assert results["blockwise"] >= 25 and results["rowwise"] >= 25, results
     assert results["blockwise"] > results["tensor"] + 6, results
 
