@@ -192,3 +192,15 @@ def test_distributed_quick_runs_both_variants_on_a_mesh(tmp_path):
     by = {r["variant"]: r["allgather_bytes"] for r in rows}
     assert by["fp8"] < by["bf16"]  # weights gathered at 1 byte/element instead of 2
     assert not out.exists()
+
+
+def test_blockwise_gemm_quick_runs_all_variants(tmp_path):
+    from benchmarks import blockwise_gemm
+
+    out = tmp_path / "blockwise_gemm.jsonl"
+    rows = blockwise_gemm.main(["--quick", "--out", str(out)])
+    assert {r["variant"] for r in rows} == set(blockwise_gemm.VARIANTS)
+    for r in rows:
+        assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
+        assert r["ms"] > 0 and r["tflops"] > 0 and set(blockwise_gemm.FIELDS) <= set(r)
+    assert not out.exists()  # --quick writes no records

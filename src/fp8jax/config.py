@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 import jax.numpy as jnp
 import numpy as np
 
-from .recipe import PerTensor
+from .recipe import RECIPES, BlockWise, PerTensor, RowWise
 
 Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
 
@@ -22,10 +22,29 @@ class Fp8Config:
     """How FP8 is applied.
 
     Recipe:
+      recipe: how tensors are scaled (`fp8jax.recipe`): ``"tensor"`` (one scale per
+        tensor, delayed or current by ``scaling``; the default), ``"rowwise"`` (one scale
+        per row of each GEMM operand along its contracting dim, current scaling) or
+        ``"blockwise"`` (DeepSeek-V3: activations and gradients per ``1 x block_size``
+        tile along the contracting dim, weights per ``block_size x block_size`` block,
+        current scaling, the scales applied in the GEMM's float32 accumulator every
+        ``block_size`` K). Row- and block-wise ignore ``scaling``, the amax-history
+        fields and ``cast_kernel``; they keep no history. After construction this
+        field holds the recipe object the ops use (`PerTensor`, `RowWise`, `BlockWise`);
+        a recipe object passed in counts by its kind only (its parameters come from
+        the fields here, so that ``dataclasses.replace`` stays consistent).
+      block_size: tile size of ``"blockwise"`` (a multiple of 16; 128 as DeepSeek-V3 and
+        the Hopper kernel).
+      power_of_two_scales: ``"blockwise"`` scales rounded up to powers of two (exact to
+        apply; TE's option).
+      blockwise_backend: the block-scaled GEMM's backend, ``"auto"`` (the Hopper kernel
+        where it can run the call, else the plain-JAX reference), ``"kernel"`` or
+        ``"reference"`` (`fp8jax.kernels.blockwise_gemm`).
       scaling: ``"delayed"`` (scale from an amax history, flax/TE convention) or
         ``"current"`` (just-in-time per-tensor amax of the tensor being cast).
       fp8_format: ``"hybrid"`` (e4m3 for inputs and weights, e5m2 for output
-        gradients) or ``"e4m3"`` (e4m3 everywhere).
+        gradients) or ``"e4m3"`` (e4m3 everywhere). None (default): hybrid for the
+        per-tensor recipe, e4m3 for row- and block-wise (DeepSeek-V3's choice).
       amax_history_length: ring-buffer length for delayed scaling.
       amax_compute_algo: ``"max"`` over the history, or ``"most_recent"`` entry.
       margin: scale = amax * 2**margin / fp8_max (headroom in powers of two).
@@ -66,7 +85,7 @@ class Fp8Config:
     """
 
     scaling: Literal["delayed", "current"] = "delayed"
-    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    fp8_format: Literal["hybrid", "e4m3"] | None = None
     amax_history_length: int = 1024
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     margin: float = 0.0
@@ -81,6 +100,11 @@ class Fp8Config:
     min_weight_elements: int = 4096 * 4096
     min_tokens: int = 4096
     on_unsupported: Literal["warn", "silent", "raise"] = "warn"
+    # Last, so that positional construction keeps its meaning.
+    recipe: Any = "tensor"  # a name in `RECIPES`; the recipe object after __post_init__
+    block_size: int = 128
+    power_of_two_scales: bool = False
+    blockwise_backend: Literal["auto", "kernel", "reference"] = "auto"
 
     def __post_init__(self):
         def bad(field, value, allowed):
@@ -88,13 +112,15 @@ class Fp8Config:
 
         if self.scaling not in ("delayed", "current"):
             bad("scaling", self.scaling, "'delayed' or 'current'")
-        if self.fp8_format not in ("hybrid", "e4m3"):
-            bad("fp8_format", self.fp8_format, "'hybrid' or 'e4m3'")
+        if self.fp8_format not in ("hybrid", "e4m3", None):
+            bad("fp8_format", self.fp8_format, "'hybrid', 'e4m3' or None")
+        if self.blockwise_backend not in ("auto", "kernel", "reference"):
+            bad("blockwise_backend", self.blockwise_backend, "'auto', 'kernel' or 'reference'")
         if self.amax_compute_algo not in ("max", "most_recent"):
             bad("amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
         if self.fast_accumulation not in ("forward", "all", "none"):
             bad("fast_accumulation", self.fast_accumulation, "'forward', 'all' or 'none'")
-        for name in ("cast_kernel", "selective"):
+        for name in ("cast_kernel", "selective", "power_of_two_scales"):
             value = getattr(self, name)
             if isinstance(value, np.bool_):
                 object.__setattr__(self, name, bool(value))
@@ -108,6 +134,7 @@ class Fp8Config:
             ("min_features", 0),
             ("min_weight_elements", 0),
             ("min_tokens", 0),
+            ("block_size", 16),
         )
         for name, low in int_fields:
             value = getattr(self, name)
@@ -123,7 +150,31 @@ class Fp8Config:
             bad("margin", margin, "a number in [0, 8]")
         if isinstance(margin, np.generic):
             object.__setattr__(self, "margin", float(margin))
+        if self.block_size % 16:
+            bad("block_size", self.block_size, "a multiple of 16 (the FP8 GEMMs' alignment)")
         self._check_targets(bad)
+        kind = getattr(self.recipe, "kind", self.recipe)
+        if kind not in RECIPES:
+            bad("recipe", self.recipe, " or ".join(repr(r) for r in RECIPES))
+        object.__setattr__(self, "recipe", self._build_recipe(kind))
+
+    def _build_recipe(self, kind: str):
+        """The recipe object of ``kind``, from this config's fields."""
+        if kind == "rowwise":
+            return RowWise(margin=self.margin)
+        if kind == "blockwise":
+            return BlockWise(
+                margin=self.margin,
+                block_size=self.block_size,
+                power_of_two=self.power_of_two_scales,
+                backend=self.blockwise_backend,
+            )
+        return PerTensor(
+            delayed=self.scaling == "delayed",
+            algo=self.amax_compute_algo,
+            margin=self.margin,
+            cast_kernel=self.cast_kernel,
+        )
 
     def _check_targets(self, bad):
         targets = self.targets
@@ -159,14 +210,9 @@ class Fp8Config:
 
     # --- derived, used by the kernels -------------------------------------------------
     @property
-    def recipe(self) -> PerTensor:
-        """The recipe object the ops ask for scales, casts and the scaled GEMM."""
-        return PerTensor(
-            delayed=self.scaling == "delayed",
-            algo=self.amax_compute_algo,
-            margin=self.margin,
-            cast_kernel=self.cast_kernel,
-        )
+    def recipe_name(self) -> str:
+        """``"tensor"``, ``"rowwise"`` or ``"blockwise"``."""
+        return self.recipe.kind
 
     @property
     def history_length(self) -> int:
@@ -193,7 +239,8 @@ class Fp8Config:
 
     @property
     def grad_dtype(self):
-        return jnp.float8_e5m2 if self.fp8_format == "hybrid" else jnp.float8_e4m3fn
+        fmt = self.fp8_format or ("hybrid" if self.recipe.kind == "tensor" else "e4m3")
+        return jnp.float8_e5m2 if fmt == "hybrid" else jnp.float8_e4m3fn
 
     def matches(self, path: str, module: Any) -> bool:
         """Whether ``targets`` selects the layer at dotted ``path`` (e.g. ``"blocks.0.mlp.up"``).

@@ -1,7 +1,25 @@
 """FP8 recipes: how a tensor's scale is chosen, how the tensor is cast, and how the GEMM
 of two cast tensors is dequantized. Ops ask their config's recipe (`Fp8Config.recipe`)
-instead of branching on config fields, so a new recipe (row-wise, block-wise) is a new
-class here plus its kernels behind `fp8jax.kernels.gemm`'s seam.
+instead of branching on config fields.
+
+* `PerTensor`: one scale per tensor, delayed or current (``Fp8Config(recipe="tensor")``).
+* `RowWise`: one scale per row of each GEMM operand along its contracting dim (torchao's
+  row-wise recipe), current scaling; the GEMM is XLA's FP8 GEMM, the two scale vectors
+  applied to its float32 output (``recipe="rowwise"``).
+* `BlockWise`: DeepSeek-V3's recipe: activations and output gradients per ``1 x 128``
+  tile along the contracting dim, weights per ``128 x 128`` block, float32 scales
+  (optionally powers of two), current scaling; the GEMM applies the scales to the float32
+  accumulator at every 128-K step (`fp8jax.kernels.blockwise_gemm`) (``recipe="blockwise"``).
+
+The three GEMMs of a train step contract along different dims (forward along K, dgrad along
+N, wgrad along M), so every operand is needed in two layouts, each scaled along its own
+contracting dim. As Transformer Engine's ``Float8BlockScaling`` does, both layouts of an
+activation or gradient are cast from the high-precision tensor in one pass (the transposed
+copy gets its own ``1 x 128`` tiles along M, DeepSeek's ``128 x 1`` tiles), rather than
+re-quantizing the FP8 copy (DeepSeek-V3 converts its cached FP8 activations 1x128 ->
+128x1, which rounds twice). A weight's ``128 x 128`` blocks are the same blocks in both
+layouts: its transposed copy is the FP8 copy transposed, with its scales transposed (both
+TE and DeepSeek).
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from . import quant as q
+from .kernels import blockwise_gemm as _bgemm
 from .kernels import gemm as _gemm
 from .state import from_history
 
@@ -24,9 +43,11 @@ class Cast(NamedTuple):
 
     data: Array  # [B, P, C]
     data_t: Array  # [B, C, P]
-    # dequantization factor(s), as the state keeps them: real ~ data * gemm_scale(scale)
+    # dequantization factor(s) of ``data``: real ~ data * scale (per-tensor recipe:
+    # data * gemm_scale(scale), the state keeping flax's exact scale)
     scale: Array
     amax: Array  # max |t| this step (non-finite if t held NaN/Inf)
+    scale_t: Array  # those of ``data_t`` (the same array for per-tensor scaling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +63,7 @@ class PerTensor:
     algo: str = "max"  # over the history: "max" or "most_recent"
     margin: float = 0.0
     cast_kernel: bool = False
+    kind = "tensor"  # the `Fp8Config.recipe` name (a class attribute, not a field)
 
     @property
     def name(self) -> str:
@@ -69,8 +91,15 @@ class PerTensor:
             amax = jnp.squeeze(from_history(history, self.algo, axis=axis), axis)
         return q.scale_from_amax(amax, old_scale, dtype, self.margin)
 
-    def quantize_both(self, t: Array, old_scale: Array, history: Array, dtype) -> Cast:
+    def summary(self, scale: Array) -> Array:
+        """The scale a layer's state records (the one it used)."""
+        return scale
+
+    def quantize_both(
+        self, t: Array, old_scale: Array, history: Array, dtype, weight: bool = False
+    ) -> Cast:
         """``t: [B, P, C]`` cast to FP8 in both layouts (`fp8jax.kernels.gemm.quantize_both`)."""
+        del weight
         if self.delayed:
             scale = self.scale(history, old_scale, dtype)
             cast = _gemm.quantize_both(t, _gemm.gemm_scale(scale), dtype, self.cast_kernel)
@@ -80,7 +109,7 @@ class PerTensor:
             scale = self.scale(history, old_scale, dtype, amax)
             cast = _gemm.quantize_both(t, _gemm.gemm_scale(scale), dtype, self.cast_kernel)
             data, data_t, _ = cast
-        return Cast(data, data_t, scale, amax)
+        return Cast(data, data_t, scale, amax, scale)
 
     def quantize(self, t: Array, scale: Array, dtype) -> Array:
         return q.quantize(t, scale, dtype)
@@ -91,7 +120,195 @@ class PerTensor:
     def gemm(
         self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
     ) -> Array:
+<<<<<<< HEAD
         """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales (by cuBLASLt: the
         operands were cast with `fp8jax.kernels.gemm.gemm_scale` of them)."""
         a_scale, b_scale = _gemm.gemm_scale(a_scale), _gemm.gemm_scale(b_scale)
         return _gemm.scaled_fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
+=======
+        """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales."""
+        return _gemm.fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
+
+
+# ----------------------------------------------------------------------------- tiled recipes
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def tile_scales(amax: Array, dtype, margin: float = 0.0, power_of_two: bool = False) -> Array:
+    """Dequantization scales of tiles from their amaxes: ``amax * 2**margin / fp8_max``;
+    1 for an all-zero or non-finite tile (current scaling has no history to fall back on,
+    and a NaN/Inf tile must not produce a NaN scale); rounded up to a power of two on
+    request (exact to apply, and never saturating)."""
+    s = amax.astype(F32) * (2.0**margin) / q.fp8_max(dtype)
+    s = jnp.where(jnp.isfinite(s) & (s > 0), jnp.maximum(s, _TINY), 1.0)
+    return jnp.exp2(jnp.ceil(jnp.log2(s))) if power_of_two else s
+
+
+def tile_cast(t: Array, dtype, rows: int, cols: int, margin: float = 0.0, power_of_two=False):
+    """``t: [B, P, C]`` cast to FP8 with one scale per ``rows x cols`` tile (a last partial
+    tile is scaled by its own elements). Returns ``(data [B, P, C], scale [B, ceil(P/rows),
+    ceil(C/cols)], amax)``; ``amax`` is non-finite if ``t`` held a NaN/Inf."""
+    b, p, c = t.shape
+    nr, nc = -(-p // rows), -(-c // cols)
+    tf = t.astype(F32)
+    if nr * rows != p or nc * cols != c:
+        tf = jnp.pad(tf, ((0, 0), (0, nr * rows - p), (0, nc * cols - c)))
+    tf = tf.reshape(b, nr, rows, nc, cols)
+    magnitude = jnp.abs(tf)
+    tile_amax = jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), axis=(2, 4))
+    scale = tile_scales(tile_amax, dtype, margin, power_of_two)
+    limit = q.fp8_max(dtype)
+    data = jnp.clip(tf / scale[:, :, None, :, None], -limit, limit).astype(dtype)
+    data = data.reshape(b, nr * rows, nc * cols)[:, :p, :c]
+    return data, scale, jnp.max(tile_amax)
+
+
+def expand_scale(scale: Array, shape: tuple[int, ...], rows: int, cols: int) -> Array:
+    """Per-tile ``scale [..., ceil(P/rows), ceil(C/cols)]`` -> one per element ``[..., P, C]``."""
+    p, c = shape[-2:]
+    full = jnp.repeat(jnp.repeat(scale, rows, axis=-2), cols, axis=-1)
+    return full[..., :p, :c]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiled:
+    """What row-wise and block-wise share: current scaling per tile, no amax history
+    (the state keeps the step's largest scale and amax, for inspection, and counts
+    non-finite steps), scales unknown before the cast (so `fp8jax.ops.gated`'s fused core,
+    which needs them, leaves such layers to the unfused path)."""
+
+    margin: float = 0.0
+    scale_known_before_cast = False
+
+    def history_length(self, configured: int) -> int:
+        del configured
+        return 1
+
+    def summary(self, scale: Array) -> Array:
+        """The scale a layer's ``(1,)`` state field records: the largest tile scale."""
+        return jnp.max(scale).reshape(1)
+
+    def scale(self, *args, **kwargs) -> Array:
+        raise NotImplementedError(
+            f"the {self.kind!r} recipe has no per-tensor scale; this op supports "
+            "Fp8Config(recipe='tensor') only."
+        )
+
+    def _tile(self, shape, scale) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def quantize(self, t: Array, scale: Array, dtype) -> Array:
+        """``t`` cast with given tile scales (the tile shape read from ``scale``'s shape)."""
+        rows, cols = self._tile(t.shape, scale)
+        limit = q.fp8_max(dtype)
+        full = expand_scale(scale.astype(F32), t.shape, rows, cols)
+        return jnp.clip(t.astype(F32) / full, -limit, limit).astype(dtype)
+
+    def dequantize(self, data: Array, scale: Array, dtype) -> Array:
+        rows, cols = self._tile(data.shape, scale)
+        full = expand_scale(scale.astype(F32), data.shape, rows, cols)
+        return (data.astype(F32) * full).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWise(_Tiled):
+    """One scale per row of each GEMM operand along its contracting dim (torchao's
+    row-wise recipe): ``x [M, K]`` per row of K, ``w [N, K]`` per row; the dgrad's and
+    wgrad's operands are cast again along their own contracting dim from the
+    high-precision tensor. The GEMM is one FP8 GEMM with float32 output, times
+    ``a_scale[i] * b_scale[j]`` (a real FP8 GEMM in XLA: cuBLASLt on Hopper)."""
+
+    kind = "rowwise"
+
+    @property
+    def name(self) -> str:
+        return "rowwise"
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape[:-1]) + (1,)
+
+    def _tile(self, shape, scale):
+        return 1, shape[-1]
+
+    def quantize_both(
+        self, t: Array, old_scale: Array, history: Array, dtype, weight: bool = False
+    ) -> Cast:
+        """``t: [B, P, C]`` per row along C, and ``t^T: [B, C, P]`` per row along P."""
+        del old_scale, history, weight
+        _, p, c = t.shape
+        data, scale, amax = tile_cast(t, dtype, 1, c, self.margin)
+        data_t, scale_t, _ = tile_cast(jnp.swapaxes(t, 1, 2), dtype, 1, p, self.margin)
+        return Cast(data, data_t, scale, amax, scale_t)
+
+    def gemm(
+        self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
+    ) -> Array:
+        """``a [B,P,C] . b [B,Q,C]`` in FP8 (float32 out), times ``a_scale [B,P,1]`` and
+        ``b_scale [B,Q,1]`` per row and column."""
+        y = _gemm.gemm(a, b, F32, _gemm.gemm_precision(fast_accumulation))
+        return (y * a_scale.astype(F32) * jnp.swapaxes(b_scale, 1, 2).astype(F32)).astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWise(_Tiled):
+    """DeepSeek-V3's fine-grained recipe (TE's ``Float8BlockScaling``): activations and
+    output gradients per ``1 x block_size`` tile along the contracting dim, weights per
+    ``block_size x block_size`` block; float32 scales, rounded up to powers of two with
+    ``power_of_two``. The GEMM promotes every ``block_size``-long K chunk's partial sum
+    into a float32 accumulator, times its two scales (`fp8jax.kernels.blockwise_gemm`:
+    the Hopper kernel, or the plain-JAX reference, by ``backend``)."""
+
+    block_size: int = 128
+    power_of_two: bool = False
+    backend: str = "auto"
+    kind = "blockwise"
+
+    @property
+    def name(self) -> str:
+        return f"blockwise-{self.block_size}"
+
+    def scale_shape(self, shape: tuple[int, ...], weight: bool = False) -> tuple[int, ...]:
+        """``[P, C/bs]`` for ``1 x bs`` tiles, ``[P/bs, C/bs]`` for weights (rounded up)."""
+        *lead, p, c = shape
+        bs = self.block_size
+        return (*lead, -(-p // bs) if weight else p, -(-c // bs))
+
+    def _tile(self, shape, scale):
+        p = shape[-2]
+        return (1 if scale.shape[-2] == p else self.block_size), self.block_size
+
+    def quantize_both(
+        self, t: Array, old_scale: Array, history: Array, dtype, weight: bool = False
+    ) -> Cast:
+        """``t: [B, P, C]`` in both layouts: a weight's blocks once (the transposed copy is
+        the same blocks transposed), an activation's tiles along C and, from ``t`` again,
+        along P."""
+        del old_scale, history
+        bs, pow2 = self.block_size, self.power_of_two
+        if weight:
+            data, scale, amax = tile_cast(t, dtype, bs, bs, self.margin, pow2)
+            return Cast(data, jnp.swapaxes(data, 1, 2), scale, amax, jnp.swapaxes(scale, 1, 2))
+        data, scale, amax = tile_cast(t, dtype, 1, bs, self.margin, pow2)
+        data_t, scale_t, _ = tile_cast(jnp.swapaxes(t, 1, 2), dtype, 1, bs, self.margin, pow2)
+        return Cast(data, data_t, scale, amax, scale_t)
+
+    def gemm(
+        self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
+    ) -> Array:
+        """``a [B,P,C] . b [B,Q,C]`` with per-tile scales (either operand ``1 x bs`` or
+        ``bs x bs``); ``fast_accumulation`` is moot: every K chunk is promoted to float32."""
+        del fast_accumulation
+        nk = -(-a.shape[-1] // self.block_size)
+        if a_scale.shape[-1] != nk or b_scale.shape[-1] != nk:
+            # Only in the shape-only trace `jax.custom_vmap` makes of the per-example
+            # backward (`fp8jax.ops.dot`): its x^T residual holds one example's rows but
+            # the scales of the 1 x bs tiles along all examples' rows (the vmap rule runs
+            # the real GEMM on the merged rows). The trace needs the output's shape only.
+            return jnp.zeros((a.shape[0], a.shape[1], b.shape[1]), out_dtype)
+        return _bgemm.blockwise_gemm(
+            a, a_scale, b, b_scale, out_dtype, block_size=self.block_size, backend=self.backend
+        )
+
+
+RECIPES = ("tensor", "rowwise", "blockwise")
+>>>>>>> blockwise

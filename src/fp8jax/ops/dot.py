@@ -142,13 +142,15 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype)
     # FSDP: each device casts its own shard (global amax: a scalar all-reduce), the FP8
     # copy is all-gathered for the GEMM and kept sharded as the residual.
-    w = recipe.quantize_both(_fsdp(spec, w3, False, False), k_s, k_h, cfg.kernel_dtype)
+    w = recipe.quantize_both(_fsdp(spec, w3, False, False), k_s, k_h, cfg.kernel_dtype, weight=True)
     w_nk, w_kn = (w.data_t, w.data) if spec.rhs_k_first else (w.data, w.data_t)
+    # Per-tensor: scale_t is scale. Row/block-wise: each layout has its own scales.
+    sw_nk, sw_kn = (w.scale_t, w.scale) if spec.rhs_k_first else (w.scale, w.scale_t)
     t = spec.rhs_k_first  # w_nk is w3's transpose
     w_nk = _fsdp(spec, _fsdp(spec, w_nk, t, False), t, True)
     w_kn = _fsdp(spec, w_kn, not t, False)
-    y = recipe.gemm(x.data, x.scale, w_nk, w.scale, out_dtype, cfg.fast_forward)
-    return y, (x.data_t, w_kn, x.scale, w.scale, x.amax, w.amax)
+    y = recipe.gemm(x.data, x.scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
+    return y, (x.data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax)
 
 
 def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
@@ -165,11 +167,11 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     fast = cfg.fast_backward
     dx = recipe.gemm(g.data, g.scale, w_kn, sw, spec.x_dtype, fast)
     if spec.rhs_k_first:
-        dw = recipe.gemm(xTq, sx, g.data_t, g.scale, spec.w_dtype, fast)
+        dw = recipe.gemm(xTq, sx, g.data_t, g.scale_t, spec.w_dtype, fast)
     else:
-        dw = recipe.gemm(g.data_t, g.scale, xTq, sx, spec.w_dtype, fast)
+        dw = recipe.gemm(g.data_t, g.scale_t, xTq, sx, spec.w_dtype, fast)
     dw = _fsdp(spec, dw, False, False)  # FSDP: reduce-scatter in the gradient dtype
-    return dx, dw, g.amax, g.scale
+    return dx, dw, g.amax, recipe.summary(g.scale)
 
 
 # ----------------------------------------------------------------------------- vmap rules
@@ -310,7 +312,8 @@ def _fp8_dot3_bwd(spec, residuals, g3):
     xr, _, sx, sw, ax, aw = res
     if xr.dtype != spec.config.input_dtype:  # ran in the input precision: propose nothing
         return dx, dw, _state.no_proposal(state)
-    proposed = new_state(state, sx, sw, sg, observed_amaxes(ax, aw, ag))
+    summary = spec.config.recipe.summary  # per-tensor: the scale itself
+    proposed = new_state(state, summary(sx), summary(sw), sg, observed_amaxes(ax, aw, ag))
     return dx, dw, _state.proposal(proposed)
 
 
