@@ -120,14 +120,10 @@ class PerTensor:
     def gemm(
         self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
     ) -> Array:
-<<<<<<< HEAD
-        """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales (by cuBLASLt: the
-        operands were cast with `fp8jax.kernels.gemm.gemm_scale` of them)."""
+        """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales (by cuBLASLt where
+        ``TUNING["scaled_gemm"]``: the operands were cast with `gemm_scale` of them)."""
         a_scale, b_scale = _gemm.gemm_scale(a_scale), _gemm.gemm_scale(b_scale)
         return _gemm.scaled_fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
-=======
-        """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales."""
-        return _gemm.fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
 
 
 # ----------------------------------------------------------------------------- tiled recipes
@@ -311,4 +307,3 @@ class BlockWise(_Tiled):
 
 
 RECIPES = ("tensor", "rowwise", "blockwise")
->>>>>>> blockwise
