@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 
 from .. import compilation
+from ..recipe import RECIPES
 from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint
 from .config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
 from .data import load_corpus
@@ -130,6 +131,12 @@ def parse_args(argv):
         add(f"--{name}", type=_at_least(1), default=None, help="model size override")
     add("--scaling", choices=["delayed", "current"], default="delayed")
     add(
+        "--recipe",
+        choices=list(RECIPES),
+        default="tensor",
+        help="FP8 scaling granularity: per tensor, per row, or DeepSeek-V3 1x128/128x128 blocks",
+    )
+    add(
         "--fast-accumulation",
         choices=["forward", "all", "none"],
         default="forward",
@@ -213,6 +220,7 @@ def run_config(args) -> RunConfig:
     run = RunConfig(
         model=model,
         scaling=args.scaling,
+        recipe=args.recipe,
         fast_accumulation=args.fast_accumulation,
         cast_kernel=args.cast_kernel,
         fp8_attention=args.fp8_attention,

@@ -88,6 +88,7 @@ class RunConfig:
     eval_batches: int = 8
     seed: int = 0
     scaling: str = "delayed"
+    recipe: str = "tensor"  # Fp8Config.recipe: "tensor", "rowwise" or "blockwise"
     fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
     cast_kernel: bool = False  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
@@ -97,6 +98,7 @@ def fp8_config(run: RunConfig) -> Fp8Config:
     """FP8 for the linears inside the blocks; embedding and LM head stay bf16 (as in TE)."""
     return Fp8Config(
         scaling=run.scaling,
+        recipe=run.recipe,
         selective=run.selective,
         fast_accumulation=run.fast_accumulation,
         cast_kernel=run.cast_kernel,
