@@ -79,7 +79,11 @@ def reference(a, a_scale, b, b_scale, out_dtype, block_size: int = 128):
 
     def step(acc, chunk):
         ak, bk, sak, sbk = chunk
-        partial = lax.dot_general(ak, bk, dims, preferred_element_type=F32)
+        # f32 operands at HIGHEST: an exact oracle on every backend. An FP8 dot on a GPU
+        # would use cuBLASLt's reduced-precision accumulator, and so would dot(convert(f8)):
+        # XLA rewrites that pattern into an FP8 GEMM, hence the barrier after the converts.
+        ak, bk = lax.optimization_barrier((ak.astype(F32), bk.astype(F32)))
+        partial = lax.dot_general(ak, bk, dims, lax.Precision.HIGHEST, preferred_element_type=F32)
         return acc + partial * sak[:, :, None] * sbk[:, None, :], None
 
     acc0 = jnp.zeros((bsz, p, q), F32)
