@@ -131,9 +131,12 @@ def test_kernel_matches_reference(key, m, k, n, b_blocks):
         pytest.skip(why)
     out = bg.blockwise_gemm(a, sa, b, sb, jnp.float32, backend="kernel")
     ref = bg.reference(a, sa, b, sb, jnp.float32)
-    # Same chunks and scales, only the order of float32 additions differs.
-    tol = 1e-5 * float(jnp.max(jnp.abs(ref))) * (k // 128)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=tol)
+    # Same chunks and scales; inside a 128-K chunk Hopper's FP8 wgmma accumulates with fewer
+    # bits than float32 (why DeepSeek-V3 promotes every 128 K), so compare like DeepGEMM's
+    # tests: by error energy, plus a bound on the worst element (H100: 4.7e-4 of the max).
+    # A wrong tile, scale or K step gives ~0 dB.
+    assert sqnr_db(out, ref) > 50
+    assert float(jnp.max(jnp.abs(out - ref))) <= 2e-3 * float(jnp.max(jnp.abs(ref)))
     out16 = bg.blockwise_gemm(a, sa, b, sb, jnp.bfloat16, backend="kernel")
     assert sqnr_db(out16, ref) > 45
 
