@@ -16,8 +16,12 @@ from . import state as _state
 from .config import Fp8Config, resolve_config
 from .ops import dot as _dot
 from .ops import fsdp as _fsdp
-from .state import STATE_FIELDS, Fp8GemmState, _init_state
-from .state import OverwriteWithGradient  # noqa: F401  (re-exported: older imports)
+from .state import (
+    STATE_FIELDS,
+    Fp8GemmState,
+    OverwriteWithGradient,  # noqa: F401  (re-exported: older imports)
+    _init_state,
+)
 
 
 class Fp8DotGeneral(Fp8GemmState):
@@ -70,16 +74,26 @@ class Fp8DotGeneral(Fp8GemmState):
         return _state.newest_first(getattr(self, f"{which}_amax_history"), axis=-1)
 
     # ------------------------------------------------------------------ call
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                 out_sharding=None):
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ):
         if out_sharding is not None:
-            raise NotImplementedError("Fp8DotGeneral: out_sharding is not supported; shard the operands.")
+            raise NotImplementedError(
+                "Fp8DotGeneral: out_sharding is not supported; shard the operands."
+            )
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         _fsdp.check_auto_axes("Fp8DotGeneral", lhs=lhs, rhs=rhs)
         out_dtype = _check_operands(lhs, rhs, dimension_numbers, preferred_element_type)
         if self.input_scale.ndim != 1:
             raise ValueError(
-                f"Fp8DotGeneral state has stack shape {self.input_scale.shape[:-1]}: a stacked layer "
+                f"Fp8DotGeneral state has stack shape {self.input_scale.shape[:-1]}: "
+                "a stacked layer "
                 "must be run one slice at a time (jax.lax.scan over the stack or eqx.filter_vmap)."
             )
         (lc, rc), (lb, rb) = dimension_numbers
@@ -89,17 +103,29 @@ class Fp8DotGeneral(Fp8GemmState):
         batch_shape = tuple(lhs.shape[i] for i in lb)
         m_shape = tuple(lhs.shape[i] for i in lf)
         n_shape = tuple(rhs.shape[i] for i in rf)
-        b, m, k, n = (math.prod(batch_shape), math.prod(m_shape), math.prod(lhs.shape[i] for i in lc),
-                      math.prod(n_shape))
+        b, m, k, n = (
+            math.prod(batch_shape),
+            math.prod(m_shape),
+            math.prod(lhs.shape[i] for i in lc),
+            math.prod(n_shape),
+        )
         cfg = self.config
 
         def plain():
-            return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                                       preferred_element_type=preferred_element_type)
+            return jax.lax.dot_general(
+                lhs,
+                rhs,
+                dimension_numbers,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
+            )
 
         if k % cfg.alignment or n % cfg.alignment:
-            _dot.unsupported(cfg, f"Fp8DotGeneral: contracting size K={k} and output size N={n} must be multiples "
-                             f"of {cfg.alignment} for FP8 (lhs {lhs.shape}, rhs {rhs.shape}).")
+            _dot.unsupported(
+                cfg,
+                f"Fp8DotGeneral: contracting size K={k} and output size N={n} must be multiples "
+                f"of {cfg.alignment} for FP8 (lhs {lhs.shape}, rhs {rhs.shape}).",
+            )
             return plain()
 
         x3 = jnp.transpose(lhs, lb + lf + lc).reshape(b, m, k)
@@ -117,8 +143,14 @@ class Fp8DotGeneral(Fp8GemmState):
             x3 = jnp.pad(x3, ((0, 0), (0, pad), (0, 0)))
         ws = self.weight_sharding
         w_shardings = ws and _dot.w3_shardings(ws, rb, rf, rc, rhs_k_first)  # FSDP only
-        spec = _dot.Spec(cfg, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                         rhs_k_first, w_shardings)
+        spec = _dot.Spec(
+            cfg,
+            np.dtype(out_dtype),
+            np.dtype(lhs.dtype),
+            np.dtype(rhs.dtype),
+            rhs_k_first,
+            w_shardings,
+        )
         y3 = _dot.fp8_dot3(spec, x3, w3, _state.enter(self.state()))
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)
 
@@ -127,8 +159,14 @@ def fp8_einsum(op: Fp8DotGeneral, eqn: str, lhs, rhs, precision=None, preferred_
     """``jnp.einsum`` with ``op`` as its dot_general (the adapters' ``Fp8Einsum``: ``rhs`` is
     the kernel). ``op`` goes in as a ``functools.partial``: einsum hashes its dot_general,
     and an equinox module's hash would read its arrays."""
-    return jnp.einsum(eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type,
-                      _dot_general=functools.partial(op))
+    return jnp.einsum(
+        eqn,
+        lhs,
+        rhs,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        _dot_general=functools.partial(op),
+    )
 
 
 def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):
@@ -139,20 +177,27 @@ def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):
         (lc, rc), (lb, rb) = dimension_numbers
     except (TypeError, ValueError):
         raise ValueError(
-            f"Fp8DotGeneral: dimension_numbers must be ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)), "
+            "Fp8DotGeneral: dimension_numbers must be ((lhs_contract, rhs_contract), "
+            "(lhs_batch, rhs_batch)), "
             f"got {dimension_numbers!r}"
         ) from None
     try:
         out = jax.eval_shape(
-            lambda a, b: jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=preferred_element_type),
+            lambda a, b: jax.lax.dot_general(
+                a, b, dimension_numbers, preferred_element_type=preferred_element_type
+            ),
             jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
             jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
         )
     except TypeError as e:
         raise ValueError(
-            f"Fp8DotGeneral: shapes lhs {lhs.shape} and rhs {rhs.shape} do not fit dimension_numbers "
+            f"Fp8DotGeneral: shapes lhs {lhs.shape} and rhs {rhs.shape} do not fit "
+            "dimension_numbers "
             f"{dimension_numbers}: {e}"
         ) from None
     if not (lc and rc):
-        raise ValueError(f"Fp8DotGeneral: no contracting dimension in {dimension_numbers}; an outer product is not a GEMM.")
+        raise ValueError(
+            f"Fp8DotGeneral: no contracting dimension in {dimension_numbers}; "
+            "an outer product is not a GEMM."
+        )
     return out.dtype

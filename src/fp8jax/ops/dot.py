@@ -26,11 +26,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
-from ..kernels import gemm as _gemm
 from .. import quant as q
 from .. import state as _state
-from . import fsdp as _fsdp_op
 from ..config import Fp8Config
+from ..kernels import gemm as _gemm
+from . import fsdp as _fsdp_op
 
 F32 = jnp.float32
 STATE_FIELDS = _state.STATE_FIELDS
@@ -86,8 +86,10 @@ def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
     gathered = [drop(e) for e in merged]
     if gathered == merged:
         return None
-    return (NamedSharding(ws.mesh, PartitionSpec(*merged)),
-            NamedSharding(ws.mesh, PartitionSpec(*gathered)))
+    return (
+        NamedSharding(ws.mesh, PartitionSpec(*merged)),
+        NamedSharding(ws.mesh, PartitionSpec(*gathered)),
+    )
 
 
 def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
@@ -125,7 +127,9 @@ def uses_fp8(spec: Spec, m: int) -> bool:
     """Runtime (shape) part of the policy: rows aligned, and enough of them (``selective``)."""
     cfg = spec.config
     if m % cfg.alignment:
-        unsupported(cfg, f"Fp8DotGeneral: the GEMM has M={m} rows, not a multiple of {cfg.alignment}.")
+        unsupported(
+            cfg, f"Fp8DotGeneral: the GEMM has M={m} rows, not a multiple of {cfg.alignment}."
+        )
         return False
     return not (cfg.selective and m < cfg.min_tokens)
 
@@ -301,7 +305,11 @@ def fp8_dot3(spec: Spec, x3, w3, state):
 def _fp8_dot3_fwd(spec, x3, w3, state):
     values = _state.values(state)
     y, (xr, wr, *scalars) = fwd_fn(spec)(x3, w3, values)
-    res = (xr, checkpoint_name(wr, KERNEL_RESIDUAL), *(checkpoint_name(s, SCALAR_RESIDUALS) for s in scalars))
+    res = (
+        xr,
+        checkpoint_name(wr, KERNEL_RESIDUAL),
+        *(checkpoint_name(s, SCALAR_RESIDUALS) for s in scalars),
+    )
     return y, (res, values)
 
 
