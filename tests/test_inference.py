@@ -133,10 +133,11 @@ def test_kv_cache_decode_equals_full_forward(lm):
     np.testing.assert_allclose(cached, full, rtol=1e-4, atol=1e-4)
     # FP8 inference with frozen scales: each row's cast does not depend on the others (CPU:
     # equal; on the H100 cuBLASLt's fast-accumulating FP8 GEMMs sum in another order for
-    # 16-row decode steps than for the whole sequence: 38.6 dB measured)
+    # 16-row decode steps than for the whole sequence: 38.6 dB measured alone, and below 35
+    # once in a run of the whole file; a wrong cache position gives a few dB)
     inf = fp8jax.to_inference(fp8, input_scale="frozen")
     decoded = decode_logits(inf, jnp.float32)
-    assert sqnr_db(decoded, eqx.filter_jit(inf)(tokens)) >= (35 if ON_GPU else 60)
+    assert sqnr_db(decoded, eqx.filter_jit(inf)(tokens)) >= (30 if ON_GPU else 60)
 
 
 def test_greedy_generation_is_deterministic_and_follows_the_logits(lm):
