@@ -1,7 +1,14 @@
 """fp8jax-train on a device mesh (8 host CPU devices, issue 24): ``--mesh data=2,fsdp=4``
 matches the single-device run, a checkpoint written on ``fsdp=8`` restores onto
-``data=2,fsdp=4`` with the same state and training continues, bad ``--mesh`` strings
-raise clear errors."""
+``data=2,fsdp=4`` and onto one device (a fresh process) with the same state and training
+continues with the same loss, bad ``--mesh`` strings raise clear errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -41,6 +48,8 @@ def test_mesh_run_matches_one_device_and_checkpoint_moves_mesh(tmp_path):
     # Steps 1-2 on fsdp=8, "Ctrl-C" checkpoints them (sharded over 8 devices) ...
     cut = cli.main(ARGS + ["--mesh", "fsdp=8", "--out", str(out)], interrupt_at=2)["fp8"]
     assert cut["interrupted"] and (out / "ckpt-fp8" / "2").exists()
+    one = tmp_path / "one-device"  # a copy for the 1-device resume (the mesh one saves step 3)
+    shutil.copytree(out, one)
     # ... which restores onto data=2,fsdp=4 with the same values, placed on the new mesh.
     old, new = _trainer(run, "fsdp=8"), _trainer(run, "data=2,fsdp=4")
     fresh = jax.tree_util.tree_leaves(new.params)
@@ -62,6 +71,28 @@ def test_mesh_run_matches_one_device_and_checkpoint_moves_mesh(tmp_path):
     np.testing.assert_allclose(losses[0], want[0], rtol=FIRST_RTOL)
     np.testing.assert_allclose(losses, want, rtol=LOSS_RTOL)
     np.testing.assert_allclose(resumed["val_loss"], ref["val_loss"], rtol=LOSS_RTOL)
+    # The fsdp=8 checkpoint also resumes in a process that sees one device (no mesh):
+    # step 3 and the evaluation as on data=2,fsdp=4.
+    single, meta = _resume_on_one_device(one)
+    assert meta["mesh"] == "" and "x 8" not in meta["device"]  # one device, no mesh
+    assert [h["step"] for h in single["history"]] == [1, 2, 3]
+    one_losses = [h["loss"] for h in single["history"]]
+    np.testing.assert_array_equal(one_losses[:2], losses[:2])  # the restored history
+    np.testing.assert_allclose(one_losses[2], losses[2], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single["val_loss"], resumed["val_loss"], rtol=LOSS_RTOL)
+
+
+def _resume_on_one_device(out):
+    """``python -m fp8jax.train --resume`` in a fresh process with one CPU device; its
+    result and the run's metadata."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "fp8jax.train", *ARGS, "--out", str(out), "--resume"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "metrics.json").read_text())["meta"]
+    return json.loads((out / "result-fp8.json").read_text()), meta
 
 
 def test_tensor_axis_places_megatron_split():
