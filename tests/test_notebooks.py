@@ -12,7 +12,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 def test_there_are_notebooks():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"01_quickstart", "02_train_lm", "03_benchmarks", "04_fused_mlp", "05_attention", "06_moe"} <= names
+    assert {"01_quickstart", "02_train_lm", "03_benchmarks", "04_fused_mlp", "05_attention", "06_moe", "07_sharded"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
