@@ -8,6 +8,8 @@ process, a jitted step returning the gradients w.r.t. the layer and the input of
 * ``fp8jax-delayed``    ``Fp8Config(scaling="delayed", selective=False)``
 * ``fp8jax-current``    ``Fp8Config(scaling="current", selective=False)``
 * ``fp8jax-selective``  ``Fp8Config()`` (size policy on; a skipped layer runs bf16)
+* ``fp8jax-rowwise``    ``Fp8Config(recipe="rowwise")``: one scale per row of each operand
+* ``fp8jax-blockwise``  ``Fp8Config(recipe="blockwise")``: 1x128 / 128x128 (DeepSeek-V3)
 * ``flax-direct``       ``flax.linen.fp8_ops.fp8_scaled_dot_general``, delayed scaling
 * ``haliax-qdq``        flax ``in_qdq`` / ``out_qdq`` around a bf16 dot (haliax's pattern)
 * ``torchao-bf16``, ``torchao-tensorwise``, ``torchao-rowwise``: the same step in PyTorch
@@ -72,6 +74,8 @@ VARIANTS = (
     "fp8jax-delayed",
     "fp8jax-current",
     "fp8jax-selective",
+    "fp8jax-rowwise",
+    "fp8jax-blockwise",
     "flax-direct",
     "haliax-qdq",
 )
@@ -250,6 +254,8 @@ BUILDERS: dict[str, Callable[..., Step]] = {
     "fp8jax-delayed": fp8jax_builder(fp8jax.Fp8Config(scaling="delayed", selective=False)),
     "fp8jax-current": fp8jax_builder(fp8jax.Fp8Config(scaling="current", selective=False)),
     "fp8jax-selective": fp8jax_builder(fp8jax.Fp8Config()),
+    "fp8jax-rowwise": fp8jax_builder(fp8jax.Fp8Config(recipe="rowwise", selective=False)),
+    "fp8jax-blockwise": fp8jax_builder(fp8jax.Fp8Config(recipe="blockwise", selective=False)),
     # Not recorded variants (for `benchmarks.linear_tuning --variant`): fast FP8
     # accumulation in all three GEMMs; the one-pass Pallas cast-transpose kernel.
     "fp8jax-delayed-fastacc": fp8jax_builder(
