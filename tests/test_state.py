@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import fp8jax
+from fp8jax import state as _state
 from helpers import normal, take_state, recorded
 
 CFG = fp8jax.Fp8Config(selective=False, amax_history_length=4)
@@ -331,3 +332,19 @@ def test_reuse_under_vmap_matches_plain(key):
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert recorded(vmapped.dot_general) == 1.0
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 1024])
+def test_record_is_flax_roll_then_set(length):
+    """`record` (one concatenate) writes what flax's ``roll(h, -1).at[0].set(v)`` writes, for
+    a plain history, a per-expert one ([L, E], axis 0) and per-slot values along axis -1."""
+    rng = np.random.default_rng(length)
+    h = jnp.asarray(rng.standard_normal(length), jnp.float32)
+    np.testing.assert_array_equal(_state.record(h, 7.0), jnp.roll(h, -1).at[0].set(7.0))
+    he = jnp.asarray(rng.standard_normal((length, 3)), jnp.float32)
+    v = jnp.asarray([1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(_state.record(he, v), jnp.roll(he, -1, axis=0).at[0].set(v))
+    hs = jnp.asarray(rng.standard_normal((4, length)), jnp.float32)
+    v4 = jnp.arange(4.0)
+    expected = jnp.roll(hs, -1, axis=-1).at[..., 0].set(v4)
+    np.testing.assert_array_equal(_state.record(hs, v4, axis=-1), expected)
