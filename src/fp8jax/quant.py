@@ -6,6 +6,7 @@ Scales are *dequantization* factors: ``real ~= fp8_value * scale``.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float
 
 F32 = jnp.float32
@@ -20,7 +21,10 @@ def saturate(x: Array, inv_scale, dtype) -> Array:
     """Cast ``x * inv_scale`` to ``dtype`` with saturation (no inf from overflow); the
     one cast of XLA's path and of the Pallas kernels (their FP8 bits must agree)."""
     limit = fp8_max(dtype)
-    return jnp.clip(x.astype(F32) * inv_scale, -limit, limit).astype(dtype)
+    # lax ops, not jnp.clip/where: the FP8 step calls these many times per layer, and each
+    # jnp call is a nested jit to trace (a quarter of an FP8 step's lowering time).
+    scaled = x.astype(F32) * inv_scale
+    return lax.clamp(F32(-limit), scaled, F32(limit)).astype(dtype)
 
 
 def quantize(x: Array, scale: Float[Array, "1"], dtype) -> Array:
@@ -43,8 +47,10 @@ def tile_amax(x: Array) -> Array:
 
 def sanitize_amax(value: Float[Array, "..."]) -> tuple[Array, Array]:
     """Split an observed amax into (finite amax or 0, 1.0 where it was NaN/Inf)."""
+    value = jnp.asarray(value, F32)
     finite = jnp.isfinite(value)
-    return jnp.where(finite, value, 0.0), jnp.where(finite, 0.0, 1.0).astype(F32)
+    zeros, ones = jnp.zeros_like(value), jnp.ones_like(value)
+    return lax.select(finite, value, zeros), lax.select(finite, zeros, ones)
 
 
 def scale_from_amax(amax_value: Array, old_scale: Array, dtype, margin: float) -> Array:
@@ -53,7 +59,9 @@ def scale_from_amax(amax_value: Array, old_scale: Array, dtype, margin: float) -
     amax_value = amax_value.astype(F32)
     old_scale = old_scale.astype(F32)
     sf = (fp8_max(dtype) / amax_value) / (2.0**margin)
-    sf = jnp.where(amax_value > 0.0, sf, 1.0 / old_scale)
-    sf = jnp.where(jnp.isfinite(amax_value), sf, 1.0 / old_scale)
-    new = 1.0 / sf
-    return jnp.where(jnp.isfinite(new) & (new > 0.0), new, old_scale)
+    shape = jnp.broadcast_shapes(amax_value.shape, old_scale.shape)
+    amax_value, sf = jnp.broadcast_to(amax_value, shape), jnp.broadcast_to(sf, shape)
+    old_scale = jnp.broadcast_to(old_scale, shape)
+    usable = (amax_value > 0.0) & jnp.isfinite(amax_value)
+    new = 1.0 / lax.select(usable, sf, 1.0 / old_scale)
+    return lax.select(jnp.isfinite(new) & (new > 0.0), new, old_scale)

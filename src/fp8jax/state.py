@@ -197,7 +197,7 @@ def _to_max_grad_fwd(leaf):
 def _to_max_grad_bwd(leaf, combined):
     # No use proposed (every use ran in the input precision): the gradient is the old state.
     combined = lax.convert_element_type(combined, F32)
-    return (jnp.where(combined == -jnp.inf, leaf, combined),)
+    return (lax.select(combined == -jnp.inf, leaf.astype(F32), combined),)
 
 
 _to_max_grad.defvjp(_to_max_grad_fwd, _to_max_grad_bwd)
