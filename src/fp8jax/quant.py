@@ -37,12 +37,12 @@ def amax(x: Array) -> Float[Array, ""]:
     return jnp.max(jnp.abs(x)).astype(F32)
 
 
-def tile_amax(x: Array) -> Array:
-    """max |x| as float32, inf where ``x`` holds a NaN: a kernel tile's amax must come
-    out non-finite (`sanitize_amax` then keeps it out of the history) whatever max's
-    NaN convention is on the backend."""
+def tile_amax(x: Array, axis=None) -> Array:
+    """max |x| (over ``axis``, default all) as float32, inf where ``x`` holds a NaN: a
+    tile's amax must come out non-finite (`sanitize_amax` then keeps it out of the
+    history) whatever max's NaN convention is on the backend."""
     magnitude = jnp.abs(x.astype(F32))
-    return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude))
+    return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), axis=axis)
 
 
 def sanitize_amax(value: Float[Array, "..."]) -> tuple[Array, Array]:

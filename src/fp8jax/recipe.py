@@ -100,16 +100,13 @@ class PerTensor:
     ) -> Cast:
         """``t: [B, P, C]`` cast to FP8 in both layouts (`fp8jax.kernels.gemm.quantize_both`)."""
         del weight
-        if self.delayed:
-            scale = self.scale(history, old_scale, dtype)
-            cast = _gemm.quantize_both(t, _gemm.gemm_scale(scale), dtype, self.cast_kernel)
-            data, data_t, amax = cast
-        else:
-            amax = q.amax(t)
-            scale = self.scale(history, old_scale, dtype, amax)
-            cast = _gemm.quantize_both(t, _gemm.gemm_scale(scale), dtype, self.cast_kernel)
-            data, data_t, _ = cast
-        return Cast(data, data_t, scale, amax, scale)
+        # Delayed: the amax is the cast's by-product; current: a reduction before the cast.
+        amax = None if self.delayed else q.amax(t)
+        scale = self.scale(history, old_scale, dtype, amax)
+        data, data_t, cast_amax = _gemm.quantize_both(
+            t, _gemm.gemm_scale(scale), dtype, self.cast_kernel
+        )
+        return Cast(data, data_t, scale, cast_amax if self.delayed else amax, scale)
 
     def quantize(self, t: Array, scale: Array, dtype) -> Array:
         return q.quantize(t, scale, dtype)
@@ -150,13 +147,17 @@ def tile_cast(t: Array, dtype, rows: int, cols: int, margin: float = 0.0, power_
     if nr * rows != p or nc * cols != c:
         tf = jnp.pad(tf, ((0, 0), (0, nr * rows - p), (0, nc * cols - c)))
     tf = tf.reshape(b, nr, rows, nc, cols)
-    magnitude = jnp.abs(tf)
-    tile_amax = jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), axis=(2, 4))
+    tile_amax = q.tile_amax(tf, axis=(2, 4))
     scale = tile_scales(tile_amax, dtype, margin, power_of_two)
-    limit = q.fp8_max(dtype)
-    data = jnp.clip(tf / scale[:, :, None, :, None], -limit, limit).astype(dtype)
+    data = _cast_divided(tf, scale[:, :, None, :, None], dtype)
     data = data.reshape(b, nr * rows, nc * cols)[:, :p, :c]
     return data, scale, jnp.max(tile_amax)
+
+
+def _cast_divided(t: Array, scale: Array, dtype) -> Array:
+    """``t / scale`` saturated to ``dtype`` (the tiled recipes divide by each tile's scale)."""
+    limit = q.fp8_max(dtype)
+    return jnp.clip(t.astype(F32) / scale, -limit, limit).astype(dtype)
 
 
 def expand_scale(scale: Array, shape: tuple[int, ...], rows: int, cols: int) -> Array:
@@ -196,9 +197,7 @@ class _Tiled:
     def quantize(self, t: Array, scale: Array, dtype) -> Array:
         """``t`` cast with given tile scales (the tile shape read from ``scale``'s shape)."""
         rows, cols = self._tile(t.shape, scale)
-        limit = q.fp8_max(dtype)
-        full = expand_scale(scale.astype(F32), t.shape, rows, cols)
-        return jnp.clip(t.astype(F32) / full, -limit, limit).astype(dtype)
+        return _cast_divided(t, expand_scale(scale.astype(F32), t.shape, rows, cols), dtype)
 
     def dequantize(self, data: Array, scale: Array, dtype) -> Array:
         rows, cols = self._tile(data.shape, scale)

@@ -78,12 +78,7 @@ def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
             return None  # only a group's leading dim may be sharded for a free reshape
         merged.append(sharded[0] if sharded else None)
 
-    def drop(entry):
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(a for a in axes if a is not None and a not in ws.gather)
-        return kept[0] if len(kept) == 1 else (kept or None)
-
-    gathered = [drop(e) for e in merged]
+    gathered = [_fsdp_op.split_axes(e, ws.gather)[0] for e in merged]
     if gathered == merged:
         return None
     return (

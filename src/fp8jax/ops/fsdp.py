@@ -28,8 +28,9 @@ def _entries(spec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
 
 
-def _split(entry, gather: tuple[str, ...]):
-    """(axes kept, axes gathered) of one PartitionSpec entry."""
+def split_axes(entry, gather: tuple[str, ...]):
+    """(axes kept, axes gathered) of one PartitionSpec entry: what stays sharded once the
+    ``gather`` axes are all-gathered (an entry, or None), and those gathered axes."""
     axes = entry if isinstance(entry, tuple) else (entry,)
     axes = tuple(a for a in axes if a is not None)
     kept = tuple(a for a in axes if a not in gather)
@@ -42,7 +43,7 @@ def _partition(gather, mesh, arg_shapes, result_shape):
     if not isinstance(sharding, NamedSharding):  # not decodable to mesh axes: leave it
         return mesh, lambda w: w, sharding, (sharding,)
     spec = _entries(sharding.spec, len(arg.shape))
-    split = [_split(e, gather) for e in spec]
+    split = [split_axes(e, gather) for e in spec]
     out = NamedSharding(sharding.mesh, P(*(kept for kept, _ in split)))
 
     def lower(w):
@@ -60,7 +61,7 @@ def _infer(gather, mesh, arg_shapes, result_shape):
     if not isinstance(sharding, NamedSharding):
         return sharding
     spec = _entries(sharding.spec, len(arg_shapes[0].shape))
-    return NamedSharding(sharding.mesh, P(*(_split(e, gather)[0] for e in spec)))
+    return NamedSharding(sharding.mesh, P(*(split_axes(e, gather)[0] for e in spec)))
 
 
 @functools.lru_cache(maxsize=None)
