@@ -298,6 +298,9 @@ def test_kernel_logic_in_interpret_mode(key):
     """The kernel's pipeline, scale indexing and float32 promotion, in Pallas' GPU interpret
     mode on CPU (the chunk's dot stands in for ``wgmma``, which the interpreter cannot run
     on a transposed B; the real kernel is checked on a GPU above)."""
+    if ON_GPU:  # on a GPU the interpreter's dot runs at XLA's default GPU precision (23%
+        # off at 1e4-sized outputs, H100, 2026-11-25); the GPU tests above cover the kernel
+        pytest.skip("interpret mode is the CPU check; the GPU runs the kernel itself")
     mg = pytest.importorskip("fp8jax.kernels.blockwise_gemm_mgpu")
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401

@@ -10,8 +10,8 @@ import tempfile
 import textwrap
 
 import pytest
-
 from conftest import gpu
+
 from fp8jax import compilation
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -85,21 +85,29 @@ def test_cache_dir_errors_name_the_path(tmp_path):
 
 @gpu
 @pytest.mark.xfail(
-    reason="issue 21's 1.5x goal is not met: on the H100 (2026-11-25) the two-block FP8 step "
-    "compiles in 2.5 s against bf16's 1.3 s in the same process (6.5 s for bf16 without "
-    "fp8jax); the FP8 program is ~3x larger (casts, amaxes, state updates)",
+    reason="issue 21's 1.5x goal is not met: on the H100 (2026-11-25, second session) the "
+    "two-block FP8 step compiles in 2.18 s against bf16's 1.23 s (medians of 3; 1.77x): "
+    "XLA's codegen of the FP8 step's extra kernels (casts, amaxes, state updates)",
     strict=False,
 )
 def test_fp8_step_compiles_within_1_5x_bf16_with_default_flags():
-    """The README's step as a user writes it (plain ``eqx.filter_jit``, no fp8jax flag call):
-    the FP8 step's compile time is at most 1.5x the bf16 step's (plus 1 s of noise)."""
+    """Issue 21's two-block step as a user writes it (plain ``eqx.filter_jit``, no fp8jax
+    flag call): the FP8 step's compile time is at most 1.5x the bf16 step's. Medians of
+    three fresh processes each, plus 0.2 s."""
+    import statistics
+
     from benchmarks.compile import two_block
 
-    with tempfile.TemporaryDirectory() as cache:
-        rows = {v: two_block(v, (2048, 8192, 8192), cache, "default") for v in ("bf16", "fp8")}
-    seconds = {v: r["compile_s"] for v, r in rows.items()}
+    seconds, rows = {}, {}
+    for variant in ("bf16", "fp8"):
+        runs = []
+        for _ in range(3):
+            with tempfile.TemporaryDirectory() as cache:  # empty: a first start each time
+                rows[variant] = two_block(variant, (4096, 14336, 16384), cache, "default")
+            runs.append(rows[variant]["compile_s"])
+        seconds[variant] = statistics.median(runs)
     assert rows["fp8"]["fp8_gemms"] == rows["fp8"]["gemms"] > 0, rows
-    assert seconds["fp8"] <= 1.5 * seconds["bf16"] + 1.0, seconds
+    assert seconds["fp8"] <= 1.5 * seconds["bf16"] + 0.2, seconds
 
 
 def test_compile_benchmark_runs_on_cpu():

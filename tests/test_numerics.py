@@ -65,3 +65,21 @@ def test_matches_original_linear(key):
     assert model.weight is layer.weight and model.bias is layer.bias
     assert sqnr_db(jax.vmap(model)(x), jax.vmap(layer)(x)) >= 25.0
     assert sqnr_db(model(x[0]), layer(x[0])) >= 25.0
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_gemm_scales_equal_one_scale_per_tensor(key, algo):
+    """The forward's one-reduction scales (`PerTensor.gemm_scales`) are bit-identical to
+    three `PerTensor.scale` calls: fresh histories, one all-zero (keeps its old scale)."""
+    from fp8jax.recipe import PerTensor
+
+    recipe = PerTensor(algo=algo, margin=1.0)
+    k1, k2 = jax.random.split(key)
+    histories = list(jnp.abs(jax.random.normal(k1, (3, 16))) * jnp.array([[1.0], [30.0], [1e-3]]))
+    histories[2] = jnp.zeros(16)
+    olds = tuple(jnp.abs(jax.random.normal(k2, (3, 1))) + 0.5)
+    dtypes = (jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2)
+    together = np.asarray(recipe.gemm_scales(tuple(histories), olds, dtypes))
+    one_by_one = [np.asarray(recipe.scale(h, o, d)) for h, o, d in zip(histories, olds, dtypes)]
+    np.testing.assert_array_equal(together, np.concatenate(one_by_one))
+    assert together[2] == np.asarray(olds[2])[0]  # zero history: old scale kept

@@ -56,10 +56,16 @@ def sanitize_amax(value: Float[Array, "..."]) -> tuple[Array, Array]:
 def scale_from_amax(amax_value: Array, old_scale: Array, dtype, margin: float) -> Array:
     """flax's ``compute_scale``: amax * 2**margin / fp8_max, keeping ``old_scale`` when
     amax is zero or not finite, and never returning a zero, NaN or Inf scale."""
+    return scale_from_limit(amax_value, old_scale, fp8_max(dtype), margin)
+
+
+def scale_from_limit(amax_value: Array, old_scale: Array, limit, margin: float) -> Array:
+    """`scale_from_amax` with the FP8 maximum given as a number or an array (one per
+    element of ``amax_value``: several tensors of different FP8 dtypes at once)."""
     amax_value = amax_value.astype(F32)
     old_scale = old_scale.astype(F32)
-    sf = (fp8_max(dtype) / amax_value) / (2.0**margin)
-    shape = jnp.broadcast_shapes(amax_value.shape, old_scale.shape)
+    sf = (jnp.asarray(limit, F32) / amax_value) / (2.0**margin)
+    shape = jnp.broadcast_shapes(amax_value.shape, old_scale.shape, sf.shape)
     amax_value, sf = jnp.broadcast_to(amax_value, shape), jnp.broadcast_to(sf, shape)
     old_scale = jnp.broadcast_to(old_scale, shape)
     usable = (amax_value > 0.0) & jnp.isfinite(amax_value)

@@ -28,6 +28,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from . import quant as q
@@ -91,18 +92,38 @@ class PerTensor:
             amax = jnp.squeeze(from_history(history, self.algo, axis=axis), axis)
         return q.scale_from_amax(amax, old_scale, dtype, self.margin)
 
+    def gemm_scales(self, histories, old_scales, dtypes) -> Array:
+        """Delayed scaling: the ``[3]`` scales of a GEMM's operands (input, kernel, output
+        gradient), from their ``[L]`` histories in one reduction over the stacked ``[3, L]``.
+
+        Same values as three `scale` calls. One reduction instead of three lets XLA compile
+        a few small kernels per layer where it compiled about ten (issue 21: compile time
+        grows with the number of kernels)."""
+        assert self.delayed, "current scaling has no scale before the cast"
+        amax = from_history(jnp.stack(histories), self.algo, axis=-1)[..., 0]  # [3]
+        limits = np.array([q.fp8_max(d) for d in dtypes], np.float32)
+        return q.scale_from_limit(amax, jnp.concatenate(old_scales), limits, self.margin)
+
     def summary(self, scale: Array) -> Array:
         """The scale a layer's state records (the one it used)."""
         return scale
 
     def quantize_both(
-        self, t: Array, old_scale: Array, history: Array, dtype, weight: bool = False
+        self,
+        t: Array,
+        old_scale: Array,
+        history: Array,
+        dtype,
+        weight: bool = False,
+        scale: Array | None = None,
     ) -> Cast:
-        """``t: [B, P, C]`` cast to FP8 in both layouts (`fp8jax.kernels.gemm.quantize_both`)."""
+        """``t: [B, P, C]`` cast to FP8 in both layouts (`fp8jax.kernels.gemm.quantize_both`);
+        with ``scale`` (delayed scaling, from `gemm_scales`) that scale is used as is."""
         del weight
         # Delayed: the amax is the cast's by-product; current: a reduction before the cast.
         amax = None if self.delayed else q.amax(t)
-        scale = self.scale(history, old_scale, dtype, amax)
+        if scale is None:
+            scale = self.scale(history, old_scale, dtype, amax)
         data, data_t, cast_amax = _gemm.quantize_both(
             t, _gemm.gemm_scale(scale), dtype, self.cast_kernel
         )
@@ -226,10 +247,16 @@ class RowWise(_Tiled):
         return 1, shape[-1]
 
     def quantize_both(
-        self, t: Array, old_scale: Array, history: Array, dtype, weight: bool = False
+        self,
+        t: Array,
+        old_scale: Array,
+        history: Array,
+        dtype,
+        weight: bool = False,
+        scale: None = None,  # tiles are scaled by their own amax: no scale to pass
     ) -> Cast:
         """``t: [B, P, C]`` per row along C, and ``t^T: [B, C, P]`` per row along P."""
-        del old_scale, history, weight
+        del old_scale, history, weight, scale
         _, p, c = t.shape
         data, scale, amax = tile_cast(t, dtype, 1, c, self.margin)
         data_t, scale_t, _ = tile_cast(jnp.swapaxes(t, 1, 2), dtype, 1, p, self.margin)
@@ -273,12 +300,18 @@ class BlockWise(_Tiled):
         return (1 if scale.shape[-2] == p else self.block_size), self.block_size
 
     def quantize_both(
-        self, t: Array, old_scale: Array, history: Array, dtype, weight: bool = False
+        self,
+        t: Array,
+        old_scale: Array,
+        history: Array,
+        dtype,
+        weight: bool = False,
+        scale: None = None,  # tiles are scaled by their own amax: no scale to pass
     ) -> Cast:
         """``t: [B, P, C]`` in both layouts: a weight's blocks once (the transposed copy is
         the same blocks transposed), an activation's tiles along C and, from ``t`` again,
         along P."""
-        del old_scale, history
+        del old_scale, history, scale
         bs, pow2 = self.block_size, self.power_of_two
         if weight:
             data, scale, amax = tile_cast(t, dtype, bs, bs, self.margin, pow2)

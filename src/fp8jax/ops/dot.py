@@ -130,18 +130,31 @@ def uses_fp8(spec: Spec, m: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- forward
+def _scales_in_forward(spec: Spec) -> bool:
+    """Delayed per-tensor scaling: the forward computes all three scales at once
+    (`fp8jax.recipe.PerTensor.gemm_scales`) and hands the output gradient's to the backward."""
+    recipe = spec.config.recipe
+    return recipe.kind == "tensor" and recipe.delayed
+
+
 def _fwd_impl(spec: Spec, x3, w3, state):
     cfg, recipe = spec.config, spec.config.recipe
-    in_s, k_s, _, in_h, k_h, _, _ = state
+    in_s, k_s, g_s, in_h, k_h, g_h, _ = state
     out_dtype = spec.out_dtype
     if not uses_fp8(spec, x3.shape[1]):
         y = _gemm.gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
         zero = jnp.zeros((), F32)
-        return y, (x3, w3, in_s, k_s, zero, zero)
-    x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype)
+        return y, (x3, w3, in_s, k_s, zero, zero, g_s)
+    sx, sw, sg = None, None, g_s  # None: each cast chooses its own scale
+    if _scales_in_forward(spec):  # all three in one small computation; sg to the backward
+        dtypes = (cfg.input_dtype, cfg.kernel_dtype, cfg.grad_dtype)
+        scales = recipe.gemm_scales((in_h, k_h, g_h), (in_s, k_s, g_s), dtypes)
+        sx, sw, sg = scales[0:1], scales[1:2], scales[2:3]
+    x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
     # FSDP: each device casts its own shard (global amax: a scalar all-reduce), the FP8
     # copy is all-gathered for the GEMM and kept sharded as the residual.
-    w = recipe.quantize_both(_fsdp(spec, w3, False, False), k_s, k_h, cfg.kernel_dtype, weight=True)
+    w3 = _fsdp(spec, w3, False, False)
+    w = recipe.quantize_both(w3, k_s, k_h, cfg.kernel_dtype, weight=True, scale=sw)
     w_nk, w_kn = (w.data_t, w.data) if spec.rhs_k_first else (w.data, w.data_t)
     # Per-tensor: scale_t is scale. Row/block-wise: each layout has its own scales.
     sw_nk, sw_kn = (w.scale_t, w.scale) if spec.rhs_k_first else (w.scale, w.scale_t)
@@ -149,10 +162,12 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     w_nk = _fsdp(spec, _fsdp(spec, w_nk, t, False), t, True)
     w_kn = _fsdp(spec, w_kn, not t, False)
     y = recipe.gemm(x.data, x.scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
-    return y, (x.data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax)
+    return y, (x.data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
 
 
 def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
+    """``g_scale``: the output gradient's scale where the forward chose it (delayed
+    per-tensor scaling), else its old scale."""
     cfg, recipe = spec.config, spec.config.recipe
     xr, wr, sx, sw, _, _ = res
     if xr.dtype != cfg.input_dtype:  # plain (non-FP8) path chosen in the forward
@@ -162,7 +177,8 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         dw = _gemm.gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm.gemm(gT, xT, wr.dtype)
         return dx, dw, jnp.zeros((), F32), g_scale
     xTq, w_kn = xr, _fsdp(spec, wr, not spec.rhs_k_first, True)  # FSDP: all-gather FP8 again
-    g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype)
+    known = g_scale if _scales_in_forward(spec) else None
+    g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype, scale=known)
     fast = cfg.fast_backward
     dx = recipe.gemm(g.data, g.scale, w_kn, sw, spec.x_dtype, fast)
     if spec.rhs_k_first:
@@ -234,11 +250,11 @@ def fwd_fn(spec: Spec):
         xb, wb, sb = in_batched
         if not xb or wb or any(jax.tree_util.tree_leaves(sb)):
             return _fallback_vmap(impl, in_batched, (x3, w3, state))
-        y, (xr, wr, sx, sw, ax, aw) = fn(_merge(x3, axis_size), w3, state)
+        y, (xr, *others) = fn(_merge(x3, axis_size), w3, state)
         fp8 = xr.dtype == spec.config.input_dtype
         xr = _split_cols(xr, axis_size) if fp8 else _split_rows(xr, axis_size)
-        out = (_split_rows(y, axis_size), (xr, wr, sx, sw, ax, aw))
-        return out, (True, (True, False, False, False, False, False))
+        out = (_split_rows(y, axis_size), (xr, *others))
+        return out, (True, (True,) + (False,) * len(others))
 
     return _quiet_when_vmapped(fn, 0)
 
@@ -310,8 +326,9 @@ def _fp8_dot3_fwd(spec, x3, w3, state):
 
 def _fp8_dot3_bwd(spec, residuals, g3):
     res, state = residuals
-    _, _, g_s, _, _, g_h, _ = state
-    dx, dw, ag, sg = bwd_fn(spec)(res, g_s, g_h, g3)
+    g_h = state[5]  # the output gradient's amax history
+    *res, g_known = res  # the output gradient's scale, or its old one (`_fwd_impl`)
+    dx, dw, ag, sg = bwd_fn(spec)(tuple(res), g_known, g_h, g3)
     xr, _, sx, sw, ax, aw = res
     if xr.dtype != spec.config.input_dtype:  # ran in the input precision: propose nothing
         return dx, dw, _state.no_proposal(state)

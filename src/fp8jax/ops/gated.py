@@ -34,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
 
 from .. import quant as q
 from .. import state as _state
@@ -390,18 +391,29 @@ def usable(
     )
 
 
-def _scale(history, old, dtype, cfg: Fp8Config):
-    return cfg.recipe.scale(history, old, dtype)
+def _scales(spec: Spec, state1, state2) -> tuple[Array, ...]:
+    """The six scales of the two layers' operands, ``(sx, sw1, sdh, sa, sw2, sg)``, from
+    their histories (delayed scaling: the core runs only then), all in the forward and
+    in one reduction where both layers' recipes and history lengths agree."""
+    parts = []
+    for cfg, state in ((spec.config1, state1), (spec.config2, state2)):
+        in_s, k_s, g_s, in_h, k_h, g_h, _ = state
+        dtypes = (cfg.input_dtype, cfg.kernel_dtype, cfg.grad_dtype)
+        parts.append(((in_h, k_h, g_h), (in_s, k_s, g_s), dtypes))
+    (h1, o1, d1), (h2, o2, d2) = parts
+    c1, c2 = spec.config1, spec.config2
+    if c1.recipe == c2.recipe and len({jnp.shape(h) for h in h1 + h2}) == 1:
+        scales = c1.recipe.gemm_scales(h1 + h2, o1 + o2, d1 + d2)
+    else:
+        scales = jnp.concatenate(
+            [c1.recipe.gemm_scales(h1, o1, d1), c2.recipe.gemm_scales(h2, o2, d2)]
+        )
+    return tuple(scales[i : i + 1] for i in range(6))
 
 
 def _forward(spec: Spec, x, w1, state1, w2, state2):
     c1, c2 = spec.config1, spec.config2
-    in1, k1, _, in1_h, k1_h, _, _ = state1
-    in2, k2, _, in2_h, k2_h, _, _ = state2
-    sx = _scale(in1_h, in1, c1.input_dtype, c1)
-    sw1 = _scale(k1_h, k1, c1.kernel_dtype, c1)
-    sa = _scale(in2_h, in2, c2.input_dtype, c2)
-    sw2 = _scale(k2_h, k2, c2.kernel_dtype, c2)
+    sx, sw1, sdh, sa, sw2, sg = _scales(spec, state1, state2)
     xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
     w1q, w1Tq, aw1 = _gemm.quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
     h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[
@@ -412,7 +424,7 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
     y = _gemm.fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward)[0]
     # fc2's wgrad operand aq^T is not kept: the backward kernel recomputes it from h
-    residuals = (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2)
+    residuals = (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2, sg, sdh)
     return y, residuals
 
 
@@ -432,16 +444,12 @@ def _fwd(spec, x, w1, state1, w2, state2):
 
 
 def _bwd(spec, saved, g):
-    (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2), state1, state2 = saved
+    (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2, sg, sdh), state1, state2 = saved
     c1, c2 = spec.config1, spec.config2
-    _, _, dh_s, _, _, dh_h, _ = state1
-    _, _, g_s, _, _, g_h, _ = state2
-    sg = _scale(g_h, g_s, c2.grad_dtype, c2)
     gq, gTq, ag = _gemm.quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
     da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[
         0
     ]  # [M, F], not dequantized
-    sdh = _scale(dh_h, dh_s, c1.grad_dtype, c1)
     dhq, dhTq, adh, aTq = activation_grad_fp8(
         h,
         (sx * sw1).reshape(()),

@@ -341,6 +341,7 @@ class TrainRun:
             joules_per_step=joules,
             mean_power_w=(joules * tps / self.tokens) if (joules and tps) else None,
             compile_s=sum(trainer.compile_times.values()) if trainer.compile_times else None,
+            lower_s=trainer.compile_times.get("lower_s") if trainer.compile_times else None,
             gemms=len(gemms),
             fp8_gemms=sum(g.is_fp8 for g in gemms),
             peak_mem_mb=trainer.peak_mem_mb() if trainer.compiled is not None else None,
