@@ -141,6 +141,43 @@ def test_kernel_matches_reference(key, m, k, n, b_blocks):
     assert sqnr_db(out16, ref) > 45
 
 
+def test_gemm_report_counts_the_block_scaled_kernel():
+    """`fp8jax.fp8_gemm_report` counts a Mosaic GPU call under the kernel's named scope as
+    an FP8 GEMM (its f32 scale inputs dropped), and no other Mosaic GPU call."""
+    from fp8jax.inspect import parse_gemms
+
+    params = "\n".join(
+        f"  %p{i} = {t}[256,128]{{1,0}} parameter({i})"
+        for i, t in enumerate(["f8e4m3fn", "f32", "f8e4m3fn", "f32"])
+    )
+    call = (
+        '  %{} = bf16[256,256]{{1,0}} custom-call(%p0, %p1, %p2, %p3), '
+        'custom_call_target="mosaic_gpu", metadata={{op_name="jit(f)/{}/pallas_call"}}'
+    )
+    hlo = "\n".join([params, call.format("ours", bg.BLOCKWISE_SCOPE), call.format("x", "y")])
+    (gemm,) = parse_gemms(hlo)
+    assert gemm.is_fp8 and gemm.operand_types == ("f8e4m3fn", "f8e4m3fn")
+
+
+@gpu
+def test_blockwise_linear_step_reports_fp8_kernel_gemms(key):
+    """On the GPU the block-wise linear's train step runs its three GEMMs in the kernel, and
+    the report says so (the benchmark's "FP8 GEMMs" column read 0/0 before the scope)."""
+    lin = nn.Linear(512, 384, use_bias=False, config=_config("blockwise"), key=key)
+    x = jax.random.normal(key, (256, 512), jnp.bfloat16)
+
+    @eqx.filter_jit
+    def grads(model_and_x):  # the input's gradient too: forward, dgrad and wgrad all run
+        def loss(mx):
+            return jnp.sum(jax.vmap(mx[0])(mx[1]).astype(jnp.float32) ** 2)
+
+        return eqx.filter_grad(loss)(model_and_x)
+
+    report = fp8jax.fp8_gemm_report(grads.lower((lin, x)).compile())
+    fp8 = [g for g in report.gemms if g.is_fp8]
+    assert len(fp8) == 3, report
+
+
 # ----------------------------------------------------------------------------- linear numerics
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
 def test_linear_forward_backward_sqnr(key, recipe):

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import equinox as eqx
 
+from .kernels.blockwise_gemm import BLOCKWISE_SCOPE
 from .ops.grouped import GROUPED_SCOPE
 
 _F8 = re.compile(r"\bf8e\w+")
@@ -88,7 +89,8 @@ def parse_gemms(hlo_text: str) -> list[GemmInfo]:
         if op == "custom-call":
             target_match = _CUSTOM_CALL.search(line)
             target = target_match.group(1) if target_match else ""
-            ours = "mosaic_gpu" in target and GROUPED_SCOPE in line  # fp8jax's Pallas grouped GEMMs
+            # fp8jax's Pallas GEMMs (grouped, block-scaled), told apart by their named scopes
+            ours = "mosaic_gpu" in target and (GROUPED_SCOPE in line or BLOCKWISE_SCOPE in line)
             if not (_GEMM_TARGET.search(target) or _OUR_KERNEL.search(target) or ours):
                 continue
             if ours:  # drop the small int32/f32 side inputs (group table, scales)
