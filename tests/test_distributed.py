@@ -86,6 +86,20 @@ def _state(model):
     return [np.asarray(a) for _, s in fp8jax.fp8_state(model) for a in s.state()]
 
 
+def check_matches(run, reference):
+    """A sharded run ``(model, losses, grads)`` against the single-device one: losses,
+    gradients and FP8 state within the tolerances above, the state replicated bit-identically."""
+    (model, losses, grads), (ref_model, ref_losses, ref_grads) = run, reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    for g, rg in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
+    ):
+        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
+    for a, b in zip(_state(model), _state(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
+    assert distributed.fp8_state_replicated(model)
+
+
 SETUPS = {
     "dp": ((8, 1, 1), {"fsdp_axis": None}),
     "fsdp": ((1, 8, 1), {}),
@@ -114,16 +128,7 @@ def test_sharded_training_matches_single_device(reference, setup):
     batch = NamedSharding(mesh, P(("data", "fsdp"), None))
     x, y = (jax.device_put(a, batch) for a in _data())
     model, losses, grads = _train(model, x, y)
-    ref_model, ref_losses, ref_grads = reference
-    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    for g, rg in zip(
-        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
-    ):
-        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
-    for a, b in zip(_state(model), _state(ref_model), strict=True):
-        np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
-    # the replicated FP8 state is the same bytes on every device
-    assert distributed.fp8_state_replicated(model)
+    check_matches((model, losses, grads), reference)  # state: the same bytes on every device
     for _, s in fp8jax.fp8_state(model):
         assert all(leaf.sharding.is_fully_replicated for leaf in s.state())
     assert (
@@ -326,14 +331,7 @@ def test_blocks_sharded_match_single_device(setup):
         assert psums == ["[1280,128]", "[1280,64]", "[1280,64]"], cs
         assert not [c for c in cs if c.kind == "all-gather" and c.shape.startswith("[8,64")]
     model, losses, grads = _train_block(model, xs, ys)
-    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    for g, rg in zip(
-        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
-    ):
-        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
-    for a, b in zip(_state(model), _state(ref_model), strict=True):
-        np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
-    assert distributed.fp8_state_replicated(model)
+    check_matches((model, losses, grads), (ref_model, ref_losses, ref_grads))
 
 
 def _block_collectives(model, x, y):

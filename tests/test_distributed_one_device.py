@@ -10,23 +10,19 @@ from jax.sharding import PartitionSpec as P
 from test_distributed import (
     BLOCK_MESH,
     BLOCK_SHARDING,
-    GRAD_OF_MAX,
-    LOSS_RTOL,
     OPT,
     SETUPS,
-    STATE_RTOL,
     _block,
     _block_step,
     _data,
     _model,
-    _state,
     _train,
     _train_block,
+    check_matches,
     step,
 )
 
 import fp8jax
-from fp8jax import distributed
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 # On CPU the 8-device tests cover these setups; one of each kind keeps this file's code run.
@@ -40,17 +36,6 @@ def _gpu_or_cpu_case(setup):
 
 def _one_device_mesh():
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), BLOCK_MESH)
-
-
-def _check(model, ref_model, losses, ref_losses, grads, ref_grads):
-    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    for g, rg in zip(
-        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
-    ):
-        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
-    for a, b in zip(_state(model), _state(ref_model), strict=True):
-        np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
-    assert distributed.fp8_state_replicated(model)
 
 
 def _all_fp8(compiled, minimum):
@@ -71,8 +56,7 @@ def test_linear_setups_on_one_device_mesh(setup):
     xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
     if ON_GPU:  # two linears, three GEMMs each (the first layer's dgrad is dead code)
         _all_fp8(step.lower(model, OPT.init(fp8jax.trainable(model)), xs, ys).compile(), 5)
-    model, losses, grads = _train(model, xs, ys)
-    _check(model, ref_model, losses, ref_losses, grads, ref_grads)
+    check_matches(_train(model, xs, ys), (ref_model, ref_losses, ref_grads))
 
 
 @pytest.mark.parametrize("setup", ["mlp", "mha", "moe"])
@@ -88,5 +72,4 @@ def test_blocks_on_one_device_mesh(setup):
     if ON_GPU and setup == "mlp":
         lowered = _block_step.lower(model, OPT.init(fp8jax.trainable(model)), xs, ys)
         _all_fp8(lowered.compile(), 5)
-    model, losses, grads = _train_block(model, xs, ys)
-    _check(model, ref_model, losses, ref_losses, grads, ref_grads)
+    check_matches(_train_block(model, xs, ys), (ref_model, ref_losses, ref_grads))
