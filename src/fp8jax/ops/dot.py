@@ -130,6 +130,14 @@ def uses_fp8(spec: Spec, m: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- forward
+def scale_inputs(config: Fp8Config, state) -> tuple[tuple, tuple, tuple]:
+    """What `fp8jax.recipe.PerTensor.gemm_scales` takes for one layer's state: the input,
+    kernel and output-gradient histories, old scales and FP8 dtypes, in that order."""
+    in_s, k_s, g_s, in_h, k_h, g_h, _ = state
+    dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
+    return (in_h, k_h, g_h), (in_s, k_s, g_s), dtypes
+
+
 def _scales_in_forward(spec: Spec) -> bool:
     """Delayed per-tensor scaling: the forward computes all three scales at once
     (`fp8jax.recipe.PerTensor.gemm_scales`) and hands the output gradient's to the backward."""
@@ -139,7 +147,7 @@ def _scales_in_forward(spec: Spec) -> bool:
 
 def _fwd_impl(spec: Spec, x3, w3, state):
     cfg, recipe = spec.config, spec.config.recipe
-    in_s, k_s, g_s, in_h, k_h, g_h, _ = state
+    in_s, k_s, g_s, in_h, k_h, _, _ = state
     out_dtype = spec.out_dtype
     if not uses_fp8(spec, x3.shape[1]):
         y = _gemm.gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
@@ -147,8 +155,7 @@ def _fwd_impl(spec: Spec, x3, w3, state):
         return y, (x3, w3, in_s, k_s, zero, zero, g_s)
     sx, sw, sg = None, None, g_s  # None: each cast chooses its own scale
     if _scales_in_forward(spec):  # all three in one small computation; sg to the backward
-        dtypes = (cfg.input_dtype, cfg.kernel_dtype, cfg.grad_dtype)
-        scales = recipe.gemm_scales((in_h, k_h, g_h), (in_s, k_s, g_s), dtypes)
+        scales = recipe.gemm_scales(*scale_inputs(cfg, state))
         sx, sw, sg = scales[0:1], scales[1:2], scales[2:3]
     x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
     # FSDP: each device casts its own shard (global amax: a scalar all-reduce), the FP8

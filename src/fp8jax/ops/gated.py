@@ -395,13 +395,8 @@ def _scales(spec: Spec, state1, state2) -> tuple[Array, ...]:
     """The six scales of the two layers' operands, ``(sx, sw1, sdh, sa, sw2, sg)``, from
     their histories (delayed scaling: the core runs only then), all in the forward and
     in one reduction where both layers' recipes and history lengths agree."""
-    parts = []
-    for cfg, state in ((spec.config1, state1), (spec.config2, state2)):
-        in_s, k_s, g_s, in_h, k_h, g_h, _ = state
-        dtypes = (cfg.input_dtype, cfg.kernel_dtype, cfg.grad_dtype)
-        parts.append(((in_h, k_h, g_h), (in_s, k_s, g_s), dtypes))
-    (h1, o1, d1), (h2, o2, d2) = parts
     c1, c2 = spec.config1, spec.config2
+    (h1, o1, d1), (h2, o2, d2) = _dot.scale_inputs(c1, state1), _dot.scale_inputs(c2, state2)
     if c1.recipe == c2.recipe and len({jnp.shape(h) for h in h1 + h2}) == 1:
         scales = c1.recipe.gemm_scales(h1 + h2, o1 + o2, d1 + d2)
     else:
