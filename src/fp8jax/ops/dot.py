@@ -300,15 +300,19 @@ def observed_amaxes(ax, aw, ag):
 
 def new_state(state, sx, sw, sg, observed):
     """The float32 state one use proposes: the scales it used, its amaxes recorded
-    (`_state.record`), its non-finite flag counted."""
+    (`_state.record`), its non-finite flag counted. Histories of one length are recorded
+    as one ``[3, L]`` update (one kernel where three separate ones compiled three)."""
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
+    histories = (in_h, k_h, g_h)
+    if len({h.shape for h in histories}) == 1 and in_h.ndim == 1:
+        histories = tuple(_state.record(jnp.stack(histories), observed[:3], axis=1))
+    else:
+        histories = tuple(_state.record(h, a) for h, a in zip(histories, observed[:3]))
     return (
         sx.astype(in_s.dtype),
         sw.astype(k_s.dtype),
         sg.astype(g_s.dtype),
-        _state.record(in_h, observed[0]),
-        _state.record(k_h, observed[1]),
-        _state.record(g_h, observed[2]),
+        *histories,
         nonfinite + observed[3],
     )
 
