@@ -3,6 +3,9 @@ import zlib
 
 # 8 host devices for the data-parallel tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# On a GPU, JAX preallocates 75% of its memory per process: the tests that start fresh
+# processes (compile time, compile cache) found too little left and failed to start cuBLAS.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import fp8jax  # noqa: E402, F401  (first: its compile setting acts before JAX's backend starts)
 import jax  # noqa: E402
