@@ -91,6 +91,8 @@ def shard_model(
     row_parallel: Sequence[str] = (),
     expert_axis: str | None = None,
     fp8_all_gather: bool = True,
+    sequence_parallel: bool = False,
+    batch_axes: Sequence[str] | None = None,
 ) -> Any:
     """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
     ``fsdp_axis`` along its larger dim (FSDP) and, for layers whose dotted path matches
@@ -100,6 +102,12 @@ def shard_model(
     `fp8jax.nn.GroupedLinear`'s experts (``weight [E, in, out]`` along ``E``; MoE expert
     parallel), else replicate them. ``fp8_all_gather``: record the sharding
     in each FP8 layer so it casts its shard and all-gathers FP8 (`record_fsdp`).
+
+    ``sequence_parallel``: Megatron sequence parallelism (`fp8jax.ops.sequence_parallel`).
+    Outside the tensor-parallel layers the tokens are split over ``batch_axes`` (default:
+    every mesh axis but ``tensor_axis``) and then ``tensor_axis``, as the user's own
+    sharding constraints on the activations say; each column-parallel layer all-gathers
+    its FP8 input's tokens, each row-parallel one reduce-scatters its output.
 
     Raises ``ValueError`` naming the layer, the dim and the axis when an axis size does
     not divide the dim it shards, or when a pattern matches no layer.
@@ -112,6 +120,11 @@ def shard_model(
     _axis_size(mesh, fsdp_axis)
     if (column_parallel or row_parallel) and tensor_axis is None:
         raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
+    if sequence_parallel and not (column_parallel or row_parallel):
+        raise ValueError(
+            "shard_model: sequence_parallel needs tensor-parallel layers (column_parallel, "
+            "row_parallel): it moves tokens between them."
+        )
     _axis_size(mesh, tensor_axis)
     _axis_size(mesh, expert_axis)
     layers = _layers(model)
@@ -150,7 +163,46 @@ def shard_model(
     model = jax.tree_util.tree_map(place, model)
     if expert_axis is not None:
         model = _record_experts(model, ExpertSharding(mesh, expert_axis))
-    return record_fsdp(model, (fsdp_axis,) if fsdp_axis else ()) if fp8_all_gather else model
+    gather = (fsdp_axis,) if fsdp_axis and fp8_all_gather else ()
+    if fp8_all_gather or sequence_parallel:
+        model = record_fsdp(model, gather)
+    if sequence_parallel:
+        batch = _batch_axes(mesh, batch_axes, tensor_axis)
+        kinds = {
+            p: "column" if _matches(p, column_parallel) else "row"
+            for p, _ in layers
+            if _matches(p, column_parallel) or _matches(p, row_parallel)
+        }
+        model = _record_sequence(model, mesh, kinds, batch, tensor_axis)
+    return model
+
+
+def _batch_axes(mesh: Mesh, batch_axes, tensor_axis: str) -> tuple[str, ...]:
+    if batch_axes is None:
+        return tuple(a for a in mesh.axis_names if a != tensor_axis)
+    batch = tuple(batch_axes)
+    for a in batch:
+        _axis_size(mesh, a)
+    if tensor_axis in batch:
+        raise ValueError(f"shard_model: batch_axes {batch} must not hold the tensor axis.")
+    return batch
+
+
+def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> Any:
+    """Each tensor-parallel FP8 layer in ``kinds`` (path -> "column"/"row") moves its tokens
+    as Megatron's sequence parallelism does (`fp8jax.ops.sequence_parallel`)."""
+    from .ops.sequence_parallel import SequenceParallel
+
+    def record(path, layer):
+        path = _path_str(path)
+        if not isinstance(layer, Linear) or path not in kinds:
+            return layer
+        ws = layer.dot_general.weight_sharding
+        sp = SequenceParallel(mesh, kinds[path], batch, tensor_axis)
+        op = _copy_with(layer.dot_general, "weight_sharding", ws._replace(sequence=sp))
+        return eqx.tree_at(lambda lin: lin.dot_general, layer, op)
+
+    return jax.tree_util.tree_map_with_path(record, model, is_leaf=lambda x: isinstance(x, Linear))
 
 
 def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, NamedSharding]:

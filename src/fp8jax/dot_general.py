@@ -150,6 +150,7 @@ class Fp8DotGeneral(Fp8GemmState):
             np.dtype(rhs.dtype),
             rhs_k_first,
             w_shardings,
+            ws.sequence if ws and not pad else None,  # padded rows would move the token split
         )
         y3 = _dot.fp8_dot3(spec, x3, w3, _state.enter(self.state()))
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)

@@ -31,6 +31,7 @@ from .. import state as _state
 from ..config import Fp8Config
 from ..kernels import gemm as _gemm
 from . import fsdp as _fsdp_op
+from . import sequence_parallel as _sp
 
 F32 = jnp.float32
 STATE_FIELDS = _state.STATE_FIELDS
@@ -52,6 +53,7 @@ class Spec(NamedTuple):
     rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
     # FSDP only (None otherwise): (shard, gathered) NamedShardings of w3, see `w3_shardings`.
     w_shardings: tuple | None = None
+    sequence: _sp.SequenceParallel | None = None  # Megatron sequence parallelism
 
 
 class WeightSharding(NamedTuple):
@@ -62,6 +64,7 @@ class WeightSharding(NamedTuple):
     mesh: jax.sharding.Mesh
     spec: tuple  # PartitionSpec entries of the rhs, one per dim
     gather: tuple[str, ...]
+    sequence: _sp.SequenceParallel | None = None  # tokens split over the tensor axis around it
 
 
 def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
@@ -168,8 +171,16 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     t = spec.rhs_k_first  # w_nk is w3's transpose
     w_nk = _fsdp(spec, _fsdp(spec, w_nk, t, False), t, True)
     w_kn = _fsdp(spec, w_kn, not t, False)
-    y = recipe.gemm(x.data, x.scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
-    return y, (x.data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
+    # Sequence parallel: a column-parallel layer all-gathers its FP8 input's tokens (its
+    # transposed copy stays split until the backward); a row-parallel one reduce-scatters
+    # its output. Identities without it.
+    col, row = _sp.of_kind(spec.sequence, "column"), _sp.of_kind(spec.sequence, "row")
+    x_data, x_scale = _sp.gather_scaled(col, x.data, x.scale, 1)
+    x_data_t = _sp.constrain(col, x.data_t, 2, True) if col else x.data_t
+    x_data, w_nk = _sp.pin_operands(spec.sequence, x_data, w_nk)
+    y = recipe.gemm(x_data, x_scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
+    y = _sp.scatter(row, y, 1)
+    return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
 
 
 def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
@@ -186,12 +197,18 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     xTq, w_kn = xr, _fsdp(spec, wr, not spec.rhs_k_first, True)  # FSDP: all-gather FP8 again
     known = g_scale if _scales_in_forward(spec) else None
     g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype, scale=known)
+    # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
+    # row gathers the FP8 output gradient's tokens, both layouts.
+    col, row = _sp.of_kind(spec.sequence, "column"), _sp.of_kind(spec.sequence, "row")
+    xTq, sx = _sp.gather_scaled(col, xTq, sx, 2)
+    g_data, g_scale_nk = _sp.gather_scaled(row, g.data, g.scale, 1)
+    g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
     fast = cfg.fast_backward
-    dx = recipe.gemm(g.data, g.scale, w_kn, sw, spec.x_dtype, fast)
+    dx = _sp.scatter(col, recipe.gemm(g_data, g_scale_nk, w_kn, sw, spec.x_dtype, fast), 1)
     if spec.rhs_k_first:
-        dw = recipe.gemm(xTq, sx, g.data_t, g.scale_t, spec.w_dtype, fast)
+        dw = recipe.gemm(xTq, sx, g_data_t, g_scale_t, spec.w_dtype, fast)
     else:
-        dw = recipe.gemm(g.data_t, g.scale_t, xTq, sx, spec.w_dtype, fast)
+        dw = recipe.gemm(g_data_t, g_scale_t, xTq, sx, spec.w_dtype, fast)
     dw = _fsdp(spec, dw, False, False)  # FSDP: reduce-scatter in the gradient dtype
     return dx, dw, g.amax, recipe.summary(g.scale)
 

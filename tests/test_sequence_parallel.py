@@ -1,0 +1,100 @@
+"""Megatron sequence parallelism with FP8 linears (issue 24) on 8 host CPU devices: the
+tokens outside the tensor-parallel pair are split over the tensor axis; the column-parallel
+layer all-gathers its FP8 input, the row-parallel one reduce-scatters its output, and
+training matches the single-device run (`fp8jax.ops.sequence_parallel`)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+import test_distributed as td
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8, reason="needs 8 devices (conftest's XLA_FLAGS)"
+)
+
+SP = {
+    "tensor_axis": "tensor",
+    "column_parallel": ["l1"],
+    "row_parallel": ["l2"],
+    "sequence_parallel": True,
+}
+TOKENS = P(("data", "fsdp", "tensor"), None)  # tokens split over every axis
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return td._train(td._model(), *td._data())
+
+
+def _sp_model(mesh):
+    fsdp = {} if mesh.shape["fsdp"] > 1 else {"fsdp_axis": None}
+    return fp8jax.shard_model(td._model(), mesh, **SP, **fsdp)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4), (1, 2, 4)])
+def test_sequence_parallel_matches_single_device(reference, shape):
+    mesh = td._mesh(*shape)
+    x, y = (jax.device_put(a, NamedSharding(mesh, TOKENS)) for a in td._data())
+    run = td._train(_sp_model(mesh), x, y)
+    td.check_matches(run, reference)
+    assert run[0].l2.dot_general.weight_sharding.sequence.kind == "row"
+
+
+def test_sequence_split_of_batched_activations(reference):
+    """``[batch, seq, dim]`` activations, batch over ``data`` and sequence over ``tensor``:
+    the op's token dim is their merge, split the same way."""
+    mesh = td._mesh(2, 1, 4)
+    x, y = (a.reshape(8, 16, 64) for a in td._data())
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("data", "tensor", None))) for a in (x, y))
+    model, losses, _ = td._train(_sp_model(mesh), x, y)
+    np.testing.assert_allclose(losses, reference[1], rtol=td.LOSS_RTOL)
+    assert fp8jax.distributed.fp8_state_replicated(model)
+
+
+def test_sequence_parallel_collectives_are_fp8_gathers_and_output_reductions():
+    mesh = td._mesh(2, 1, 4)
+    cs = td._collectives(_sp_model(mesh), mesh, TOKENS)
+    fwd = [c for c in cs if "transpose(" not in c.op_name]
+    bwd = [c for c in cs if "transpose(" in c.op_name]
+    gathers = lambda part: sorted((c.dtype, c.shape) for c in part if c.kind == "all-gather")  # noqa: E731
+    # forward: l1's FP8 input, its 16 tokens per device gathered to the data shard's 64
+    assert gathers(fwd) == [("f8e4m3fn", "[1,64,64]")]
+    # backward: l2's FP8 output gradient in both layouts, l1's FP8 input's transposed copy
+    assert gathers(bwd) == [
+        ("f8e4m3fn", "[1,64,64]"),
+        ("f8e5m2", "[1,64,64]"),
+        ("f8e5m2", "[1,64,64]"),
+    ]
+    # l2's output: partial sums reduced in its dtype and each device keeps its tokens (the
+    # partitioner's all-reduce + dynamic-slice; GPUs rewrite it into a reduce-scatter)
+    out = [
+        c for c in fwd if c.kind in ("all-reduce", "reduce-scatter") and "dot_general" in c.op_name
+    ]
+    assert [(c.dtype, c.shape) for c in out] == [("f32", "[64,64]")]
+    amax = [c for c in cs if "reduce_max" in c.op_name]
+    assert len(amax) >= 6 and all(c.kind == "all-reduce" and c.shape == "[]" for c in amax)
+
+
+def test_without_sequence_parallel_nothing_moves_tokens():
+    """The same tensor-parallel pair without sequence parallelism: its input arrives
+    replicated over the tensor axis, so no activation is gathered."""
+    mesh = td._mesh(2, 1, 4)
+    kwargs = {k: v for k, v in SP.items() if k != "sequence_parallel"}
+    model = fp8jax.shard_model(td._model(), mesh, fsdp_axis=None, **kwargs)
+    assert model.l1.dot_general.weight_sharding.sequence is None
+    cs = td._collectives(model, mesh, P(("data", "fsdp"), None))
+    assert not [c for c in cs if c.kind == "all-gather"]
+
+
+def test_sequence_parallel_bad_arguments():
+    mesh = td._mesh(2, 1, 4)
+    with pytest.raises(ValueError, match="needs tensor-parallel layers"):
+        fp8jax.shard_model(td._model(), mesh, sequence_parallel=True)
+    with pytest.raises(ValueError, match="must not hold the tensor axis"):
+        fp8jax.shard_model(td._model(), mesh, **SP, batch_axes=("data", "tensor"))
+    with pytest.raises(ValueError, match="no axis 'batch'"):
+        fp8jax.shard_model(td._model(), mesh, **SP, batch_axes=("batch",))
