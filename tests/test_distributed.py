@@ -379,3 +379,14 @@ def test_explicit_mesh_weights_get_a_clear_error():
     model = eqx.tree_at(lambda m: m.l1.weight, model, w)
     with pytest.raises(ValueError, match=r"rhs float32\[256@fsdp,64\].*Explicit mesh axes"):
         eqx.filter_jit(lambda m, x: m(x))(model, _data()[0])
+
+
+def test_collectives_listed_with_the_compilation_cache_on(tmp_path):
+    """With the persistent cache on (the trainer turns it on), a second listing of the same
+    program compiles afresh and still reads the partitioned HLO (FP8 gathers), not a cache
+    hit's optimized HLO (where the CPU carries FP8 as f16)."""
+    fp8jax.enable_compilation_cache(tmp_path, min_compile_s=0)
+    mesh = _mesh(1, 8, 1)
+    for _ in range(2):
+        cs = _collectives(fp8jax.shard_model(_model(), mesh), mesh)
+        assert {c.dtype for c in cs if c.kind == "all-gather"} == {"f8e4m3fn"}

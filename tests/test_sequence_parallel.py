@@ -44,13 +44,28 @@ def test_sequence_parallel_matches_single_device(reference, shape):
     assert run[0].l2.dot_general.weight_sharding.sequence.kind == "row"
 
 
-def test_sequence_split_of_batched_activations(reference):
-    """``[batch, seq, dim]`` activations, batch over ``data`` and sequence over ``tensor``:
-    the op's token dim is their merge, split the same way."""
+@pytest.mark.parametrize("batch, seq", [(8, 16), (2, 64)])
+def test_sequence_split_of_batched_activations(reference, batch, seq):
+    """``[batch, seq, dim]`` activations placed by `fp8jax.distributed.sequence_sharding`:
+    several sequences per batch shard split whole sequences over ``tensor``, one sequence
+    per shard splits the sequence (Megatron's split). Either way the op's token split
+    matches the activation's: no all-to-all, the same losses as one device."""
     mesh = td._mesh(2, 1, 4)
-    x, y = (a.reshape(8, 16, 64) for a in td._data())
-    x, y = (jax.device_put(a, NamedSharding(mesh, P("data", "tensor", None))) for a in (x, y))
-    model, losses, _ = td._train(_sp_model(mesh), x, y)
+    x, y = (a.reshape(batch, seq, 64) for a in td._data())
+    sharding = fp8jax.distributed.sequence_sharding(mesh, x.shape)
+    want = (
+        P(("data", "fsdp", "tensor"), None, None)
+        if batch == 8
+        else P(("data", "fsdp"), "tensor", None)
+    )
+    assert sharding.spec == want
+    x, y = (jax.device_put(a, sharding) for a in (x, y))
+    model = _sp_model(mesh)
+    cs = fp8jax.distributed.hlo_collectives(
+        td.step.lower(model, td.OPT.init(fp8jax.trainable(model)), x, y)
+    )
+    assert not [c for c in cs if c.kind == "all-to-all"], cs
+    model, losses, _ = td._train(model, x, y)
     np.testing.assert_allclose(losses, reference[1], rtol=td.LOSS_RTOL)
     assert fp8jax.distributed.fp8_state_replicated(model)
 
@@ -98,3 +113,7 @@ def test_sequence_parallel_bad_arguments():
         fp8jax.shard_model(td._model(), mesh, **SP, batch_axes=("data", "tensor"))
     with pytest.raises(ValueError, match="no axis 'batch'"):
         fp8jax.shard_model(td._model(), mesh, **SP, batch_axes=("batch",))
+    with pytest.raises(ValueError, match=r"sequence length 6 .* tensor axis 'tensor' of size 4"):
+        fp8jax.distributed.sequence_sharding(mesh, (2, 6, 64))
+    with pytest.raises(ValueError, match=r"2 sequences per batch shard .* size 4"):
+        fp8jax.distributed.sequence_sharding(mesh, (4, 8, 64))

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from fp8jax import distributed
 from fp8jax.train import cli, loop
 from fp8jax.train.checkpoint import restore_checkpoint
 from fp8jax.train.data import load_corpus
@@ -128,3 +129,41 @@ def test_bad_batch_or_multihost_options_raise(tmp_path):
         cli.main(ARGS + ["--coordinator", "localhost:1234", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--process-id 2 must be in"):
         cli.main(ARGS + ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"])
+
+
+def test_sequence_parallel_step_matches_tensor_parallel():
+    """``--sequence-parallel`` on data=2,tensor=4: the train step's loss as without it (same
+    math, tokens split between the blocks), and its FP8 layers gather tokens in FP8 (e4m3
+    inputs, e5m2 output gradients)."""
+    run = cli.run_config(cli.parse_args(ARGS + ["--fp8-everywhere", "--sequence-parallel"]))
+    assert run.sequence_parallel
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 33), dtype=np.int32)
+    losses, collectives = [], []
+    for sp in (False, True):
+        mesh = make_mesh(parse_mesh("data=2,tensor=4"))
+        model, opt = cli.build_model(run, "fp8"), cli.make_optimizer(run)
+        trainer = loop.Trainer(model, opt, mesh, sequence_parallel=sp)
+        batch = trainer.device_batch(tokens)
+        lowered = trainer._train.lower(trainer.params, trainer.opt_state, batch)
+        compiled, cs = distributed.compile_with_collectives(lowered)
+        losses.append(float(compiled(trainer.params, trainer.opt_state, batch)[2]))
+        collectives.append(cs)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=FIRST_RTOL)
+    gathers = [
+        c for c in collectives[1] if c.kind == "all-gather" and "sharding_constraint" in c.op_name
+    ]
+    # per block (scanned: counted once): qkv and fc1 gather their input (forward) and its
+    # transposed copy (backward); o and fc2 their output gradient in both layouts
+    assert sorted(c.dtype for c in gathers) == ["f8e4m3fn"] * 4 + ["f8e5m2"] * 4, gathers
+    assert not [c for c in collectives[0] if "sharding_constraint" in c.op_name]
+
+
+def test_sequence_parallel_bad_options(tmp_path):
+    with pytest.raises(ValueError, match="--sequence-parallel needs a --mesh with tensor > 1"):
+        cli.main(ARGS + ["--mesh", "data=8", "--sequence-parallel", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--sequence-parallel: dense blocks only"):
+        cli.main(ARGS + ["--mesh", "data=2,tensor=4", "--sequence-parallel", "--experts", "4",
+                         "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"2 sequences of --seq 32 per batch shard"):
+        cli.main(ARGS + ["--mesh", "fsdp=2,tensor=4", "--batch", "4", "--sequence-parallel",
+                         "--out", str(tmp_path)])  # fmt: skip

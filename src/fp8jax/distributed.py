@@ -177,6 +177,25 @@ def shard_model(
     return model
 
 
+def sequence_sharding(
+    mesh: Mesh,
+    shape: Sequence[int],
+    batch_axes: Sequence[str] = ("data", "fsdp"),
+    tensor_axis: str = "tensor",
+) -> NamedSharding:
+    """The sharding of a ``[batch, seq, ...]`` activation between sequence-parallel layers
+    (``shard_model(..., sequence_parallel=True)``): its tokens split as those layers split
+    their rows. Put it on the residual stream with ``jax.lax.with_sharding_constraint``.
+    With one sequence per batch shard that is the sequence dim over ``tensor_axis``
+    (Megatron's split); with several, the batch dim over the batch axes and the tensor
+    axis. Raises ``ValueError`` naming the shape and axis when neither divides."""
+    from .ops.sequence_parallel import activation_spec
+
+    batch = _batch_axes(mesh, batch_axes, tensor_axis)
+    _axis_size(mesh, tensor_axis)
+    return NamedSharding(mesh, activation_spec(mesh, tuple(shape), batch, tensor_axis))
+
+
 def _batch_axes(mesh: Mesh, batch_axes, tensor_axis: str) -> tuple[str, ...]:
     if batch_axes is None:
         return tuple(a for a in mesh.axis_names if a != tensor_axis)
@@ -357,9 +376,18 @@ def compile_with_collectives(lowered: Any) -> tuple[Any, list[Collective]]:
     compilation for both)."""
     lowered = getattr(lowered, "lowered", lowered)
     with tempfile.TemporaryDirectory() as d:
-        compiled = lowered.compile(
-            compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        )
+        # A persistent-cache hit would skip the passes and write no dump. JAX leaves the
+        # dump options out of the cache key but not xla_dump_emitter_re (dumps only): a
+        # pattern naming this call's directory makes the key new.
+        options = {"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+        options["xla_dump_emitter_re"] = "fp8jax-no-emitter-" + os.path.basename(d)
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        except Exception as e:  # an XLA without the option: compile as before
+            if "xla_dump_emitter_re" not in str(e):
+                raise
+            del options["xla_dump_emitter_re"]
+            compiled = lowered.compile(compiler_options=options)
         names = sorted(n for n in os.listdir(d) if "after_spmd-partitioning" in n)
         if not names:  # one device: nothing to partition
             return compiled, parse_collectives(compiled.as_text())

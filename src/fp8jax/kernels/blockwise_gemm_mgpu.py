@@ -40,7 +40,9 @@ class Config:
 
     tile_m: int = 64
     tile_n: int = 128
-    max_concurrent_steps: int = 3
+    # 2 stages: 760 TFLOP/s at 8192^3 on the H100 against 677 with 3 and 658 with 4
+    # (benchmarks/RESULTS.md, 2026-11-25 fourth session)
+    max_concurrent_steps: int = 2
     grid_tile_width: int = 8
     ctas_per_sm: int = 2
 

@@ -387,9 +387,12 @@ def _init(
 def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     """Whether `fp8jax.ops.gated` (one custom VJP, Pallas activation kernels) runs this call:
     both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``;
-    the activation, scaling and sizes as `_gated.usable` says."""
+    the activation, scaling and sizes as `_gated.usable` says; not sequence parallel (its
+    token gathers and scatters are the linear op's)."""
     fc1, fc2 = mlp.fc1, mlp.fc2
     if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
+        return False
+    if any(getattr(f.dot_general.weight_sharding, "sequence", None) for f in (fc1, fc2)):
         return False
     if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
         return False

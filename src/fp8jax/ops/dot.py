@@ -51,7 +51,8 @@ class Spec(NamedTuple):
     x_dtype: np.dtype  # dtypes of the operands: their gradients come back in these
     w_dtype: np.dtype
     rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
-    # FSDP only (None otherwise): (shard, gathered) NamedShardings of w3, see `w3_shardings`.
+    # FSDP: (shard, gathered) NamedShardings of w3, see `w3_shardings`; () for a recorded
+    # sharding with nothing to gather; None when nothing is recorded (found when compiling).
     w_shardings: tuple | None = None
     sequence: _sp.SequenceParallel | None = None  # Megatron sequence parallelism
 
@@ -98,6 +99,8 @@ def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
     from the real sharding when compiling; identity on one device."""
     if spec.w_shardings is None:
         return _fsdp_op.gather_fsdp(a) if gathered and not _under_vmap(a) else a
+    if not spec.w_shardings:
+        return a
     s = spec.w_shardings[gathered]
     if transposed:
         b, p, c = s.spec
@@ -177,7 +180,9 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     col, row = _sp.of_kind(spec.sequence, "column"), _sp.of_kind(spec.sequence, "row")
     x_data, x_scale = _sp.gather_scaled(col, x.data, x.scale, 1)
     x_data_t = _sp.constrain(col, x.data_t, 2, True) if col else x.data_t
-    x_data, w_nk = _sp.pin_operands(spec.sequence, x_data, w_nk)
+    # x [B, M, K] . w [B, N, K]: column splits N (w's dim 1), row splits K (both dims 2)
+    x_data, w_nk = _sp.pin_operands(col, x_data, w_nk, None, 1)
+    x_data, w_nk = _sp.pin_operands(row, x_data, w_nk, 2, 2)
     y = recipe.gemm(x_data, x_scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
     y = _sp.scatter(row, y, 1)
     return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
@@ -203,6 +208,9 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     xTq, sx = _sp.gather_scaled(col, xTq, sx, 2)
     g_data, g_scale_nk = _sp.gather_scaled(row, g.data, g.scale, 1)
     g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
+    # dgrad g [B, M, N] . w [B, K, N]: column contracts the split N, row splits K
+    g_data, w_kn = _sp.pin_operands(col, g_data, w_kn, 2, 2)
+    g_data, w_kn = _sp.pin_operands(row, g_data, w_kn, None, 1)
     fast = cfg.fast_backward
     dx = _sp.scatter(col, recipe.gemm(g_data, g_scale_nk, w_kn, sw, spec.x_dtype, fast), 1)
     if spec.rhs_k_first:

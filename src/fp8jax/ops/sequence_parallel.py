@@ -77,14 +77,49 @@ def scatter(sp: SequenceParallel | None, a: jax.Array, rows_dim: int) -> jax.Arr
     return a if sp is None else constrain(sp, a, rows_dim, True)
 
 
-def pin_operands(sp: SequenceParallel | None, x, w_nk):
-    """A row-parallel GEMM's operands pinned to contract over the tensor axis (``x
-    [B, M, K/tp]``, ``w [B, N, K/tp]``): the partitioner then sums partial products
-    instead of moving an operand."""
-    if sp is None or sp.kind != "row":
-        return x, w_nk
-    w_nk = jax.lax.with_sharding_constraint(w_nk, NamedSharding(sp.mesh, P(None, None, sp.axis)))
-    return constrain(sp, x, 1, False, tensor_dim=2), w_nk
+def pin_operands(sp: SequenceParallel | None, a, b, a_tensor_dim, b_tensor_dim: int):
+    """A GEMM's operands ``a [B, M, C]`` (tokens gathered) and ``b [B, D, C]`` pinned to
+    their tensor-parallel layout (dims ``a_tensor_dim`` / ``b_tensor_dim`` over the tensor
+    axis; ``a_tensor_dim`` None: not split): the partitioner then multiplies the local
+    blocks (summing partial products where C is split) instead of moving an operand."""
+    if sp is None:
+        return a, b
+    spec = [None, None, None]
+    spec[b_tensor_dim] = sp.axis
+    b = jax.lax.with_sharding_constraint(b, NamedSharding(sp.mesh, P(*spec)))
+    return constrain(sp, a, 1, False, tensor_dim=a_tensor_dim), b
+
+
+def activation_spec(mesh, shape: tuple[int, ...], batch: tuple[str, ...], axis: str) -> P:
+    """The PartitionSpec of a ``[batch, seq, ...]`` activation that splits its tokens the
+    way the op splits its rows (flattened batch-major, over ``batch`` then ``axis``): the
+    sequence dim over ``axis`` when each batch shard holds one sequence, else the batch dim
+    over both (a split of the sequence dim with several local sequences is not a split of
+    the flattened rows, and would cost an all-to-all at every layer)."""
+    n_batch = 1
+    for a in batch:
+        n_batch *= mesh.shape[a]
+    tp, rest = mesh.shape[axis], (None,) * (len(shape) - 2)
+    if len(shape) < 2 or shape[0] % n_batch:
+        raise ValueError(
+            f"sequence parallel: activation {tuple(shape)} needs [batch, seq, ...] with batch "
+            f"divisible by the batch axes {batch} ({n_batch} devices)."
+        )
+    local = shape[0] // n_batch
+    if local == 1:
+        if shape[1] % tp:
+            raise ValueError(
+                f"sequence parallel: sequence length {shape[1]} (activation {tuple(shape)}) is "
+                f"not divisible by tensor axis {axis!r} of size {tp}."
+            )
+        return P(batch or None, axis, *rest)
+    if local % tp:
+        raise ValueError(
+            f"sequence parallel: {local} sequences per batch shard (activation {tuple(shape)}) "
+            f"split neither as one sequence per shard nor evenly over tensor axis {axis!r} of "
+            f"size {tp}."
+        )
+    return P((*batch, axis), None, *rest)
 
 
 def of_kind(sp: SequenceParallel | None, kind: str) -> SequenceParallel | None:

@@ -31,7 +31,7 @@ from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint
 from .config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
 from .data import load_corpus
 from .loop import Trainer, TrainRun, lm_loss, train, train_interleaved
-from .mesh import initialize_distributed, make_mesh, parse_mesh
+from .mesh import check_sequence_parallel, initialize_distributed, make_mesh, parse_mesh
 from .metering import PEAK_BF16_FLOPS, energy_counter
 from .model import ModelConfig, Transformer, cast_for_compute
 from .report import plot, summarize, to_records, write_metrics
@@ -175,6 +175,13 @@ def parse_args(argv):
         "data parallel over all visible devices",
     )
     add(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron sequence parallelism (needs --mesh with tensor > 1, dense blocks): "
+        "between the tensor-parallel layers the tokens are split over tensor; FP8 layers "
+        "all-gather their FP8 inputs and reduce-scatter their outputs",
+    )
+    add(
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
@@ -224,6 +231,7 @@ def run_config(args) -> RunConfig:
         fast_accumulation=args.fast_accumulation,
         cast_kernel=args.cast_kernel,
         fp8_attention=args.fp8_attention,
+        sequence_parallel=args.sequence_parallel,
         **preset,
     )
     if args.eval_batches is not None:
@@ -282,6 +290,8 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
             f"--precision {args.precision})"
         )
     mesh = _mesh(args)
+    if args.sequence_parallel:
+        check_sequence_parallel(run, mesh)
     mesh_text = ",".join(f"{a}={n}" for a, n in mesh.shape.items()) if mesh is not None else ""
     out = args.out or Path("runs") / args.preset
     main_process = jax.process_index() == 0

@@ -92,6 +92,7 @@ class RunConfig:
     fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
     cast_kernel: bool = False  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
+    sequence_parallel: bool = False  # Megatron sequence parallelism over the mesh's tensor axis
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:

@@ -68,8 +68,8 @@ class Trainer:
     (`place_model`) and batches are split over its data and fsdp axes; the step keeps
     every array where it was placed."""
 
-    def __init__(self, model, optimizer, mesh: Mesh | None = None):
-        self.optimizer, self.mesh = optimizer, mesh
+    def __init__(self, model, optimizer, mesh: Mesh | None = None, sequence_parallel=False):
+        self.optimizer, self.mesh, self.sequence_parallel = optimizer, mesh, sequence_parallel
         self.batch_sharding = batch_sharding(mesh) if mesh is not None else None
         model = self._place(model)
         self.static = static = eqx.partition(model, eqx.is_array)[1]
@@ -96,7 +96,9 @@ class Trainer:
         self.compile_times: dict[str, float] | None = None
 
     def _place(self, model):
-        return model if self.mesh is None else place_model(model, self.mesh)
+        if self.mesh is None:
+            return model
+        return place_model(model, self.mesh, sequence_parallel=self.sequence_parallel)
 
     def load(self, model) -> None:
         """Take ``model``'s arrays as the parameters, with a fresh optimizer state. The compiled
@@ -168,7 +170,8 @@ class TrainRun:
             shutil.rmtree(out / f"ckpt-{precision}", ignore_errors=True)
             shutil.rmtree(out / "tb" / precision, ignore_errors=True)
         self.run, self.precision, self.corpus, self.out = run, precision, corpus, out
-        self.trainer = Trainer(build_model(run, precision), make_optimizer(run), mesh)
+        model, optimizer = build_model(run, precision), make_optimizer(run)
+        self.trainer = Trainer(model, optimizer, mesh, sequence_parallel=run.sequence_parallel)
         self.start, self.history = (0, [])
         if resume:
             self.start, self.history = restore_checkpoint(out, precision, self.trainer)

@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed import shard_model
+from ..distributed import _copy_with, shard_model
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over these; replicated over "tensor"
@@ -77,20 +77,44 @@ def check_batch(batch: int, mesh: Mesh) -> None:
         )
 
 
-def place_model(model, mesh: Mesh):
+def place_model(model, mesh: Mesh, sequence_parallel: bool = False):
     """``model`` on ``mesh``: linear weights sharded over ``fsdp`` (FP8 layers then
     all-gather FP8) and, with a ``tensor`` axis > 1, the attention and dense MLP split
-    Megatron-style; everything else (embedding, norms, FP8 state) replicated."""
+    Megatron-style; everything else (embedding, norms, FP8 state) replicated. With
+    ``sequence_parallel`` the residual stream's tokens are split over ``tensor`` too
+    (`check_sequence_parallel` says when it applies)."""
     tp = mesh.shape["tensor"] > 1
     dense = not model.cfg.experts
-    return shard_model(
+    model = shard_model(
         model,
         mesh,
         fsdp_axis="fsdp",
         tensor_axis="tensor" if tp else None,
         column_parallel=(COLUMN_PARALLEL if dense else COLUMN_PARALLEL[:1]) if tp else (),
         row_parallel=(ROW_PARALLEL if dense else ROW_PARALLEL[:1]) if tp else (),
+        sequence_parallel=sequence_parallel,
+        batch_axes=BATCH_AXES,
     )
+    if not sequence_parallel:
+        return model
+    return _copy_with(model, "token_split", (mesh, BATCH_AXES, "tensor"))
+
+
+def check_sequence_parallel(run, mesh: Mesh | None) -> None:
+    """``--sequence-parallel`` needs a tensor axis > 1, dense blocks, and a sequence the
+    tensor axis divides; raises ``ValueError`` naming the option otherwise."""
+    tensor = mesh.shape["tensor"] if mesh is not None else 1
+    if tensor == 1:
+        raise ValueError("--sequence-parallel needs a --mesh with tensor > 1 (e.g. tensor=4)")
+    if run.model.experts:
+        raise ValueError("--sequence-parallel: dense blocks only (--experts 0)")
+    local = run.batch // batch_size_per_shard(mesh)
+    if (local == 1 and run.model.seq % tensor) or (local > 1 and local % tensor):
+        raise ValueError(
+            f"--sequence-parallel: {local} sequences of --seq {run.model.seq} per batch shard "
+            f"split neither as one sequence (seq divisible by tensor={tensor}) nor as whole "
+            f"sequences (per-shard batch divisible by tensor={tensor})"
+        )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..distributed import sequence_sharding
 from ..nn.attention import DotProductAttention, rotary
 from ..nn.grouped import MoE as GroupedMoE
 from ..nn.linear import apply_linear
@@ -178,6 +179,9 @@ class Transformer(eqx.Module):
     norm: Float[Array, " dim"]
     head: eqx.nn.Linear
     cfg: ModelConfig = eqx.field(static=True)
+    # Sequence parallelism: (mesh, batch axes, tensor axis) splitting the residual stream's
+    # tokens between the blocks (`fp8jax.train.mesh.place_model`), or None.
+    token_split: tuple | None = eqx.field(static=True)
 
     def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
         ke, kb, kh = jax.random.split(key, 3)
@@ -186,22 +190,29 @@ class Transformer(eqx.Module):
         self.norm = jnp.ones((cfg.dim,))
         self.head = eqx.nn.Linear(cfg.dim, VOCAB, use_bias=False, key=kh)
         self.cfg = cfg
+        self.token_split = None
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
         return self.forward(tokens)[0]
+
+    def _split_tokens(self, x):
+        if self.token_split is None:
+            return x
+        mesh, batch, axis = self.token_split
+        return jax.lax.with_sharding_constraint(x, sequence_sharding(mesh, x.shape, batch, axis))
 
     def forward(
         self, tokens: Int[Array, "B T"]
     ) -> tuple[Float[Array, "B T vocab"], Float[Array, ""]]:
         """Logits and the auxiliary loss summed over layers (MoE load balancing,
         already weighted by ``aux_loss_coef``; 0 without experts)."""
-        x = self.embed[tokens]
+        x = self._split_tokens(self.embed[tokens])
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
         def layer(carry, p):
             x, aux = carry
             x, layer_aux = eqx.combine(p, static)(x)
-            return (x, aux + layer_aux.astype(jnp.float32)), None
+            return (self._split_tokens(x), aux + layer_aux.astype(jnp.float32)), None
 
         (x, aux), _ = jax.lax.scan(
             layer, (x, jnp.zeros((), jnp.float32)), params, unroll=self.cfg.scan_unroll
