@@ -132,15 +132,17 @@ def test_bad_batch_or_multihost_options_raise(tmp_path):
 
 
 def test_sequence_parallel_step_matches_tensor_parallel():
-    """``--sequence-parallel`` on data=2,tensor=4: the train step's loss as without it (same
+    """``--sequence-parallel`` on data=4,tensor=2: the train step's loss as without it (same
     math, tokens split between the blocks), and its FP8 layers gather tokens in FP8 (e4m3
-    inputs, e5m2 output gradients)."""
-    run = cli.run_config(cli.parse_args(ARGS + ["--fp8-everywhere", "--sequence-parallel"]))
+    inputs, e5m2 output gradients). With or without it, attention needs no reshuffle (the
+    qkv outputs are grouped per KV head); only `FusedMLP`'s gate/up halves still move."""
+    heads = ["--heads", "4", "--kv-heads", "2", "--fp8-everywhere", "--sequence-parallel"]
+    run = cli.run_config(cli.parse_args(ARGS + heads))
     assert run.sequence_parallel
     tokens = np.random.default_rng(0).integers(0, 256, (8, 33), dtype=np.int32)
     losses, collectives = [], []
     for sp in (False, True):
-        mesh = make_mesh(parse_mesh("data=2,tensor=4"))
+        mesh = make_mesh(parse_mesh("data=4,tensor=2"))
         model, opt = cli.build_model(run, "fp8"), cli.make_optimizer(run)
         trainer = loop.Trainer(model, opt, mesh, sequence_parallel=sp)
         batch = trainer.device_batch(tokens)
@@ -148,6 +150,8 @@ def test_sequence_parallel_step_matches_tensor_parallel():
         compiled, cs = distributed.compile_with_collectives(lowered)
         losses.append(float(compiled(trainer.params, trainer.opt_state, batch)[2]))
         collectives.append(cs)
+        moved = [c for c in cs if c.kind in ("all-to-all", "collective-permute")]
+        assert all("FusedMLP" in c.op_name for c in moved), moved
     np.testing.assert_allclose(losses[1], losses[0], rtol=FIRST_RTOL)
     gathers = [
         c for c in collectives[1] if c.kind == "all-gather" and "sharding_constraint" in c.op_name

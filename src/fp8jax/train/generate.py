@@ -32,7 +32,7 @@ from ..nn.attention import rotary
 from ..nn.linear import Linear, apply_linear
 from ..nn.mlp import normalize
 from . import cli
-from .model import ModelConfig, MoE, Transformer
+from .model import ModelConfig, MoE, Transformer, split_qkv
 
 F32 = jnp.float32
 
@@ -100,8 +100,7 @@ def _attend(attn, x, cache_k, cache_v, pos):
     cfg = attn.cfg
     b, t, _ = x.shape
     h = normalize(x, attn.norm, None, "rmsnorm", 1e-5)
-    qkv = apply_linear(attn.qkv, h).reshape(b, t, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim)
-    q, k, v = jnp.split(qkv, [cfg.heads, cfg.heads + cfg.kv_heads], axis=2)
+    q, k, v = split_qkv(apply_linear(attn.qkv, h), cfg)
     positions = pos + jnp.arange(t)
     q, k = rotary(q, cfg.rope_base, positions), rotary(k, cfg.rope_base, positions)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))

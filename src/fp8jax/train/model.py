@@ -73,9 +73,9 @@ class ModelConfig:
 
 class Attention(eqx.Module):
     norm: Float[Array, " dim"]
-    qkv: (
-        eqx.nn.Linear
-    )  # one projection to [q | k | v]: one FP8 cast and transpose of its input, not two
+    # One projection for q, k and v (one FP8 cast and transpose of its input, not three),
+    # its outputs grouped per KV head (`split_qkv`).
+    qkv: eqx.nn.Linear
     o: eqx.nn.Linear
     core: DotProductAttention | None  # FP8 attention with its state, or None (bf16 cuDNN/XLA)
     cfg: ModelConfig = eqx.field(static=True)
@@ -98,8 +98,7 @@ class Attention(eqx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        qkv = apply_linear(self.qkv, h).reshape(b, t, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim)
-        q, k, v = jnp.split(qkv, [cfg.heads, cfg.heads + cfg.kv_heads], axis=2)
+        q, k, v = split_qkv(apply_linear(self.qkv, h), cfg)
         q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
         if self.core is not None:
             attn = self.core(q, k, v)
@@ -108,6 +107,19 @@ class Attention(eqx.Module):
                 q, k, v, is_causal=True, implementation=_attention_impl(q)
             )
         return x + apply_linear(self.o, attn.reshape(b, t, cfg.dim))
+
+
+def split_qkv(y: Float[Array, "B T F"], cfg: ModelConfig):
+    """q ``[B, T, heads, hd]``, k and v ``[B, T, kv_heads, hd]`` from the qkv projection.
+    Its outputs are grouped per KV head (that head's ``heads / kv_heads`` queries, its key,
+    its value: Megatron's GQA layout), so a column split over a tensor axis that divides
+    ``kv_heads`` gives each device whole groups and attention needs no reshuffle. Query
+    heads come out group-major, as GQA pairs them with KV heads."""
+    b, t, _ = y.shape
+    group = cfg.heads // cfg.kv_heads
+    y = y.reshape(b, t, cfg.kv_heads, group + 2, cfg.head_dim)
+    q = y[:, :, :, :group].reshape(b, t, cfg.heads, cfg.head_dim)
+    return q, y[:, :, :, group], y[:, :, :, group + 1]
 
 
 def _attention_impl(q) -> str | None:
