@@ -1,8 +1,9 @@
 """Benchmark: the trainer's LM train step on a device mesh, bf16 vs FP8.
 
 Builds a `fp8jax-train` preset's model (`fp8jax.train`), places it with
-`fp8jax.shard_model` on a mesh over all visible devices (FSDP over ``fsdp``, Megatron
-column/row over ``tensor``: ``qkv``/``fc1`` column, ``o``/``fc2`` row; the batch over
+the trainer's `fp8jax.train.mesh.place_model` (`fp8jax.shard_model`) on a mesh over all
+visible devices (FSDP over ``fsdp``, Megatron column/row over ``tensor``: ``qkv``/``fc1``
+column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch over
 ``data`` x ``fsdp``), and times a plain jitted train step. Reports per variant:
 
 * ``tokens_per_s`` and ``ms`` (step time);
@@ -46,11 +47,11 @@ import fp8jax
 from benchmarks import common
 from fp8jax import distributed
 from fp8jax.train import cli
+from fp8jax.train.mesh import check_sequence_parallel, place_model
 from fp8jax.train.model import ModelConfig, cast_for_compute
 
 VARIANTS = ("bf16", "fp8")
 AXES = ("data", "fsdp", "tensor")
-COLUMN, ROW = ("*.qkv", "*.fc1"), ("*.o", "*.fc2")
 # A CPU-sized model (the trainer's tiny preset is slow to compile 8-way on 2 cores).
 QUICK_MODEL = ModelConfig(dim=64, layers=2, heads=2, kv_heads=2, ffn=128, seq=32)
 DTYPE_BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4}
@@ -97,16 +98,8 @@ def _loss(model, batch):
 
 def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
     """(jitted step, params, opt_state, static) of ``run``'s model sharded on ``mesh``."""
-    model = cli.build_model(run, precision)
-    tensor = mesh.shape["tensor"] > 1
-    model = fp8jax.shard_model(
-        model,
-        mesh,
-        fsdp_axis="fsdp",
-        tensor_axis="tensor" if tensor else None,
-        column_parallel=COLUMN if tensor else (),
-        row_parallel=ROW if tensor else (),
-    )
+    sequence_parallel = run.sequence_parallel and mesh.shape["tensor"] > 1
+    model = place_model(cli.build_model(run, precision), mesh, sequence_parallel)
     optimizer = cli.make_optimizer(run)
     params, static = eqx.partition(model, eqx.is_array)
     opt_state = optimizer.init(fp8jax.trainable(model))
@@ -170,6 +163,8 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
 def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
     mesh = make_mesh(sizes, devices)
     params = dict(mesh=",".join(f"{a}={sizes[a]}" for a in AXES), gpus=len(devices))
+    if run.sequence_parallel:
+        params["sequence_parallel"] = True
     try:
         row = measure(run, precision, mesh, run.batch, steps)
         row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
@@ -216,6 +211,11 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=None, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--no-baseline", action="store_true", help="skip the one-device run")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron sequence parallelism over the tensor axis (fp8jax-train's option)",
+    )
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")
     args = p.parse_args(argv)
@@ -226,7 +226,11 @@ def main(argv=None):
     # unrolled layers: each layer's all-gathers appear (and are counted) in the HLO
     model = dataclasses.replace(model, scan_unroll=model.layers)
     batch = args.batch or (2 * len(devices) if args.quick else run.batch)
-    run = dataclasses.replace(run, model=model, batch=batch, selective=run.selective)
+    run = dataclasses.replace(
+        run, model=model, batch=batch, sequence_parallel=args.sequence_parallel
+    )
+    if args.sequence_parallel:
+        check_sequence_parallel(run, make_mesh(sizes, devices))
     steps = args.steps or (2 if args.quick else 10)
     print(f"{devices[0].device_kind} x{len(devices)}, jax {jax.__version__}, {sizes}", flush=True)
     meta = common.run_meta(argv, bench="distributed", prefix=COMMAND_PREFIX)

@@ -181,14 +181,17 @@ def test_distributed_quick_runs_both_variants_on_a_mesh(tmp_path):
     from benchmarks import distributed
 
     out = tmp_path / "distributed.jsonl"
-    mesh = "data=2,fsdp=2,tensor=2"
-    rows = distributed.main(["--quick", "--mesh", mesh, "--no-baseline", "--out", str(out)])
+    mesh = "data=2,fsdp=2,tensor=2"  # with sequence parallelism over "tensor"
+    args = ["--quick", "--mesh", mesh, "--sequence-parallel", "--no-baseline", "--out", str(out)]
+    rows = distributed.main(args)
     assert [r["variant"] for r in rows] == list(distributed.VARIANTS)
     for r in rows:
         assert r.get("error") is None, r.get("error")
         assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["params"]["gpus"] == 8
     gathers = {r["variant"]: r["allgather_dtypes"] for r in rows}
     assert gathers["fp8"].get("f8e4m3fn", 0) > 0 and "f8e4m3fn" not in gathers["bf16"]
+    assert gathers["fp8"].get("f8e5m2", 0) > 0  # output gradients' tokens gathered in FP8
+    assert all(r["params"]["sequence_parallel"] for r in rows)
     by = {r["variant"]: r["allgather_bytes"] for r in rows}
     assert by["fp8"] < by["bf16"]  # weights gathered at 1 byte/element instead of 2
     assert not out.exists()

@@ -115,6 +115,6 @@ def test_compile_benchmark_runs_on_cpu():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from benchmarks import compile as bench
 
-    rows = bench.main(["--quick", "--models", "two-block"])
+    rows = bench.main(["--quick", "--models", "two-block", "--repeats", "1"])
     assert [r["variant"] for r in rows] == list(bench.VARIANTS)
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in rows)
