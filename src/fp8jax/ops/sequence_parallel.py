@@ -20,7 +20,8 @@ scalar all-reduce), so the gathered copy is what one device would have cast. The
 reductions stay in the GEMM's output dtype: FP8 partial sums would add a rounding per
 device and need a scale known before the sum. The input's transposed copy is kept
 sharded between forward and backward (``1/tp`` of the residual) and gathered again,
-as Megatron-LM does with its input.
+as Megatron-LM does with its input. A GEMM the selection policy runs in the input
+precision carries no constraints: the partitioner places it.
 """
 
 from __future__ import annotations
