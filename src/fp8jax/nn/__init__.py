@@ -7,6 +7,7 @@ from .attention import (
     dot_product_attention,
     rotary,
 )
+from .expert_shards import merge_experts, split_experts
 from .grouped import (
     Fp8GroupedState,
     GroupedLinear,
@@ -14,8 +15,6 @@ from .grouped import (
     MoE,
     RoutingInfo,
     make_layout,
-    merge_experts,
-    split_experts,
 )
 from .linear import Linear
 from .mlp import ACTIVATIONS, FusedMLP
