@@ -231,7 +231,7 @@ def test_single_device_path_has_no_constraint():
     sharded = fp8jax.shard_model(model, mesh)
     assert not _collectives(sharded, mesh)
     ws = sharded.l1.dot_general.weight_sharding
-    assert fp8jax.ops.dot.w3_shardings(ws, (), (0,), (1,), False) is None
+    assert fp8jax.ops.dot.w3_shardings(ws, (), (0,), (1,), False) == ()  # nothing to gather
 
 
 # --- errors --------------------------------------------------------------------------------------

@@ -70,8 +70,8 @@ class WeightSharding(NamedTuple):
 
 def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
     """(shard, gathered) NamedShardings of the canonical ``w3`` for a kernel sharded as
-    ``ws``; None when nothing is gathered or a merged dim would need a reshard (then
-    the partitioner decides, as without a mesh)."""
+    ``ws``; () when nothing is gathered; None when a merged dim would need a reshard
+    (then `fp8jax.ops.fsdp` gathers it, as for weights placed by the user)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     spec = tuple(ws.spec) + (None,) * (len(rb) + len(rf) + len(rc) - len(ws.spec))
@@ -84,7 +84,7 @@ def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
 
     gathered = [_fsdp_op.split_axes(e, ws.gather)[0] for e in merged]
     if gathered == merged:
-        return None
+        return ()
     return (
         NamedSharding(ws.mesh, PartitionSpec(*merged)),
         NamedSharding(ws.mesh, PartitionSpec(*gathered)),
