@@ -136,10 +136,13 @@ def shard_model(
                     + ", ".join(path for path, _ in layers)
                 )
     placements: dict[int, NamedSharding] = _expert_placements(model, mesh, expert_axis)
+    kinds: dict[str, str] = {}  # path -> "column" / "row" of the tensor-parallel layers
     for path, layer in layers:
         col, row = _matches(path, column_parallel), _matches(path, row_parallel)
         if col and row:
             raise ValueError(f"shard_model: layer {path!r} is both column- and row-parallel.")
+        if col or row:
+            kinds[path] = "column" if col else "row"
         w = layer.weight
         spec = _weight_spec(
             path,
@@ -147,7 +150,7 @@ def shard_model(
             mesh,
             fsdp_axis,
             tensor_axis,
-            "column" if col else "row" if row else None,
+            kinds.get(path),
         )
         stack = (None,) * (w.ndim - 2)
         placements[id(w)] = NamedSharding(mesh, P(*stack, *spec))
@@ -168,11 +171,6 @@ def shard_model(
         model = record_fsdp(model, gather)
     if sequence_parallel:
         batch = _batch_axes(mesh, batch_axes, tensor_axis)
-        kinds = {
-            p: "column" if _matches(p, column_parallel) else "row"
-            for p, _ in layers
-            if _matches(p, column_parallel) or _matches(p, row_parallel)
-        }
         model = _record_sequence(model, mesh, kinds, batch, tensor_axis)
     return model
 

@@ -26,6 +26,7 @@ precision carries no constraints: the partitioner places it.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -97,9 +98,7 @@ def activation_spec(mesh, shape: tuple[int, ...], batch: tuple[str, ...], axis: 
     sequence dim over ``axis`` when each batch shard holds one sequence, else the batch dim
     over both (a split of the sequence dim with several local sequences is not a split of
     the flattened rows, and would cost an all-to-all at every layer)."""
-    n_batch = 1
-    for a in batch:
-        n_batch *= mesh.shape[a]
+    n_batch = math.prod(mesh.shape[a] for a in batch)
     tp, rest = mesh.shape[axis], (None,) * (len(shape) - 2)
     if len(shape) < 2 or shape[0] % n_batch:
         raise ValueError(

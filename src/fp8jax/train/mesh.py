@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed import _copy_with, shard_model
+from ..distributed import _copy_with, sequence_sharding, shard_model
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over these; replicated over "tensor"
@@ -108,13 +108,15 @@ def check_sequence_parallel(run, mesh: Mesh | None) -> None:
         raise ValueError("--sequence-parallel needs a --mesh with tensor > 1 (e.g. tensor=4)")
     if run.model.experts:
         raise ValueError("--sequence-parallel: dense blocks only (--experts 0)")
-    local = run.batch // batch_size_per_shard(mesh)
-    if (local == 1 and run.model.seq % tensor) or (local > 1 and local % tensor):
+    try:  # the split the model's residual stream will take (`place_model`)
+        sequence_sharding(mesh, (run.batch, run.model.seq), BATCH_AXES, "tensor")
+    except ValueError:
+        local = run.batch // batch_size_per_shard(mesh)
         raise ValueError(
             f"--sequence-parallel: {local} sequences of --seq {run.model.seq} per batch shard "
             f"split neither as one sequence (seq divisible by tensor={tensor}) nor as whole "
             f"sequences (per-shard batch divisible by tensor={tensor})"
-        )
+        ) from None
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
