@@ -122,7 +122,10 @@ def test_gemm_errors():
 
 
 @gpu
-@pytest.mark.parametrize("m,k,n", [(256, 512, 256), (1024, 1024, 1024), (384, 768, 512)])
+# (320, ...): M not a multiple of 128, so one math warpgroup instead of two
+@pytest.mark.parametrize(
+    "m,k,n", [(256, 512, 256), (1024, 1024, 1024), (384, 768, 512), (320, 768, 512)]
+)
 @pytest.mark.parametrize("b_blocks", [True, False])  # fwd/dgrad (128x128 weights), wgrad (1x128)
 def test_kernel_matches_reference(key, m, k, n, b_blocks):
     a, sa, b, sb = _fp8_operands(key, m, n, k, m, n // 128 if b_blocks else n)
@@ -331,7 +334,8 @@ def test_jitted_optax_step_and_nonfinite_input(key, recipe):
     assert np.isfinite(float(clean_loss))
 
 
-def test_kernel_logic_in_interpret_mode(key):
+@pytest.mark.parametrize("b_rows", [256, 2])  # one B scale per row, or per 128x128 block
+def test_kernel_logic_in_interpret_mode(key, b_rows):
     """The kernel's pipeline, scale indexing and float32 promotion, in Pallas' GPU interpret
     mode on CPU (the chunk's dot stands in for ``wgmma``, which the interpreter cannot run
     on a transposed B; the real kernel is checked on a GPU above)."""
@@ -345,7 +349,7 @@ def test_kernel_logic_in_interpret_mode(key):
         pytest.skip("no Pallas GPU interpret mode in this jax")
     if mg.plgpu is None:
         pytest.skip("Pallas Mosaic GPU does not import")
-    a, sa, b, sb = _fp8_operands(key, 128, 256, 384, 128, 256)
+    a, sa, b, sb = _fp8_operands(key, 128, 256, 384, 128, b_rows)
     out = mg.gemm(a[0], sa[0], b[0], sb[0], out_dtype=jnp.bfloat16, interpret=True)
     ref = bg.reference(a, sa, b, sb, jnp.float32)[0]
     assert out.dtype == jnp.bfloat16

@@ -1,17 +1,27 @@
 """Hopper block-scaled FP8 GEMM (Pallas Mosaic GPU, ``wgmma``): DeepGEMM's scheme.
 
 ``out[i, j] = sum_k a_scale[i, k] * b_scale[j, k] * (a[i, kblock] . b[j, kblock])`` for
-``a [M, K]``, ``b [N, K]`` (both K-major, FP8), ``a_scale [M, K/128]`` and
-``b_scale [N, K/128]`` float32 (a weight's ``128 x 128`` block scales arrive expanded to its
-rows by `fp8jax.kernels.blockwise_gemm.row_scales`).
+``a [M, K]``, ``b [N, K]`` (both K-major, FP8), ``a_scale [M, K/128]`` float32, and
+``b_scale`` float32 either per row ``[N, K/128]`` (1x128 tiles: the wgrad's operands) or
+per ``128 x 128`` block ``[N/128, K/128]`` (a weight, in the forward and dgrad).
 
-Per output tile (``tile_m x tile_n``, one warpgroup) the K loop is a Pallas pipeline (TMA
-loads of the FP8 tiles and of the two scale vectors, ``max_concurrent_steps`` ahead). Each
-step accumulates one 128-K chunk with ``wgmma`` into a fresh float32 accumulator, waits for
-it, and promotes it into the tile's running float32 total (a loop carry in registers):
+Each math warpgroup owns a ``64 x tile_n`` output tile. Per 128-K chunk it accumulates
+with ``wgmma`` into a fresh float32 accumulator, waits for it, and promotes it into the
+tile's running float32 total (a loop carry in registers):
 ``total += chunk * (a_scale[rows, k] (x) b_scale[cols, k])``. Both accumulators live in
-registers, so the tile is 64 rows (64 + 64 registers per thread for ``64 x 128``), as in
-DeepGEMM's math warpgroups; two CTAs share an SM to hide the per-step ``wgmma`` wait.
+registers (64 + 64 per thread for ``64 x 128``), as in DeepGEMM's math warpgroups. The wait
+before each promotion would idle the tensor cores, so something else must issue ``wgmma``
+meanwhile:
+
+* ``math_warpgroups=2`` (default, DeepGEMM's layout): a CTA computes a ``128 x tile_n``
+  tile with two math warpgroups (64 rows each, sharing the B tile) and a third warpgroup
+  that only issues the TMA loads (`plgpu.emit_pipeline_warp_specialized`); while one math
+  warpgroup promotes, the other's ``wgmma`` runs. With B scaled per block and
+  ``tile_n=128``, a chunk's B scale is one number per tile: it multiplies the two row
+  scales a thread holds, and the promotion is one multiply-add per element instead of the
+  outer product's three operations (1070 against 860 TFLOP/s at 8192^3, H100).
+* ``math_warpgroups=1``: one warpgroup per CTA loads and computes (`plgpu.emit_pipeline`),
+  and ``ctas_per_sm`` CTAs share an SM. Also the layout the CPU interpret-mode test runs.
 
 Written against the Pallas Mosaic GPU API of jax 0.10-0.11 (the calls
 `fp8jax.kernels.grouped_gemm` and JAX's ``attention_mgpu`` use: ``emit_pipeline``,
@@ -36,15 +46,25 @@ BLOCK_K = 128  # the K chunk promoted to float32: the recipe's block size
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Tiles of `gemm`: one warpgroup per ``tile_m x tile_n`` output tile."""
+    """Tiles of `gemm`: each math warpgroup computes a ``tile_m x tile_n`` output tile."""
 
     tile_m: int = 64
     tile_n: int = 128
-    # 2 stages: 760 TFLOP/s at 8192^3 on the H100 against 677 with 3 and 658 with 4
-    # (benchmarks/RESULTS.md, 2026-11-25 fourth session)
-    max_concurrent_steps: int = 2
+    # Two math warpgroups at 8192^3 (H100): 903 TFLOP/s with 3 stages, 763 / 793 / 779 with
+    # 2 / 4 / 5 (benchmarks/RESULTS.md, 2026-11-25 fifth session)
+    max_concurrent_steps: int = 3
     grid_tile_width: int = 8
-    ctas_per_sm: int = 2
+    ctas_per_sm: int = 1
+    math_warpgroups: int = 2  # 1: the single-warpgroup kernel (see the module docstring)
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.tile_m * self.math_warpgroups
+
+
+# The single-warpgroup kernel's best setting (8192^3, H100): 760 TFLOP/s with 2 stages
+# against 677 with 3 and 658 with 4 (benchmarks/RESULTS.md, 2026-11-25 fourth session).
+SINGLE_WARPGROUP = Config(max_concurrent_steps=2, ctas_per_sm=2, math_warpgroups=1)
 
 
 def reason(a_shape, b_shape, a_dtype, b_dtype, out_dtype, block_size, config=Config()) -> str:
@@ -57,9 +77,11 @@ def reason(a_shape, b_shape, a_dtype, b_dtype, out_dtype, block_size, config=Con
     if a_shape[0] != 1:
         return f"batch {a_shape[0]} > 1 (the kernel runs one GEMM)"
     (_, m, k), n = a_shape, b_shape[1]
-    if m % config.tile_m or n % config.tile_n or k % BLOCK_K:
+    if config.math_warpgroups not in (1, 2) or config.tile_m != 64:
+        return f"{config}: tile_m must be 64 and math_warpgroups 1 or 2"
+    if m % SINGLE_WARPGROUP.tile_m or n % config.tile_n or k % BLOCK_K:
         return (
-            f"M={m}, N={n}, K={k} are not multiples of tile_m={config.tile_m}, "
+            f"M={m}, N={n}, K={k} are not multiples of tile_m={SINGLE_WARPGROUP.tile_m}, "
             f"tile_n={config.tile_n}, {BLOCK_K}"
         )
     fp8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -76,32 +98,162 @@ def reason(a_shape, b_shape, a_dtype, b_dtype, out_dtype, block_size, config=Con
 
 def _load(ref, layout, interpret: bool):
     """A scale vector from SMEM in ``layout`` (the interpreter has no ``plgpu.load``)."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+    if interpret:
+        return ref[...]
+    try:  # jax >= 0.11 takes the indexed ref alone (passing an index is deprecated)
+        return plgpu.load(ref, layout=layout)
+    except TypeError:
+        return plgpu.load(ref, (), layout=layout)
 
 
 def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config = Config(), interpret=False):
-    """``a [M, K]``, ``a_scale [M, K/128]``, ``b [N, K]``, ``b_scale [N, K/128]`` ->
-    ``[M, N]`` in ``out_dtype`` (see the module docstring). ``interpret``: run in Pallas'
-    GPU interpret mode (CPU, tests; two CTAs)."""
+    """``a [M, K]``, ``a_scale [M, K/128]``, ``b [N, K]`` and ``b_scale`` one per row
+    ``[N, K/128]`` or per ``128 x 128`` block ``[N/128, K/128]`` -> ``[M, N]`` in
+    ``out_dtype`` (see the module docstring). ``interpret``: run in Pallas' GPU interpret
+    mode (CPU, tests; two CTAs, one warpgroup each). An M that two math warpgroups do not
+    divide (a multiple of 64, not of 128) runs on one."""
     m, k = a.shape
     n, k2 = b.shape
     nk = k // BLOCK_K
-    if k != k2 or a_scale.shape != (m, nk) or b_scale.shape != (n, nk):
+    if k != k2 or a_scale.shape != (m, nk) or b_scale.shape not in ((n, nk), (n // BLOCK_K, nk)):
         raise ValueError(
             f"blockwise GEMM kernel: a {a.shape}, a_scale {a_scale.shape}, b {b.shape}, "
-            f"b_scale {b_scale.shape} do not fit [M, K], [M, K/128], [N, K], [N, K/128]"
+            f"b_scale {b_scale.shape} do not fit [M, K], [M, K/128], [N, K], "
+            "[N or N/128, K/128]"
         )
     why = reason((1, m, k), (1, n, k), a.dtype, b.dtype, out_dtype, BLOCK_K, config)
     if why and not (interpret and why == _gg.available()[1]):
         raise ValueError(f"blockwise GEMM kernel: {why}")
+    # K chunk first, flat: the scales of one chunk for a row tile are contiguous (one TMA).
+    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nk * M]
+    b_blocks = b_scale.shape[0] != n
+    if config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0:
+        if b_blocks and config.tile_n == BLOCK_K:
+            # One scale per (N tile, K chunk), repeated over a warpgroup's 64 rows: it then
+            # multiplies the row scales (2 per thread) instead of every accumulator element.
+            sb = jnp.repeat(b_scale.astype(jnp.float32).T.reshape(-1), config.tile_m)
+            return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=True)
+    if b_blocks:
+        b_scale = jnp.repeat(b_scale, BLOCK_K, axis=0)
+    sb = b_scale.astype(jnp.float32).T.reshape(-1)  # [nk * N]
+    if config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0:
+        return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=False)
+    if config.math_warpgroups != 1:
+        config = dataclasses.replace(SINGLE_WARPGROUP, tile_n=config.tile_n)
+    return _single_warpgroup(a, sa, b, sb, out_dtype, config, interpret)
+
+
+def _scaled_chunk(a_smem, b_smem, row_s, col_s, shape):
+    """One 128-K chunk's ``wgmma`` into a fresh float32 accumulator, waited for and scaled
+    by ``row_s (x) col_s``: the term the promotion adds to the running total."""
+
+    def chunk_scope(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, _gg._transposed(b_smem))
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return pl.run_scoped(chunk_scope, plgpu.ACC(shape, jnp.float32)) * _outer(row_s, col_s, shape)
+
+
+def _outer(row_s, col_s, shape):
+    """``row_s (x) col_s``: a chunk's scale for every element of the tile (``col_s`` None:
+    the row scales alone, broadcast over the columns)."""
+    rows = lax.broadcast_in_dim(row_s, shape, [0])
+    return rows if col_s is None else rows * lax.broadcast_in_dim(col_s, shape, [1])
+
+
+def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool):
+    """Two math warpgroups per ``128 x tile_n`` CTA tile and one TMA warpgroup. ``sb``:
+    ``b_blocks``: one scale per (N tile, K chunk) repeated 64 times; else one per column."""
+    (m, k), n = a.shape, b.shape[0]
+    bm, bn, bk, wgs = config.tile_m, config.tile_n, BLOCK_K, config.math_warpgroups
+    cta_m = config.cta_tile_m
+    grid_m, grid_n, nk = m // cta_m, n // bn, k // bk
+    a_transforms = _gg._smem_transforms(bk, a.dtype)
+    b_transforms = _gg._smem_transforms(bk, b.dtype)
+    out_transforms = _gg._smem_transforms(bn, out_dtype)
+
+    def body(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * bm, bm)
+
+        def pipeline(step, compute_context, m_i=0, n_i=0):
+            return plgpu.emit_pipeline_warp_specialized(
+                step,
+                grid=(nk,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((cta_m, bk), lambda kk: (m_i, kk), transforms=a_transforms),
+                    plgpu.BlockSpec((bn, bk), lambda kk: (n_i, kk), transforms=b_transforms),
+                    plgpu.BlockSpec((cta_m,), lambda kk: (kk * grid_m + m_i,)),
+                    plgpu.BlockSpec((bm if b_blocks else bn,), lambda kk: (kk * grid_n + n_i,)),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=wgs,
+                max_concurrent_steps=config.max_concurrent_steps,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on them)
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, sa_gmem, sb_gmem),
+            o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_transforms),
+            collective_axes="wg",
+        )
+        def _scope(allocs, o_smem):
+            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+            def _loop(loop_info):
+                (lin,) = loop_info.index
+                m_i, n_i = plgpu.planar_snake(lin, (grid_m, grid_n), 1, config.grid_tile_width)
+
+                def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
+                    row_s = _load(sa_smem.at[rows], plgpu.Layout.WGMMA.reduce(1), False)
+                    if b_blocks:  # the chunk's B scale, folded into the row scales
+                        row_s = row_s * _load(sb_smem, plgpu.Layout.WGMMA.reduce(1), False)
+                        col_s = None
+                    else:
+                        col_s = _load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
+                    return total + _scaled_chunk(a_smem.at[rows], b_smem, row_s, col_s, (bm, bn))
+
+                def compute_context(run):
+                    zero = plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
+                    out = run(zero).astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
+                    o_smem.at[wg][...] = out
+                    plgpu.commit_smem()
+                    dst = o_gmem.at[pl.ds(m_i * cta_m + wg * bm, bm), pl.ds(n_i * bn, bn)]
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+
+                pipeline(step, compute_context, m_i, n_i)(
+                    a_gmem, b_gmem, sa_gmem, sb_gmem, allocations=allocs
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(_gg._num_sms() * config.ctas_per_sm,),
+        grid_names=("sm",),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(a, b, sa, sb)
+
+
+def _single_warpgroup(a, sa, b, sb, out_dtype, config: Config, interpret: bool):
+    """One warpgroup per ``tile_m x tile_n`` tile, loading and computing; ``ctas_per_sm``
+    CTAs per SM."""
+    (m, k), n = a.shape, b.shape[0]
+    nk = k // BLOCK_K
     bm, bn, bk = config.tile_m, config.tile_n, BLOCK_K
     grid_m, grid_n = m // bm, n // bn
     a_transforms = _gg._smem_transforms(bk, a.dtype)
     b_transforms = _gg._smem_transforms(bk, b.dtype)
     out_transforms = _gg._smem_transforms(bn, out_dtype)
-    # K chunk first, flat: the scales of one chunk for a row tile are contiguous (one TMA).
-    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nk * M]
-    sb = b_scale.astype(jnp.float32).T.reshape(-1)  # [nk * N]
 
     def body(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
         @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
@@ -114,22 +266,14 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config = Config(), interp
                 row_s = _load(sa_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
                 col_s = _load(sb_smem, plgpu.Layout.WGMMA.reduce(0), interpret)
 
-                def chunk_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem, _gg._transposed(b_smem))
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-
-                if interpret:  # the interpreter's wgmma takes no transposed B
-                    dims = (((1,), (1,)), ((), ()))
-                    chunk = lax.dot_general(
-                        a_smem[...], b_smem[...], dims, preferred_element_type=jnp.float32
-                    )
-                else:
-                    chunk = pl.run_scoped(chunk_scope, plgpu.ACC((bm, bn), jnp.float32))
-                scale = lax.broadcast_in_dim(row_s, (bm, bn), [0]) * lax.broadcast_in_dim(
-                    col_s, (bm, bn), [1]
+                if not interpret:
+                    return total + _scaled_chunk(a_smem, b_smem, row_s, col_s, (bm, bn))
+                # The interpreter's wgmma takes no transposed B: a dot stands in for it.
+                dims = (((1,), (1,)), ((), ()))
+                chunk = lax.dot_general(
+                    a_smem[...], b_smem[...], dims, preferred_element_type=jnp.float32
                 )
-                return total + chunk * scale
+                return total + chunk * _outer(row_s, col_s, (bm, bn))
 
             zero = jnp.full((bm, bn), 0, jnp.float32)
             if not interpret:  # the interpreter has no layouts
