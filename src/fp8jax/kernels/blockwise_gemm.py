@@ -122,6 +122,5 @@ def blockwise_gemm(a, a_scale, b, b_scale, out_dtype, block_size: int = 128, bac
     from . import blockwise_gemm_mgpu as mgpu
 
     sa = row_scales(a_scale, a.shape[1], block_size)
-    sb = b_scale.astype(F32)  # per row or per block: the kernel takes either
-    with jax.named_scope(BLOCKWISE_SCOPE):
-        return mgpu.gemm(a[0], sa[0], b[0], sb[0], out_dtype=out_dtype)[None]
+    with jax.named_scope(BLOCKWISE_SCOPE):  # b's scale per row or per block: either fits
+        return mgpu.gemm(a[0], sa[0], b[0], b_scale[0], out_dtype=out_dtype)[None]

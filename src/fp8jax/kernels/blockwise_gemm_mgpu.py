@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import blockwise_gemm as _bg
 from . import grouped_gemm as _gg
 
 pl, plgpu = _gg.pl, _gg.plgpu
@@ -50,8 +51,9 @@ class Config:
 
     tile_m: int = 64
     tile_n: int = 128
-    # Two math warpgroups at 8192^3 (H100): 903 TFLOP/s with 3 stages, 763 / 793 / 779 with
-    # 2 / 4 / 5 (benchmarks/RESULTS.md, 2026-11-25 fifth session)
+    # Two math warpgroups at 8192^3 (H100), B per block: 1070 TFLOP/s with 3 stages, 876 /
+    # 1077 with 2 / 4; B per column: 903 with 3, 763 / 793 / 779 with 2 / 4 / 5. 3 is the
+    # best of both (benchmarks/RESULTS.md, 2026-11-25 fifth session).
     max_concurrent_steps: int = 3
     grid_tile_width: int = 8
     ctas_per_sm: int = 1
@@ -127,16 +129,15 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config = Config(), interp
     # K chunk first, flat: the scales of one chunk for a row tile are contiguous (one TMA).
     sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nk * M]
     b_blocks = b_scale.shape[0] != n
-    if config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0:
-        if b_blocks and config.tile_n == BLOCK_K:
-            # One scale per (N tile, K chunk), repeated over a warpgroup's 64 rows: it then
-            # multiplies the row scales (2 per thread) instead of every accumulator element.
-            sb = jnp.repeat(b_scale.astype(jnp.float32).T.reshape(-1), config.tile_m)
-            return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=True)
-    if b_blocks:
-        b_scale = jnp.repeat(b_scale, BLOCK_K, axis=0)
-    sb = b_scale.astype(jnp.float32).T.reshape(-1)  # [nk * N]
-    if config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0:
+    two = config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0
+    if two and b_blocks and config.tile_n == BLOCK_K:
+        # One scale per (N tile, K chunk), repeated over a warpgroup's 64 rows: it then
+        # multiplies the row scales (2 per thread) instead of every accumulator element.
+        sb = jnp.repeat(b_scale.astype(jnp.float32).T.reshape(-1), config.tile_m)
+        return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=True)
+    b_scale = _bg.row_scales(b_scale[None], n, BLOCK_K)[0]  # one per row
+    sb = b_scale.T.reshape(-1)  # [nk * N]
+    if two:
         return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=False)
     if config.math_warpgroups != 1:
         config = dataclasses.replace(SINGLE_WARPGROUP, tile_n=config.tile_n)
