@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array
 
 from . import quant as q
@@ -152,10 +153,19 @@ def tile_scales(amax: Array, dtype, margin: float = 0.0, power_of_two: bool = Fa
     """Dequantization scales of tiles from their amaxes: ``amax * 2**margin / fp8_max``;
     1 for an all-zero or non-finite tile (current scaling has no history to fall back on,
     and a NaN/Inf tile must not produce a NaN scale); rounded up to a power of two on
-    request (exact to apply, and never saturating)."""
-    s = amax.astype(F32) * (2.0**margin) / q.fp8_max(dtype)
-    s = jnp.where(jnp.isfinite(s) & (s > 0), jnp.maximum(s, _TINY), 1.0)
-    return jnp.exp2(jnp.ceil(jnp.log2(s))) if power_of_two else s
+    request (exact to apply, and never saturating). Plain ``lax`` math (one multiply, no
+    division, no ``isfinite``) so the Pallas cast kernel computes the same bits."""
+    s = amax.astype(F32) * F32(2.0**margin / q.fp8_max(dtype))
+    s = jnp.where((s > 0) & (s < jnp.inf), jnp.maximum(s, _TINY), F32(1.0))
+    return _ceil_power_of_two(s) if power_of_two else s
+
+
+def _ceil_power_of_two(s: Array) -> Array:
+    """The smallest power of two >= ``s`` for positive normal float32 ``s``, exactly (a
+    carry into the exponent bits; ``log2`` would round an exact power up by one)."""
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    bits = (bits + jnp.int32(0x7FFFFF)) & jnp.int32(0x7F800000)
+    return lax.bitcast_convert_type(bits, F32)
 
 
 def tile_cast(t: Array, dtype, rows: int, cols: int, margin: float = 0.0, power_of_two=False):
@@ -310,15 +320,33 @@ class BlockWise(_Tiled):
     ) -> Cast:
         """``t: [B, P, C]`` in both layouts: a weight's blocks once (the transposed copy is
         the same blocks transposed), an activation's tiles along C and, from ``t`` again,
-        along P."""
+        along P. One read of ``t`` in the Pallas kernel (`fp8jax.kernels.tile_cast`) where
+        ``backend`` allows it and the shape tiles, two XLA passes elsewhere."""
         del old_scale, history, scale
         bs, pow2 = self.block_size, self.power_of_two
+        if self._use_cast_kernel(t.shape):
+            from .kernels import tile_cast as _kernel
+
+            data, s, data_t, s_t, amax = _kernel.cast_both(
+                t, dtype, bs, self.margin, pow2, weight=weight
+            )
+            return Cast(data, data_t, s, amax, s_t)
         if weight:
             data, scale, amax = tile_cast(t, dtype, bs, bs, self.margin, pow2)
             return Cast(data, jnp.swapaxes(data, 1, 2), scale, amax, jnp.swapaxes(scale, 1, 2))
         data, scale, amax = tile_cast(t, dtype, 1, bs, self.margin, pow2)
         data_t, scale_t, _ = tile_cast(jnp.swapaxes(t, 1, 2), dtype, 1, bs, self.margin, pow2)
         return Cast(data, data_t, scale, amax, scale_t)
+
+    def _use_cast_kernel(self, shape: tuple[int, ...]) -> bool:
+        """Whether the cast runs the Pallas kernel: on a Hopper GPU, for shapes that tile
+        into squares, unless ``backend="reference"`` (the GEMM's ``"kernel"`` does not
+        force the cast: an unaligned cast falls back to XLA)."""
+        if self.backend == "reference":
+            return False
+        from .kernels import tile_cast as _kernel
+
+        return _kernel.reason(shape, self.block_size) is None
 
     def gemm(
         self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool

@@ -1,0 +1,137 @@
+"""The block-wise recipe's cast: one read of each ``bs x bs`` square, both layouts written
+(Pallas Triton).
+
+The three GEMMs of a train step contract along different dims, so an activation or output
+gradient ``t [B, P, C]`` is needed twice (DeepSeek-V3's and Transformer Engine's scheme):
+``t`` per ``1 x bs`` tile along ``C``, and ``t^T [B, C, P]`` per ``1 x bs`` tile along
+``P``, each cast from the high-precision tensor with its own tile scales. XLA runs that as
+two passes over ``t``, the second a strided reduction fused with the transpose
+(`benchmarks/RESULTS.md`: 0.75 ms at 8192^2, five times one layout's cast). Here one program
+loads a ``bs x bs`` square once, takes its row amaxes (the tiles along ``C``) and its column
+amaxes (the tiles along ``P``), and writes both FP8 layouts and both scale sets. A weight's
+``bs x bs`` block (one scale) takes the same kernel with ``weight=True``.
+
+The scale math is `fp8jax.recipe.tile_scales`, so the values are the XLA path's up to the
+rounding of the division (exact with power-of-two scales). ``interpret`` runs the kernel body
+on any backend (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import quant as q
+from .cast import _IMPORT_ERROR, pl, triton_params
+
+F32 = jnp.float32
+# Warps per program, measured on an H100 (benchmarks/RESULTS.md, 8192^2 bf16): activations
+# 4 (0.149 ms; 8 warps 0.221), weights 8 (0.124 ms; 4 warps 0.137).
+NUM_WARPS = {False: 4, True: 8}
+
+
+def reason(shape: tuple[int, ...], block_size: int, device=None) -> str | None:
+    """Why the kernel cannot cast a ``[B, P, C]`` tensor on ``device`` (default: the first
+    device), or None when it can."""
+    if _IMPORT_ERROR is not None:
+        return f"Pallas Triton does not import: {_IMPORT_ERROR}"
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return f"no GPU (platform {device.platform})"
+    capability = str(getattr(device, "compute_capability", ""))
+    if not capability[:1].isdigit() or int(capability.split(".")[0]) < 9:
+        return f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}"
+    return shape_reason(shape, block_size)
+
+
+def shape_reason(shape: tuple[int, ...], block_size: int) -> str | None:
+    """Why a ``[B, P, C]`` shape does not tile into ``block_size`` squares, or None."""
+    if block_size not in (32, 64, 128, 256):
+        return f"block_size {block_size} is not a power of two in [32, 256]"
+    if len(shape) != 3 or shape[1] % block_size or shape[2] % block_size:
+        return f"shape {shape} is not [B, P, C] with P and C multiples of {block_size}"
+    return None
+
+
+def _kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, amax_ref, *, margin, power_of_two, weight):
+    from .. import recipe  # the scale math is the recipe's (imported late: recipe imports us)
+
+    t = t_ref[...].astype(F32)
+    row_amax = q.tile_amax(t, axis=1)  # [bs]: the tiles along C
+    col_amax = q.tile_amax(t, axis=0)  # [bs]: the tiles along P
+    block_amax = jnp.max(row_amax)
+    amax_ref[...] = block_amax.reshape(1, 1)
+    limit = q.fp8_max(q_ref.dtype)
+    if weight:  # one scale for the square, both layouts are the same values
+        scale = recipe.tile_scales(block_amax, q_ref.dtype, margin, power_of_two)
+        data = jnp.clip(t / scale, -limit, limit).astype(q_ref.dtype)
+        q_ref[...] = data
+        qt_ref[...] = data.T
+        s_ref[...] = scale.reshape(1, 1)
+        st_ref[...] = scale.reshape(1, 1)
+        return
+    row_scale = recipe.tile_scales(row_amax, q_ref.dtype, margin, power_of_two)
+    col_scale = recipe.tile_scales(col_amax, q_ref.dtype, margin, power_of_two)
+    q_ref[...] = jnp.clip(t / row_scale[:, None], -limit, limit).astype(q_ref.dtype)
+    qt_ref[...] = jnp.clip(t / col_scale[None, :], -limit, limit).astype(q_ref.dtype).T
+    s_ref[...] = row_scale[:, None]
+    st_ref[...] = col_scale[:, None]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("dtype", "block_size", "margin", "power_of_two", "weight", "interpret"),
+)
+def cast_both(
+    t,
+    dtype,
+    block_size: int = 128,
+    margin: float = 0.0,
+    power_of_two: bool = False,
+    weight: bool = False,
+    interpret: bool = False,
+):
+    """``t [B, P, C]`` -> ``(data [B, P, C], scale, data_t [B, C, P], scale_t, amax)``.
+
+    Activations (``weight=False``): ``scale [B, P, C/bs]`` per ``1 x bs`` tile of ``data``,
+    ``scale_t [B, C, P/bs]`` per ``1 x bs`` tile of ``data_t``. Weights: one scale per
+    ``bs x bs`` block, ``scale [B, P/bs, C/bs]`` and ``scale_t`` its transpose. ``amax`` is
+    ``max |t|`` as float32 (inf where ``t`` holds a NaN or an inf).
+    """
+    why = shape_reason(t.shape, block_size)
+    if why is not None:
+        raise ValueError(f"tile_cast.cast_both: {why}")
+    bsz, p, c = t.shape
+    bs = block_size
+    grid = (bsz, p // bs, c // bs)
+    square = pl.BlockSpec((None, bs, bs), lambda b, i, j: (b, i, j))
+    square_t = pl.BlockSpec((None, bs, bs), lambda b, i, j: (b, j, i))
+    one = pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, i, j))
+    if weight:
+        scale_specs = [one, pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, j, i))]
+        scale_shapes = [(bsz, p // bs, c // bs), (bsz, c // bs, p // bs)]
+    else:
+        scale_specs = [
+            pl.BlockSpec((None, bs, 1), lambda b, i, j: (b, i, j)),
+            pl.BlockSpec((None, bs, 1), lambda b, i, j: (b, j, i)),
+        ]
+        scale_shapes = [(bsz, p, c // bs), (bsz, c, p // bs)]
+    kernel = functools.partial(_kernel, margin=margin, power_of_two=power_of_two, weight=weight)
+    data, scale, data_t, scale_t, tile_amax = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[square],
+        out_specs=[square, scale_specs[0], square_t, scale_specs[1], one],
+        out_shape=[
+            jax.ShapeDtypeStruct((bsz, p, c), dtype),
+            jax.ShapeDtypeStruct(scale_shapes[0], F32),
+            jax.ShapeDtypeStruct((bsz, c, p), dtype),
+            jax.ShapeDtypeStruct(scale_shapes[1], F32),
+            jax.ShapeDtypeStruct(grid, F32),
+        ],
+        interpret=interpret,
+        **triton_params(interpret, NUM_WARPS[weight]),
+    )(t)
+    return data, scale, data_t, scale_t, jnp.max(tile_amax)
