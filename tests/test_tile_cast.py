@@ -99,3 +99,27 @@ def test_kernel_matches_xla_cast_on_gpu(key, weight, power_of_two):
     got = jax.jit(lambda t: tc.cast_both(t, E4M3, 128, power_of_two=power_of_two, weight=weight))(t)
     want = jax.jit(lambda t: _xla_cast(t, E4M3, power_of_two, weight))(t)
     _assert_same_cast(got, want, exact=power_of_two)
+
+
+def _xla_rows(t, dtype):
+    data, scale, amax = recipe.tile_cast(t, dtype, 1, t.shape[2])
+    data_t, scale_t, _ = recipe.tile_cast(jnp.swapaxes(t, 1, 2), dtype, 1, t.shape[1])
+    return data, scale, data_t, scale_t, amax
+
+
+def test_interpret_rowwise_cast_matches_xla_cast(key):
+    t = _outlier_rows(key, (2, 128, 256))
+    got = tc.cast_rows_both(t, E4M3, interpret=True)
+    _assert_same_cast(got, _xla_rows(t, E4M3), exact=False)
+    bad = t.at[1, 5, 7].set(jnp.nan)
+    _, scale, _, scale_t, amax = tc.cast_rows_both(bad, E4M3, interpret=True)
+    assert not np.isfinite(float(amax))
+    assert float(scale[1, 5, 0]) == 1.0 and float(scale_t[1, 7, 0]) == 1.0
+    assert np.all(np.isfinite(_f32(scale))) and np.all(np.isfinite(_f32(scale_t)))
+
+
+@gpu
+def test_rowwise_kernel_matches_xla_cast_on_gpu(key):
+    t = _outlier_rows(key, (1, 1024, 768))
+    got = jax.jit(lambda t: tc.cast_rows_both(t, E4M3))(t)
+    _assert_same_cast(got, jax.jit(lambda t: _xla_rows(t, E4M3))(t), exact=False)

@@ -135,3 +135,50 @@ def cast_both(
         **triton_params(interpret, NUM_WARPS[weight]),
     )(t)
     return data, scale, data_t, scale_t, jnp.max(tile_amax)
+
+
+def _rows_kernel(t_ref, row_scale_ref, col_scale_ref, q_ref, qt_ref):
+    t = t_ref[...].astype(F32)
+    limit = q.fp8_max(q_ref.dtype)
+    q_ref[...] = jnp.clip(t / row_scale_ref[...], -limit, limit).astype(q_ref.dtype)
+    qt_ref[...] = jnp.clip(t / col_scale_ref[...], -limit, limit).astype(q_ref.dtype).T
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "margin", "block_size", "interpret"))
+def cast_rows_both(t, dtype, margin: float = 0.0, block_size: int = 128, interpret=False):
+    """The row-wise recipe's cast: ``t [B, P, C]`` per row along ``C`` and ``t^T [B, C, P]``
+    per row along ``P`` (a column of ``t``). The row and column amaxes are two XLA
+    reductions; the kernel then reads ``t`` once more and writes both layouts (XLA's path
+    reads it four times, once strided). Returns ``(data, scale [B, P, 1], data_t,
+    scale_t [B, C, 1], amax)``, the values of `fp8jax.recipe.RowWise`'s XLA path."""
+    from .. import recipe
+
+    why = shape_reason(t.shape, block_size)
+    if why is not None:
+        raise ValueError(f"tile_cast.cast_rows_both: {why}")
+    bsz, p, c = t.shape
+    bs = block_size
+    row_amax = q.tile_amax(t, axis=2)  # [B, P]
+    col_amax = q.tile_amax(t, axis=1)  # [B, C]
+    scale = recipe.tile_scales(row_amax, dtype, margin)[:, :, None]
+    scale_t = recipe.tile_scales(col_amax, dtype, margin)[:, :, None]
+    data, data_t = pl.pallas_call(
+        _rows_kernel,
+        grid=(bsz, p // bs, c // bs),
+        in_specs=[
+            pl.BlockSpec((None, bs, bs), lambda b, i, j: (b, i, j)),
+            pl.BlockSpec((None, bs, 1), lambda b, i, j: (b, i, 0)),
+            pl.BlockSpec((None, 1, bs), lambda b, i, j: (b, 0, j)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bs, bs), lambda b, i, j: (b, i, j)),
+            pl.BlockSpec((None, bs, bs), lambda b, i, j: (b, j, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((bsz, p, c), dtype),
+            jax.ShapeDtypeStruct((bsz, c, p), dtype),
+        ],
+        interpret=interpret,
+        **triton_params(interpret, NUM_WARPS[False]),
+    )(t, scale, jnp.swapaxes(scale_t, 1, 2))
+    return data, scale, data_t, scale_t, jnp.max(row_amax)
