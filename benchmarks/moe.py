@@ -34,13 +34,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
+from fp8jax import Fp8Config
 from fp8jax.nn import GroupedMLP, make_layout
 from fp8jax.ops import grouped as gr
 
 BF16 = jnp.bfloat16
 COMMAND_PREFIX = "python -m benchmarks.moe"
 GEMM_VARIANTS = ("loop-bf16", "ragged-dot-bf16", "fp8jax-bf16", "fp8jax-fp8")
-MLP_VARIANTS = ("sequential-bf16", "ragged-dot-bf16", "fp8jax-bf16", "fp8jax-fp8")
+MLP_VARIANTS = (
+    "sequential-bf16",
+    "ragged-dot-bf16",
+    "fp8jax-bf16",
+    "fp8jax-fp8",
+    "fp8jax-blockwise",
+)
 GEMM_FIELDS = (*common.META_FIELDS, "ms", "tflops", "speedup_vs_bf16", "fp8_gemms")
 MLP_FIELDS = (
     *common.META_FIELDS,
@@ -151,6 +158,7 @@ def _mlp_step(variant: str, mlp: GroupedMLP, x, dy, sizes) -> common.Step:
     else:
         step = common.train_step(mlp, lambda m, x: m(x, gs))
         return common.calibrate(step, mlp, x, dy) if variant == "fp8jax-fp8" else step
+        # fp8jax-blockwise: current scaling per tile, nothing to calibrate
     weights = (mlp.fc1.weight, mlp.fc2.weight)
     return common.Step(
         jax.value_and_grad(
@@ -187,7 +195,8 @@ def run_mlp_case(case, variants, iters, reps, meta) -> list[dict]:
                 ffn,
                 key=km,
                 activation="swiglu",
-                fp8=name == "fp8jax-fp8",
+                fp8=name in ("fp8jax-fp8", "fp8jax-blockwise"),
+                config=Fp8Config(recipe="blockwise") if name == "fp8jax-blockwise" else None,
                 dtype=BF16,
             )
             step = _mlp_step(name, mlp, xs[0], dy, sizes)

@@ -29,7 +29,6 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array
 
 from . import quant as q
@@ -146,26 +145,9 @@ class PerTensor:
 
 
 # ----------------------------------------------------------------------------- tiled recipes
-_TINY = float(jnp.finfo(jnp.float32).tiny)
-
-
-def tile_scales(amax: Array, dtype, margin: float = 0.0, power_of_two: bool = False) -> Array:
-    """Dequantization scales of tiles from their amaxes: ``amax * 2**margin / fp8_max``;
-    1 for an all-zero or non-finite tile (current scaling has no history to fall back on,
-    and a NaN/Inf tile must not produce a NaN scale); rounded up to a power of two on
-    request (exact to apply, and never saturating). Plain ``lax`` math (one multiply, no
-    division, no ``isfinite``) so the Pallas cast kernel computes the same bits."""
-    s = amax.astype(F32) * F32(2.0**margin / q.fp8_max(dtype))
-    s = jnp.where((s > 0) & (s < jnp.inf), jnp.maximum(s, _TINY), F32(1.0))
-    return _ceil_power_of_two(s) if power_of_two else s
-
-
-def _ceil_power_of_two(s: Array) -> Array:
-    """The smallest power of two >= ``s`` for positive normal float32 ``s``, exactly (a
-    carry into the exponent bits; ``log2`` would round an exact power up by one)."""
-    bits = lax.bitcast_convert_type(s, jnp.int32)
-    bits = (bits + jnp.int32(0x7FFFFF)) & jnp.int32(0x7F800000)
-    return lax.bitcast_convert_type(bits, F32)
+# The tiles' scale math lives with the other scaling math (the Pallas cast kernels use it).
+tile_scales = q.tile_scales
+_ceil_power_of_two = q.ceil_power_of_two
 
 
 def tile_cast(t: Array, dtype, rows: int, cols: int, margin: float = 0.0, power_of_two=False):

@@ -163,10 +163,16 @@ def _outer(row_s, col_s, shape):
     return rows if col_s is None else rows * lax.broadcast_in_dim(col_s, shape, [1])
 
 
-def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool):
+def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, block_group=None):
     """Two math warpgroups per ``128 x tile_n`` CTA tile and one TMA warpgroup. ``sb``:
-    ``b_blocks``: one scale per (N tile, K chunk) repeated 64 times; else one per column."""
-    (m, k), n = a.shape, b.shape[0]
+    ``b_blocks``: one scale per (N tile, K chunk) repeated 64 times; else one per column.
+
+    ``block_group`` (grouped experts, `fp8jax.kernels.blockwise_grouped_mgpu`): ``b [G, N,
+    K]`` and ``sb [G, ...]``, and the group of each 128-row block of ``a``; a block past
+    the last group (``G``) is skipped, its output rows left undefined."""
+    grouped = block_group is not None
+    (m, k), n = a.shape, b.shape[-2]
+    num_groups = b.shape[0] if grouped else 1
     bm, bn, bk, wgs = config.tile_m, config.tile_n, BLOCK_K, config.math_warpgroups
     cta_m = config.cta_tile_m
     grid_m, grid_n, nk = m // cta_m, n // bn, k // bk
@@ -174,9 +180,11 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool):
     b_transforms = _gg._smem_transforms(bk, b.dtype)
     out_transforms = _gg._smem_transforms(bn, out_dtype)
 
-    def body(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
+    def body(a_gmem, b_gmem, sa_gmem, sb_gmem, *refs):
+        bg_gmem, o_gmem = refs if grouped else (None, refs[0])
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * bm, bm)
+        b_one, sb_one = (b_gmem.at[0], sb_gmem.at[0]) if grouped else (b_gmem, sb_gmem)
 
         def pipeline(step, compute_context, m_i=0, n_i=0):
             return plgpu.emit_pipeline_warp_specialized(
@@ -199,7 +207,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool):
 
         @functools.partial(
             pl.run_scoped,
-            allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, sa_gmem, sb_gmem),
+            allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_one, sa_gmem, sb_one),
             o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_transforms),
             collective_axes="wg",
         )
@@ -227,9 +235,18 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool):
                     dst = o_gmem.at[pl.ds(m_i * cta_m + wg * bm, bm), pl.ds(n_i * bn, bn)]
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
-                pipeline(step, compute_context, m_i, n_i)(
-                    a_gmem, b_gmem, sa_gmem, sb_gmem, allocations=allocs
-                )
+                if not grouped:
+                    pipeline(step, compute_context, m_i, n_i)(
+                        a_gmem, b_gmem, sa_gmem, sb_gmem, allocations=allocs
+                    )
+                    return
+                group = bg_gmem[m_i]  # cta_m = 128 rows: one group per CTA tile
+
+                @pl.when(group < num_groups)
+                def _run():
+                    pipeline(step, compute_context, m_i, n_i)(
+                        a_gmem, b_gmem.at[group], sa_gmem, sb_gmem.at[group], allocations=allocs
+                    )
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -242,6 +259,8 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
+    if grouped:
+        return kernel(a, b, sa, sb, block_group.astype(jnp.int32))
     return kernel(a, b, sa, sb)
 
 

@@ -11,9 +11,9 @@ loads a ``bs x bs`` square once, takes its row amaxes (the tiles along ``C``) an
 amaxes (the tiles along ``P``), and writes both FP8 layouts and both scale sets. A weight's
 ``bs x bs`` block (one scale) takes the same kernel with ``weight=True``.
 
-The scale math is `fp8jax.recipe.tile_scales`, so the values are the XLA path's up to the
-rounding of the division (exact with power-of-two scales). ``interpret`` runs the kernel body
-on any backend (the CPU tests).
+The scale math is `fp8jax.quant.tile_scales` (the recipe's), so the values are the XLA
+path's up to the rounding of the division (exact with power-of-two scales). ``interpret``
+runs the kernel body on any backend (the CPU tests).
 """
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ def shape_reason(shape: tuple[int, ...], block_size: int) -> str | None:
 
 
 def _kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, amax_ref, *, margin, power_of_two, weight):
-    from .. import recipe  # the scale math is the recipe's (imported late: recipe imports us)
-
     t = t_ref[...].astype(F32)
     row_amax = q.tile_amax(t, axis=1)  # [bs]: the tiles along C
     col_amax = q.tile_amax(t, axis=0)  # [bs]: the tiles along P
@@ -65,15 +63,15 @@ def _kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, amax_ref, *, margin, power_of_t
     amax_ref[...] = block_amax.reshape(1, 1)
     limit = q.fp8_max(q_ref.dtype)
     if weight:  # one scale for the square, both layouts are the same values
-        scale = recipe.tile_scales(block_amax, q_ref.dtype, margin, power_of_two)
+        scale = q.tile_scales(block_amax, q_ref.dtype, margin, power_of_two)
         data = jnp.clip(t / scale, -limit, limit).astype(q_ref.dtype)
         q_ref[...] = data
         qt_ref[...] = data.T
         s_ref[...] = scale.reshape(1, 1)
         st_ref[...] = scale.reshape(1, 1)
         return
-    row_scale = recipe.tile_scales(row_amax, q_ref.dtype, margin, power_of_two)
-    col_scale = recipe.tile_scales(col_amax, q_ref.dtype, margin, power_of_two)
+    row_scale = q.tile_scales(row_amax, q_ref.dtype, margin, power_of_two)
+    col_scale = q.tile_scales(col_amax, q_ref.dtype, margin, power_of_two)
     q_ref[...] = jnp.clip(t / row_scale[:, None], -limit, limit).astype(q_ref.dtype)
     qt_ref[...] = jnp.clip(t / col_scale[None, :], -limit, limit).astype(q_ref.dtype).T
     s_ref[...] = row_scale[:, None]
@@ -151,8 +149,6 @@ def cast_rows_both(t, dtype, margin: float = 0.0, block_size: int = 128, interpr
     reductions; the kernel then reads ``t`` once more and writes both layouts (XLA's path
     reads it four times, once strided). Returns ``(data, scale [B, P, 1], data_t,
     scale_t [B, C, 1], amax)``, the values of `fp8jax.recipe.RowWise`'s XLA path."""
-    from .. import recipe
-
     why = shape_reason(t.shape, block_size)
     if why is not None:
         raise ValueError(f"tile_cast.cast_rows_both: {why}")
@@ -160,8 +156,8 @@ def cast_rows_both(t, dtype, margin: float = 0.0, block_size: int = 128, interpr
     bs = block_size
     row_amax = q.tile_amax(t, axis=2)  # [B, P]
     col_amax = q.tile_amax(t, axis=1)  # [B, C]
-    scale = recipe.tile_scales(row_amax, dtype, margin)[:, :, None]
-    scale_t = recipe.tile_scales(col_amax, dtype, margin)[:, :, None]
+    scale = q.tile_scales(row_amax, dtype, margin)[:, :, None]
+    scale_t = q.tile_scales(col_amax, dtype, margin)[:, :, None]
     data, data_t = pl.pallas_call(
         _rows_kernel,
         grid=(bsz, p // bs, c // bs),

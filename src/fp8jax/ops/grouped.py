@@ -402,7 +402,9 @@ def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
 def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     cfg = spec.config
     if cfg.recipe.kind != "tensor":
-        return _tiled_fwd(spec, x, w, layout)
+        from .grouped_tiled import tiled_fwd  # row/block-wise (imports this module)
+
+        return tiled_fwd(spec, x, w, layout)
     in_s, k_s, _, in_h, k_h, _, _ = state
     xm = _masked(x, layout)
     ax, aw = q.amax(xm), _per_expert_amax(w)
@@ -425,7 +427,9 @@ def _grouped_fp8_fwd(spec, x, w, layout, state):
 
 def _grouped_fp8_bwd(spec, residuals, cotangents):
     if spec.config.recipe.kind != "tensor":
-        return _tiled_bwd(spec, residuals, cotangents)
+        from .grouped_tiled import tiled_bwd
+
+        return tiled_bwd(spec, residuals, cotangents)
     dy = cotangents
     (xTq, wq, sx, sw, ax, aw), layout, state = residuals
     cfg = spec.config
@@ -453,53 +457,3 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
 
 
 grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
-
-
-# ----------------------------------------------------------------------------- row/block-wise
-# `Fp8Config(recipe="rowwise" | "blockwise")`: the operands are cast per row / per tile as
-# the linear's (`fp8jax.recipe`; an expert's weight [in, out] is cast per block on its own),
-# then dequantized into the float32 grouped reference. Numerics of the recipe, not FP8
-# GEMMs: a block-scaled grouped kernel is not written yet, so every backend runs this.
-def _deq(recipe, data, scale):
-    return recipe.dequantize(data, scale, F32)
-
-
-def _tiled_fwd(spec: Spec, x, w, layout):
-    cfg, recipe = spec.config, spec.config.recipe
-    xm = _masked(x, layout)
-    xc = recipe.quantize_both(xm[None], None, None, cfg.input_dtype)
-    wc = recipe.quantize_both(w, None, None, cfg.kernel_dtype, weight=True)  # [G, in, out]
-    ones = jnp.ones((layout.num_groups,), F32)
-    y = _rows_reference(
-        _deq(recipe, xc.data, xc.scale)[0],
-        _deq(recipe, wc.data_t, wc.scale_t),
-        layout,
-        ones,
-        spec.x_dtype,
-    )
-    sw = jnp.max(wc.scale, axis=(1, 2))  # per expert, for the state
-    return y, (xc.data_t, xc.scale_t, wc.data, wc.scale, xc.amax, _per_expert_amax(w), sw)
-
-
-def _tiled_bwd(spec, residuals, dy):
-    (xTq, sxT, wq, swq, ax, aw, sw), layout, state = residuals
-    cfg, recipe = spec.config, spec.config.recipe
-    gc = recipe.quantize_both(_masked(dy, layout)[None], None, None, cfg.grad_dtype)
-    ones = jnp.ones((layout.num_groups,), F32)
-    dy_deq = _deq(recipe, gc.data, gc.scale)[0]
-    dx = _rows_reference(dy_deq, _deq(recipe, wq, swq), layout, ones, spec.x_dtype)
-    dx = _masked(dx, layout)
-    x_t, dy_t = _deq(recipe, xTq, sxT)[0], _deq(recipe, gc.data_t, gc.scale_t)[0]
-    dw = _wgrad_reference(x_t, dy_t, layout, jnp.ones((), F32), spec.w_dtype)
-    observed, bad = q.sanitize_amax(jnp.concatenate([ax.reshape(1), gc.amax.reshape(1), aw]))
-    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
-    proposed = (
-        recipe.summary(sxT).astype(in_s.dtype),
-        sw.astype(k_s.dtype),
-        recipe.summary(gc.scale).astype(g_s.dtype),
-        _state.record(in_h, observed[0]),
-        _state.record(k_h, observed[2:]),
-        _state.record(g_h, observed[1]),
-        nonfinite + jnp.max(bad),
-    )
-    return dx, dw, jax.tree_util.tree_map(_zero_ct, layout), _state.proposal(proposed)

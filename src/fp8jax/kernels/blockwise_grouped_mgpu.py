@@ -1,0 +1,154 @@
+"""Block-scaled FP8 GEMMs for grouped experts (Pallas Mosaic GPU, Hopper): the block-wise
+recipe on the aligned group layout of `fp8jax.kernels.grouped_gemm` (every expert's rows
+start at a multiple of 128).
+
+* `grouped_rows`: ``out[r] = sum_k a_scale[r, k] * b_scale[g(r), :, k] * (a[r, kchunk] .
+  b[g(r), :, kchunk])`` for ``a [M, K]`` (1x128 tiles) and ``b [G, N, K]`` (128x128 blocks):
+  the forward ``x . W_e`` and the dgrad ``dy . W_e^T``. It is the dense kernel
+  (`fp8jax.kernels.blockwise_gemm_mgpu`, two math warpgroups, block B scales folded into the
+  row scales) with each 128-row CTA tile reading its group's weight.
+* `grouped_wgrad`: ``out[g] = sum over group g's 128-row chunks c of (a_t[:, c] . b_t[:, c]^T)
+  * (a_scale[:, c] (x) b_scale[:, c])`` for ``a_t [K, M]``, ``b_t [N, M]`` (both 1x128 tiles
+  along M: the weight gradient ``x_e^T . dy_e``). One warpgroup per ``64 x 128`` tile
+  promotes every chunk (per-column scales), two CTAs per SM; empty groups get zeros.
+
+Both need FP8 operands and float32 scales; `reason` says why a call cannot run here, and
+`fp8jax.ops.grouped_tiled` then takes the float32 reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import blockwise_gemm_mgpu as _mg
+from . import grouped_gemm as _gg
+
+pl, plgpu = _gg.pl, _gg.plgpu
+BLOCK = _mg.BLOCK_K  # 128: the recipe's tile, the group alignment, the promotion chunk
+WGRAD = dataclasses.replace(_mg.SINGLE_WARPGROUP)  # 64 x 128 tiles, 2 stages, 2 CTAs per SM
+
+
+def reason(m: int, k: int, n: int, dtype, out_dtype) -> str:
+    """Why the kernels cannot run ``[M, K] x [G, N, K]`` (and its dgrad and wgrad) here
+    ("" when they can)."""
+    ok, why = _gg.available()
+    if not ok:
+        return why
+    if m % BLOCK or k % BLOCK or n % BLOCK:
+        return f"M={m}, K={k}, N={n} are not multiples of {BLOCK}"
+    if _gg.ROW_ALIGN != BLOCK:
+        return f"the group alignment {_gg.ROW_ALIGN} is not the block {BLOCK}"
+    fp8 = tuple(map(jnp.dtype, (jnp.float8_e4m3fn, jnp.float8_e5m2)))
+    if jnp.dtype(dtype) not in fp8:
+        return f"operands {jnp.dtype(dtype)} are not FP8"
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"out_dtype {jnp.dtype(out_dtype)} (the kernels write float32 or bfloat16)"
+    return ""
+
+
+def grouped_rows(a, a_scale, b, b_scale, block_group, *, out_dtype):
+    """``a [M, K]``, ``a_scale [M, K/128]``, ``b [G, N, K]``, ``b_scale [G, N/128, K/128]``
+    and ``block_group [M/128]`` (group of each row block, ``G`` past the last) -> ``[M, N]``;
+    rows of blocks past the last group are undefined."""
+    m, k = a.shape
+    g, n, _ = b.shape
+    nk = k // BLOCK
+    if a_scale.shape != (m, nk) or b_scale.shape != (g, n // BLOCK, nk):
+        raise ValueError(
+            f"blockwise grouped GEMM: a {a.shape}, a_scale {a_scale.shape}, b {b.shape}, "
+            f"b_scale {b_scale.shape} do not fit [M, K], [M, K/128], [G, N, K], "
+            "[G, N/128, K/128]"
+        )
+    config = _mg.Config()
+    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nk * M], chunk-major
+    sb = jnp.swapaxes(b_scale.astype(jnp.float32), 1, 2).reshape(g, -1)  # [G, nk * N/128]
+    sb = jnp.repeat(sb, config.tile_m, axis=1)  # one per row of a warpgroup's tile
+    return _mg._warp_specialized(
+        a, sa, b, sb, out_dtype, config, b_blocks=True, block_group=block_group
+    )
+
+
+def grouped_wgrad(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, *, out_dtype):
+    """``a_t [K, M]``, ``a_scale [K, M/128]``, ``b_t [N, M]``, ``b_scale [N, M/128]``,
+    ``group_starts [G]`` and ``group_padded_sizes [G]`` (multiples of 128) -> ``[G, K, N]``."""
+    k, m = a_t.shape
+    n = b_t.shape[0]
+    g = group_starts.shape[0]
+    nm = m // BLOCK
+    if a_scale.shape != (k, nm) or b_scale.shape != (n, nm) or b_t.shape[1] != m:
+        raise ValueError(
+            f"blockwise grouped wgrad: a_t {a_t.shape}, a_scale {a_scale.shape}, b_t "
+            f"{b_t.shape}, b_scale {b_scale.shape} do not fit [K, M], [K, M/128], [N, M], "
+            "[N, M/128]"
+        )
+    bm, bn, bk = WGRAD.tile_m, WGRAD.tile_n, BLOCK
+    grid_m, grid_n = k // bm, n // bn
+    a_transforms = _gg._smem_transforms(bk, a_t.dtype)
+    b_transforms = _gg._smem_transforms(bk, b_t.dtype)
+    out_transforms = _gg._smem_transforms(bn, out_dtype)
+    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nm * K], chunk-major
+    sb = b_scale.astype(jnp.float32).T.reshape(-1)  # [nm * N]
+
+    def body(starts_gmem, blocks_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
+        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+        def _loop(loop_info):
+            g_i = loop_info.index[0]
+            m_i, n_i = plgpu.planar_snake(
+                loop_info.index[1], (grid_m, grid_n), 1, WGRAD.grid_tile_width
+            )
+            start = pl.multiple_of(starts_gmem[g_i], bk)
+            first = start // bk  # the group's first 128-row chunk
+            rows = pl.ds(start, m)  # may run past M: the pipeline reads the group's blocks only
+            num_blocks = blocks_gmem[g_i]
+
+            def store(out):
+                @functools.partial(
+                    pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=out_transforms)
+                )
+                def _store(o_smem):
+                    o_smem[...] = out
+                    plgpu.commit_smem()
+                    dst = o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn, bn)]
+                    plgpu.copy_smem_to_gmem(o_smem, dst)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            zero = plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
+                row_s = _mg._load(sa_smem, plgpu.Layout.WGMMA.reduce(1), False)
+                col_s = _mg._load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
+                return total + _mg._scaled_chunk(a_smem, b_smem, row_s, col_s, (bm, bn))
+
+            @pl.when(num_blocks > 0)
+            def _run():
+                total = plgpu.emit_pipeline(
+                    step,
+                    grid=(num_blocks,),
+                    in_specs=[
+                        plgpu.BlockSpec((bm, bk), lambda r: (m_i, r), transforms=a_transforms),
+                        plgpu.BlockSpec((bn, bk), lambda r: (n_i, r), transforms=b_transforms),
+                        plgpu.BlockSpec((bm,), lambda r: ((first + r) * grid_m + m_i,)),
+                        plgpu.BlockSpec((bn,), lambda r: ((first + r) * grid_n + n_i,)),
+                    ],
+                    max_concurrent_steps=WGRAD.max_concurrent_steps,
+                    init_carry=zero,
+                )(a_gmem.at[:, rows], b_gmem.at[:, rows], sa_gmem, sb_gmem)
+                store(total.astype(out_dtype))
+
+            @pl.when(num_blocks == 0)
+            def _empty():
+                store(zero.astype(out_dtype))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(_gg._num_sms() * WGRAD.ctas_per_sm,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    blocks = group_padded_sizes.astype(jnp.int32) // bk
+    return kernel(group_starts.astype(jnp.int32), blocks, a_t, b_t, sa, sb)
