@@ -4,7 +4,10 @@ against XLA's bf16 GEMM and its per-tensor FP8 GEMM (cuBLASLt) on the same shape
 
 Variants: ``fp8jax-blockwise`` (`fp8jax.kernels.blockwise_gemm`, backend ``auto``: the
 Hopper kernel where it runs, the plain-JAX reference elsewhere; the ``backend`` field
-says which), ``xla-fp8-tensor`` (one scale per operand), ``xla-bf16``.
+says which), ``fp8jax-blockwise-grouped`` (the same rows split into 8 equal experts, each
+with its own ``[N, K]`` weight: `fp8jax.kernels.blockwise_grouped_mgpu.grouped_rows`, the
+grouped reference elsewhere; same FLOPs), ``xla-fp8-tensor`` (one scale per operand),
+``xla-bf16``.
 
     python -m benchmarks.blockwise_gemm                      # H100: records to results/
     python -m benchmarks.blockwise_gemm --quick              # CPU smoke, writes nothing
@@ -24,7 +27,8 @@ from fp8jax.kernels import blockwise_gemm as bg
 
 COMMAND_PREFIX = "python -m benchmarks.blockwise_gemm"
 BENCH = "blockwise_gemm"
-VARIANTS = ("fp8jax-blockwise", "xla-fp8-tensor", "xla-bf16")
+VARIANTS = ("fp8jax-blockwise", "fp8jax-blockwise-grouped", "xla-fp8-tensor", "xla-bf16")
+EXPERTS = 8
 FIELDS = (*common.META_FIELDS, "ms", "tflops", "speedup_vs_bf16", "backend")
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (4096, 4096, 4096)]  # M, K, N
 QUICK_SHAPES = [(128, 256, 128)]
@@ -61,6 +65,40 @@ def _fn(variant):
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
+def _grouped(a8, sa, b8, sb):
+    """(function, args, backend) of the grouped variant: the rows split into equal experts
+    (fewer than `EXPERTS` where M is small), each expert's weight a copy of ``b``."""
+    from fp8jax.ops import grouped as gr
+    from fp8jax.recipe import BlockWise
+
+    m, k = a8.shape[1:]
+    groups = max(1, min(EXPERTS, m // 128))
+    layout = gr.layout_from_sizes(jnp.full((groups,), m // groups), m, 128)
+    b8g, sbg = (jnp.broadcast_to(t[0], (groups, *t.shape[1:])) + 0 for t in (b8, sb))
+    try:
+        from fp8jax.kernels import blockwise_grouped_mgpu as bgk
+
+        why = bgk.reason(m, k, b8.shape[1], a8.dtype, jnp.bfloat16) or None
+    except ImportError as e:  # pragma: no cover - depends on the installed JAX
+        why = str(e)
+    if why is None:
+        fn = jax.jit(
+            lambda a, sa, b, sb: bgk.grouped_rows(
+                a[0], sa[0], b, sb, layout.block_group, out_dtype=jnp.bfloat16
+            )
+        )
+        return fn, (a8, sa, b8g, sbg), "kernel"
+    recipe, ones = BlockWise(), jnp.ones((groups,), jnp.float32)
+
+    def reference(a, sa, b, sb):
+        deq_a = recipe.dequantize(a, sa, jnp.float32)[0]
+        return gr._rows_reference(
+            deq_a, recipe.dequantize(b, sb, jnp.float32), layout, ones, jnp.bfloat16
+        )
+
+    return jax.jit(reference), (a8, sa, b8g, sbg), f"reference ({why})"
+
+
 def run_case(shape, variants, iters, reps, meta) -> list[dict]:
     m, k, n = shape
     a, b, sa, sb = _operands(m, k, n)
@@ -71,10 +109,13 @@ def run_case(shape, variants, iters, reps, meta) -> list[dict]:
         try:
             lhs, rhs = (a, b) if name == "xla-bf16" else (a8, b8)
             args = (lhs, sa, rhs, sb)
+            fn = None if name == "fp8jax-blockwise-grouped" else _fn(name)
             if name == "fp8jax-blockwise":
                 why = bg.kernel_reason(a8, sa, b8, sb, jnp.bfloat16, 128)
                 row["backend"] = "kernel" if why is None else f"reference ({why})"
-            row["ms"] = common.time_call(_fn(name), args, iters, reps)
+            elif name == "fp8jax-blockwise-grouped":
+                fn, args, row["backend"] = _grouped(a8, sa, b8, sb)
+            row["ms"] = common.time_call(fn, args, iters, reps)
         except Exception as e:  # report and go on
             row.update(ms=None, error=common.error_text(e))
         rows.append(row)
