@@ -72,10 +72,6 @@ def test_grouped_kernels_match_reference(key):
     )
     assert sqnr_db(np.asarray(dx, np.float32)[valid], np.asarray(ref)[valid]) > 40
 
-    dw = jax.jit(lambda *a: bgk.grouped_wgrad(*a, out_dtype=jnp.float32))(
-        xc.data_t[0], xc.scale_t[0], gc.data_t[0], gc.scale_t[0], layout.starts,
-        layout.padded_sizes,
-    )  # fmt: skip
     ref = gr._wgrad_reference(
         deq(xc.data_t, xc.scale_t)[0],
         deq(gc.data_t, gc.scale_t)[0],
@@ -83,8 +79,15 @@ def test_grouped_kernels_match_reference(key):
         jnp.ones((), jnp.float32),
         jnp.float32,
     )
-    assert sqnr_db(dw, ref) > 50
-    assert np.all(np.asarray(dw[1]) == 0)  # the empty expert
+    for warpgroups in (1, 2):
+        dw = jax.jit(
+            lambda *a: bgk.grouped_wgrad(*a, out_dtype=jnp.float32, warpgroups=warpgroups)
+        )(
+            xc.data_t[0], xc.scale_t[0], gc.data_t[0], gc.scale_t[0], layout.starts,
+            layout.padded_sizes,
+        )  # fmt: skip
+        assert sqnr_db(dw, ref) > 50, warpgroups
+        assert np.all(np.asarray(dw[1]) == 0), warpgroups  # the empty expert
 
 
 @gpu

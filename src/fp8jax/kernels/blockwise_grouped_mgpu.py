@@ -72,9 +72,15 @@ def grouped_rows(a, a_scale, b, b_scale, block_group, *, out_dtype):
     )
 
 
-def grouped_wgrad(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, *, out_dtype):
+def grouped_wgrad(
+    a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, *, out_dtype, warpgroups=2
+):
     """``a_t [K, M]``, ``a_scale [K, M/128]``, ``b_t [N, M]``, ``b_scale [N, M/128]``,
-    ``group_starts [G]`` and ``group_padded_sizes [G]`` (multiples of 128) -> ``[G, K, N]``."""
+    ``group_starts [G]`` and ``group_padded_sizes [G]`` (multiples of 128) -> ``[G, K, N]``.
+    ``warpgroups``: 2 (two math warpgroups and a TMA warpgroup per 128-row tile, the dense
+    kernel's layout; K must be a multiple of 128) or 1 (one per 64-row tile)."""
+    if warpgroups == 2 and a_t.shape[0] % (2 * WGRAD.tile_m) == 0:
+        return _wgrad_two(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, out_dtype)
     k, m = a_t.shape
     n = b_t.shape[0]
     g = group_starts.shape[0]
@@ -148,6 +154,112 @@ def grouped_wgrad(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, 
         out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
         grid=(_gg._num_sms() * WGRAD.ctas_per_sm,),
         grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    blocks = group_padded_sizes.astype(jnp.int32) // bk
+    return kernel(group_starts.astype(jnp.int32), blocks, a_t, b_t, sa, sb)
+
+
+def _wgrad_two(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, out_dtype):
+    """`grouped_wgrad` with two math warpgroups per ``128 x 128`` tile (64 rows each, sharing
+    the B tile) and one TMA warpgroup; the pipeline's length is the group's chunk count."""
+    k, m = a_t.shape
+    n, g = b_t.shape[0], group_starts.shape[0]
+    config = _mg.Config()
+    bm, bn, bk, wgs = config.tile_m, config.tile_n, BLOCK, 2
+    cta_m = bm * wgs
+    grid_m, grid_n = k // cta_m, n // bn
+    a_transforms = _gg._smem_transforms(bk, a_t.dtype)
+    b_transforms = _gg._smem_transforms(bk, b_t.dtype)
+    out_transforms = _gg._smem_transforms(bn, out_dtype)
+    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [M/128 * K], chunk-major
+    sb = b_scale.astype(jnp.float32).T.reshape(-1)  # [M/128 * N]
+
+    def body(starts_gmem, blocks_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
+        wg = jax.lax.axis_index("wg")
+        rows = pl.ds(wg * bm, bm)
+
+        def pipeline(step, compute_context, num_blocks, first=0, m_i=0, n_i=0):
+            return plgpu.emit_pipeline_warp_specialized(
+                step,
+                grid=(num_blocks,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((cta_m, bk), lambda r: (m_i, r), transforms=a_transforms),
+                    plgpu.BlockSpec((bn, bk), lambda r: (n_i, r), transforms=b_transforms),
+                    plgpu.BlockSpec((cta_m,), lambda r: ((first + r) * grid_m + m_i,)),
+                    plgpu.BlockSpec((bn,), lambda r: ((first + r) * grid_n + n_i,)),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=wgs,
+                max_concurrent_steps=config.max_concurrent_steps,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on them)
+        # Allocations from a static pipeline as long as the longest group could be.
+        static = pipeline(ignore, ignore, max(m // bk, config.max_concurrent_steps))
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=static.get_allocations(a_gmem, b_gmem, sa_gmem, sb_gmem),
+            o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_transforms),
+            collective_axes="wg",
+        )
+        def _scope(allocs, o_smem):
+            @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+            def _loop(loop_info):
+                g_i = loop_info.index[0]
+                m_i, n_i = plgpu.planar_snake(
+                    loop_info.index[1], (grid_m, grid_n), 1, config.grid_tile_width
+                )
+                start = pl.multiple_of(starts_gmem[g_i], bk)
+                num_blocks = blocks_gmem[g_i]
+                group_rows = pl.ds(start, m)  # may run past M: only the group's blocks are read
+
+                def store(out):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
+                    o_smem.at[wg][...] = out.astype(out_dtype)
+                    plgpu.commit_smem()
+                    dst = o_gmem.at[g_i, pl.ds(m_i * cta_m + wg * bm, bm), pl.ds(n_i * bn, bn)]
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+
+                def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
+                    row_s = _mg._load(sa_smem.at[rows], plgpu.Layout.WGMMA.reduce(1), False)
+                    col_s = _mg._load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
+                    return total + _mg._scaled_chunk(
+                        a_smem.at[rows], b_smem, row_s, col_s, (bm, bn)
+                    )
+
+                def zero():
+                    return plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+                def compute_context(run):
+                    store(run(zero()))
+
+                @pl.when(num_blocks > 0)
+                def _run():
+                    pipeline(step, compute_context, num_blocks, start // bk, m_i, n_i)(
+                        a_gmem.at[:, group_rows],
+                        b_gmem.at[:, group_rows],
+                        sa_gmem,
+                        sb_gmem,
+                        allocations=allocs,
+                    )
+
+                @pl.when((num_blocks == 0) & (wg < wgs))
+                def _empty():
+                    store(zero())
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(_gg._num_sms(),),
+        grid_names=("sm",),
+        num_threads=wgs + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     blocks = group_padded_sizes.astype(jnp.int32) // bk
