@@ -9,8 +9,10 @@ start at a multiple of 128).
   row scales) with each 128-row CTA tile reading its group's weight.
 * `grouped_wgrad`: ``out[g] = sum over group g's 128-row chunks c of (a_t[:, c] . b_t[:, c]^T)
   * (a_scale[:, c] (x) b_scale[:, c])`` for ``a_t [K, M]``, ``b_t [N, M]`` (both 1x128 tiles
-  along M: the weight gradient ``x_e^T . dy_e``). One warpgroup per ``64 x 128`` tile
-  promotes every chunk (per-column scales), two CTAs per SM; empty groups get zeros.
+  along M: the weight gradient ``x_e^T . dy_e``). Every chunk is promoted with per-column
+  scales; by default two math warpgroups and a TMA warpgroup per ``128 x 128`` tile, the
+  pipeline as long as the group (``warpgroups=1``: one warpgroup per ``64 x 128`` tile, two
+  CTAs per SM). Empty groups get zeros.
 
 Both need FP8 operands and float32 scales; `reason` says why a call cannot run here, and
 `fp8jax.ops.grouped_tiled` then takes the float32 reference.
