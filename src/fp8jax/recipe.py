@@ -145,11 +145,6 @@ class PerTensor:
 
 
 # ----------------------------------------------------------------------------- tiled recipes
-# The tiles' scale math lives with the other scaling math (the Pallas cast kernels use it).
-tile_scales = q.tile_scales
-_ceil_power_of_two = q.ceil_power_of_two
-
-
 def tile_cast(t: Array, dtype, rows: int, cols: int, margin: float = 0.0, power_of_two=False):
     """``t: [B, P, C]`` cast to FP8 with one scale per ``rows x cols`` tile (a last partial
     tile is scaled by its own elements). Returns ``(data [B, P, C], scale [B, ceil(P/rows),
@@ -161,7 +156,7 @@ def tile_cast(t: Array, dtype, rows: int, cols: int, margin: float = 0.0, power_
         tf = jnp.pad(tf, ((0, 0), (0, nr * rows - p), (0, nc * cols - c)))
     tf = tf.reshape(b, nr, rows, nc, cols)
     tile_amax = q.tile_amax(tf, axis=(2, 4))
-    scale = tile_scales(tile_amax, dtype, margin, power_of_two)
+    scale = q.tile_scales(tile_amax, dtype, margin, power_of_two)
     data = _cast_divided(tf, scale[:, :, None, :, None], dtype)
     data = data.reshape(b, nr * rows, nc * cols)[:, :p, :c]
     return data, scale, jnp.max(tile_amax)

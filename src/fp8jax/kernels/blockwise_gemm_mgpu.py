@@ -126,22 +126,32 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config = Config(), interp
     why = reason((1, m, k), (1, n, k), a.dtype, b.dtype, out_dtype, BLOCK_K, config)
     if why and not (interpret and why == _gg.available()[1]):
         raise ValueError(f"blockwise GEMM kernel: {why}")
-    # K chunk first, flat: the scales of one chunk for a row tile are contiguous (one TMA).
-    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nk * M]
+    sa = _chunk_major(a_scale)  # [nk * M]
     b_blocks = b_scale.shape[0] != n
     two = config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0
     if two and b_blocks and config.tile_n == BLOCK_K:
-        # One scale per (N tile, K chunk), repeated over a warpgroup's 64 rows: it then
-        # multiplies the row scales (2 per thread) instead of every accumulator element.
-        sb = jnp.repeat(b_scale.astype(jnp.float32).T.reshape(-1), config.tile_m)
+        sb = _block_scales_per_row(b_scale, config.tile_m)
         return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=True)
-    b_scale = _bg.row_scales(b_scale[None], n, BLOCK_K)[0]  # one per row
-    sb = b_scale.T.reshape(-1)  # [nk * N]
+    sb = _chunk_major(_bg.row_scales(b_scale[None], n, BLOCK_K)[0])  # one per row: [nk * N]
     if two:
         return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=False)
     if config.math_warpgroups != 1:
         config = dataclasses.replace(SINGLE_WARPGROUP, tile_n=config.tile_n)
     return _single_warpgroup(a, sa, b, sb, out_dtype, config, interpret)
+
+
+def _chunk_major(scale):
+    """``[rows, chunks]`` scales -> flat ``[chunks * rows]`` float32, K chunk first: the
+    scales of one chunk for a row tile are contiguous (one TMA)."""
+    return scale.astype(jnp.float32).T.reshape(-1)
+
+
+def _block_scales_per_row(b_scale, tile_m: int):
+    """``[..., N/128, K/128]`` block scales -> ``[..., K/128 * N/128 * tile_m]``: one per
+    (N tile, K chunk), K chunk first, repeated over a warpgroup's ``tile_m`` rows, so that it
+    multiplies the row scales (2 per thread) instead of every accumulator element."""
+    flat = jnp.swapaxes(b_scale.astype(jnp.float32), -1, -2).reshape(*b_scale.shape[:-2], -1)
+    return jnp.repeat(flat, tile_m, axis=-1)
 
 
 def _scaled_chunk(a_smem, b_smem, row_s, col_s, shape):
@@ -163,6 +173,88 @@ def _outer(row_s, col_s, shape):
     return rows if col_s is None else rows * lax.broadcast_in_dim(col_s, shape, [1])
 
 
+def _wgmma_zero(shape):
+    """A float32 zero tile in the ``wgmma`` accumulator layout (a running total's start)."""
+    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _promotion_step(rows, b_blocks: bool, shape):
+    """The two-warpgroup kernels' pipeline step for the math warpgroup owning ``rows`` of
+    the CTA tile: one chunk's ``wgmma``, promoted into the running total with the chunk's A
+    row scales and B scales (``b_blocks``: one per block, folded into the row scales; else
+    one per column)."""
+
+    def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
+        row_s = _load(sa_smem.at[rows], plgpu.Layout.WGMMA.reduce(1), False)
+        if b_blocks:  # the chunk's B scale, folded into the row scales
+            row_s = row_s * _load(sb_smem, plgpu.Layout.WGMMA.reduce(1), False)
+            col_s = None
+        else:
+            col_s = _load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
+        return total + _scaled_chunk(a_smem.at[rows], b_smem, row_s, col_s, shape)
+
+    return step
+
+
+def _ws_pipeline(
+    step,
+    compute_context,
+    config: Config,
+    dtypes,
+    grid_mn,
+    num_steps,
+    sb_block,
+    m_i=0,
+    n_i=0,
+    first=0,
+):
+    """The two-warpgroup kernels' pipeline over ``num_steps`` K chunks (static, or a traced
+    group length), from chunk ``first``: per step the ``cta_tile_m x 128`` A tile, the
+    ``tile_n x 128`` B tile, and their chunk's scales (``sb_block`` B scales per N tile)
+    from the chunk-major scale vectors."""
+    grid_m, grid_n = grid_mn
+    bk = BLOCK_K
+    a_transforms, b_transforms = (_gg._smem_transforms(bk, dtype) for dtype in dtypes)
+    return plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(num_steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((config.cta_tile_m, bk), lambda kk: (m_i, kk), transforms=a_transforms),
+            plgpu.BlockSpec((config.tile_n, bk), lambda kk: (n_i, kk), transforms=b_transforms),
+            plgpu.BlockSpec((config.cta_tile_m,), lambda kk: ((first + kk) * grid_m + m_i,)),
+            plgpu.BlockSpec((sb_block,), lambda kk: ((first + kk) * grid_n + n_i,)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=config.math_warpgroups,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+
+def _store_tile(o_smem, out, dst):
+    """A math warpgroup's finished tile: into its SMEM slot (once the previous tile's copy
+    has read it), then one TMA copy to ``dst``."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = out
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, dst)
+
+
+def _ws_kernel(body, out_type, config: Config):
+    """``body`` as a persistent kernel: ``ctas_per_sm`` CTAs per SM, each with the math
+    warpgroups and one TMA warpgroup (axis ``"wg"``)."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(_gg._num_sms() * config.ctas_per_sm,),
+        grid_names=("sm",),
+        num_threads=config.math_warpgroups + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
 def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, block_group=None):
     """Two math warpgroups per ``128 x tile_n`` CTA tile and one TMA warpgroup. ``sb``:
     ``b_blocks``: one scale per (N tile, K chunk) repeated 64 times; else one per column.
@@ -173,41 +265,29 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
     grouped = block_group is not None
     (m, k), n = a.shape, b.shape[-2]
     num_groups = b.shape[0] if grouped else 1
-    bm, bn, bk, wgs = config.tile_m, config.tile_n, BLOCK_K, config.math_warpgroups
+    bm, bn, wgs = config.tile_m, config.tile_n, config.math_warpgroups
     cta_m = config.cta_tile_m
-    grid_m, grid_n, nk = m // cta_m, n // bn, k // bk
-    a_transforms = _gg._smem_transforms(bk, a.dtype)
-    b_transforms = _gg._smem_transforms(bk, b.dtype)
+    grid_m, grid_n, nk = m // cta_m, n // bn, k // BLOCK_K
     out_transforms = _gg._smem_transforms(bn, out_dtype)
 
     def body(a_gmem, b_gmem, sa_gmem, sb_gmem, *refs):
         bg_gmem, o_gmem = refs if grouped else (None, refs[0])
         wg = lax.axis_index("wg")
-        rows = pl.ds(wg * bm, bm)
         b_one, sb_one = (b_gmem.at[0], sb_gmem.at[0]) if grouped else (b_gmem, sb_gmem)
+        step = _promotion_step(pl.ds(wg * bm, bm), b_blocks, (bm, bn))
 
-        def pipeline(step, compute_context, m_i=0, n_i=0):
-            return plgpu.emit_pipeline_warp_specialized(
-                step,
-                grid=(nk,),
-                memory_registers=40,
-                in_specs=[
-                    plgpu.BlockSpec((cta_m, bk), lambda kk: (m_i, kk), transforms=a_transforms),
-                    plgpu.BlockSpec((bn, bk), lambda kk: (n_i, kk), transforms=b_transforms),
-                    plgpu.BlockSpec((cta_m,), lambda kk: (kk * grid_m + m_i,)),
-                    plgpu.BlockSpec((bm if b_blocks else bn,), lambda kk: (kk * grid_n + n_i,)),
-                ],
-                wg_axis="wg",
-                num_compute_wgs=wgs,
-                max_concurrent_steps=config.max_concurrent_steps,
-                compute_context=compute_context,
-            )
+        def pipeline(compute_context, m_i=0, n_i=0):
+            sb_block = bm if b_blocks else bn
+            return _ws_pipeline(
+                step, compute_context, config, (a.dtype, b.dtype), (grid_m, grid_n), nk,
+                sb_block, m_i, n_i,
+            )  # fmt: skip
 
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on them)
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on it)
 
         @functools.partial(
             pl.run_scoped,
-            allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_one, sa_gmem, sb_one),
+            allocs=pipeline(ignore).get_allocations(a_gmem, b_one, sa_gmem, sb_one),
             o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_transforms),
             collective_axes="wg",
         )
@@ -217,26 +297,13 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
                 (lin,) = loop_info.index
                 m_i, n_i = plgpu.planar_snake(lin, (grid_m, grid_n), 1, config.grid_tile_width)
 
-                def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
-                    row_s = _load(sa_smem.at[rows], plgpu.Layout.WGMMA.reduce(1), False)
-                    if b_blocks:  # the chunk's B scale, folded into the row scales
-                        row_s = row_s * _load(sb_smem, plgpu.Layout.WGMMA.reduce(1), False)
-                        col_s = None
-                    else:
-                        col_s = _load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
-                    return total + _scaled_chunk(a_smem.at[rows], b_smem, row_s, col_s, (bm, bn))
-
                 def compute_context(run):
-                    zero = plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
-                    out = run(zero).astype(out_dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
-                    o_smem.at[wg][...] = out
-                    plgpu.commit_smem()
+                    out = run(_wgmma_zero((bm, bn))).astype(out_dtype)
                     dst = o_gmem.at[pl.ds(m_i * cta_m + wg * bm, bm), pl.ds(n_i * bn, bn)]
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+                    _store_tile(o_smem.at[wg], out, dst)
 
                 if not grouped:
-                    pipeline(step, compute_context, m_i, n_i)(
+                    pipeline(compute_context, m_i, n_i)(
                         a_gmem, b_gmem, sa_gmem, sb_gmem, allocations=allocs
                     )
                     return
@@ -244,21 +311,13 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
 
                 @pl.when(group < num_groups)
                 def _run():
-                    pipeline(step, compute_context, m_i, n_i)(
+                    pipeline(compute_context, m_i, n_i)(
                         a_gmem, b_gmem.at[group], sa_gmem, sb_gmem.at[group], allocations=allocs
                     )
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(_gg._num_sms() * config.ctas_per_sm,),
-        grid_names=("sm",),
-        num_threads=wgs + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), config)
     if grouped:
         return kernel(a, b, sa, sb, block_group.astype(jnp.int32))
     return kernel(a, b, sa, sb)
@@ -295,9 +354,8 @@ def _single_warpgroup(a, sa, b, sb, out_dtype, config: Config, interpret: bool):
                 )
                 return total + chunk * _outer(row_s, col_s, (bm, bn))
 
-            zero = jnp.full((bm, bn), 0, jnp.float32)
-            if not interpret:  # the interpreter has no layouts
-                zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            # The interpreter has no layouts.
+            zero = jnp.full((bm, bn), 0, jnp.float32) if interpret else _wgmma_zero((bm, bn))
             total = plgpu.emit_pipeline(
                 step,
                 grid=(nk,),

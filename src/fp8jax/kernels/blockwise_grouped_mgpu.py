@@ -9,10 +9,9 @@ start at a multiple of 128).
   row scales) with each 128-row CTA tile reading its group's weight.
 * `grouped_wgrad`: ``out[g] = sum over group g's 128-row chunks c of (a_t[:, c] . b_t[:, c]^T)
   * (a_scale[:, c] (x) b_scale[:, c])`` for ``a_t [K, M]``, ``b_t [N, M]`` (both 1x128 tiles
-  along M: the weight gradient ``x_e^T . dy_e``). Every chunk is promoted with per-column
-  scales; by default two math warpgroups and a TMA warpgroup per ``128 x 128`` tile, the
-  pipeline as long as the group (``warpgroups=1``: one warpgroup per ``64 x 128`` tile, two
-  CTAs per SM). Empty groups get zeros.
+  along M: the weight gradient ``x_e^T . dy_e``). The dense kernel's layout too (two math
+  warpgroups and a TMA warpgroup per ``128 x 128`` tile), every chunk promoted with
+  per-column scales, the pipeline as long as the group; empty groups get zeros.
 
 Both need FP8 operands and float32 scales; `reason` says why a call cannot run here, and
 `fp8jax.ops.grouped_tiled` then takes the float32 reference.
@@ -20,7 +19,6 @@ Both need FP8 operands and float32 scales; `reason` says why a call cannot run h
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -31,7 +29,6 @@ from . import grouped_gemm as _gg
 
 pl, plgpu = _gg.pl, _gg.plgpu
 BLOCK = _mg.BLOCK_K  # 128: the recipe's tile, the group alignment, the promotion chunk
-WGRAD = dataclasses.replace(_mg.SINGLE_WARPGROUP)  # 64 x 128 tiles, 2 stages, 2 CTAs per SM
 
 
 def reason(m: int, k: int, n: int, dtype, out_dtype) -> str:
@@ -66,26 +63,17 @@ def grouped_rows(a, a_scale, b, b_scale, block_group, *, out_dtype):
             "[G, N/128, K/128]"
         )
     config = _mg.Config()
-    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nk * M], chunk-major
-    sb = jnp.swapaxes(b_scale.astype(jnp.float32), 1, 2).reshape(g, -1)  # [G, nk * N/128]
-    sb = jnp.repeat(sb, config.tile_m, axis=1)  # one per row of a warpgroup's tile
+    sa, sb = _mg._chunk_major(a_scale), _mg._block_scales_per_row(b_scale, config.tile_m)
     return _mg._warp_specialized(
         a, sa, b, sb, out_dtype, config, b_blocks=True, block_group=block_group
     )
 
 
-def grouped_wgrad(
-    a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, *, out_dtype, warpgroups=2
-):
+def grouped_wgrad(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, *, out_dtype):
     """``a_t [K, M]``, ``a_scale [K, M/128]``, ``b_t [N, M]``, ``b_scale [N, M/128]``,
-    ``group_starts [G]`` and ``group_padded_sizes [G]`` (multiples of 128) -> ``[G, K, N]``.
-    ``warpgroups``: 2 (two math warpgroups and a TMA warpgroup per 128-row tile, the dense
-    kernel's layout; K must be a multiple of 128) or 1 (one per 64-row tile)."""
-    if warpgroups == 2 and a_t.shape[0] % (2 * WGRAD.tile_m) == 0:
-        return _wgrad_two(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, out_dtype)
+    ``group_starts [G]`` and ``group_padded_sizes [G]`` (multiples of 128) -> ``[G, K, N]``."""
     k, m = a_t.shape
-    n = b_t.shape[0]
-    g = group_starts.shape[0]
+    n, g = b_t.shape[0], group_starts.shape[0]
     nm = m // BLOCK
     if a_scale.shape != (k, nm) or b_scale.shape != (n, nm) or b_t.shape[1] != m:
         raise ValueError(
@@ -93,114 +81,25 @@ def grouped_wgrad(
             f"{b_t.shape}, b_scale {b_scale.shape} do not fit [K, M], [K, M/128], [N, M], "
             "[N, M/128]"
         )
-    bm, bn, bk = WGRAD.tile_m, WGRAD.tile_n, BLOCK
-    grid_m, grid_n = k // bm, n // bn
-    a_transforms = _gg._smem_transforms(bk, a_t.dtype)
-    b_transforms = _gg._smem_transforms(bk, b_t.dtype)
-    out_transforms = _gg._smem_transforms(bn, out_dtype)
-    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [nm * K], chunk-major
-    sb = b_scale.astype(jnp.float32).T.reshape(-1)  # [nm * N]
-
-    def body(starts_gmem, blocks_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
-        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
-        def _loop(loop_info):
-            g_i = loop_info.index[0]
-            m_i, n_i = plgpu.planar_snake(
-                loop_info.index[1], (grid_m, grid_n), 1, WGRAD.grid_tile_width
-            )
-            start = pl.multiple_of(starts_gmem[g_i], bk)
-            first = start // bk  # the group's first 128-row chunk
-            rows = pl.ds(start, m)  # may run past M: the pipeline reads the group's blocks only
-            num_blocks = blocks_gmem[g_i]
-
-            def store(out):
-                @functools.partial(
-                    pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=out_transforms)
-                )
-                def _store(o_smem):
-                    o_smem[...] = out
-                    plgpu.commit_smem()
-                    dst = o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn, bn)]
-                    plgpu.copy_smem_to_gmem(o_smem, dst)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            zero = plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
-
-            def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
-                row_s = _mg._load(sa_smem, plgpu.Layout.WGMMA.reduce(1), False)
-                col_s = _mg._load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
-                return total + _mg._scaled_chunk(a_smem, b_smem, row_s, col_s, (bm, bn))
-
-            @pl.when(num_blocks > 0)
-            def _run():
-                total = plgpu.emit_pipeline(
-                    step,
-                    grid=(num_blocks,),
-                    in_specs=[
-                        plgpu.BlockSpec((bm, bk), lambda r: (m_i, r), transforms=a_transforms),
-                        plgpu.BlockSpec((bn, bk), lambda r: (n_i, r), transforms=b_transforms),
-                        plgpu.BlockSpec((bm,), lambda r: ((first + r) * grid_m + m_i,)),
-                        plgpu.BlockSpec((bn,), lambda r: ((first + r) * grid_n + n_i,)),
-                    ],
-                    max_concurrent_steps=WGRAD.max_concurrent_steps,
-                    init_carry=zero,
-                )(a_gmem.at[:, rows], b_gmem.at[:, rows], sa_gmem, sb_gmem)
-                store(total.astype(out_dtype))
-
-            @pl.when(num_blocks == 0)
-            def _empty():
-                store(zero.astype(out_dtype))
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-        grid=(_gg._num_sms() * WGRAD.ctas_per_sm,),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    blocks = group_padded_sizes.astype(jnp.int32) // bk
-    return kernel(group_starts.astype(jnp.int32), blocks, a_t, b_t, sa, sb)
-
-
-def _wgrad_two(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, out_dtype):
-    """`grouped_wgrad` with two math warpgroups per ``128 x 128`` tile (64 rows each, sharing
-    the B tile) and one TMA warpgroup; the pipeline's length is the group's chunk count."""
-    k, m = a_t.shape
-    n, g = b_t.shape[0], group_starts.shape[0]
     config = _mg.Config()
-    bm, bn, bk, wgs = config.tile_m, config.tile_n, BLOCK, 2
-    cta_m = bm * wgs
+    bm, bn, bk, wgs = config.tile_m, config.tile_n, BLOCK, config.math_warpgroups
+    cta_m = config.cta_tile_m
     grid_m, grid_n = k // cta_m, n // bn
-    a_transforms = _gg._smem_transforms(bk, a_t.dtype)
-    b_transforms = _gg._smem_transforms(bk, b_t.dtype)
     out_transforms = _gg._smem_transforms(bn, out_dtype)
-    sa = a_scale.astype(jnp.float32).T.reshape(-1)  # [M/128 * K], chunk-major
-    sb = b_scale.astype(jnp.float32).T.reshape(-1)  # [M/128 * N]
 
     def body(starts_gmem, blocks_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
         wg = jax.lax.axis_index("wg")
-        rows = pl.ds(wg * bm, bm)
+        step = _mg._promotion_step(pl.ds(wg * bm, bm), False, (bm, bn))
 
-        def pipeline(step, compute_context, num_blocks, first=0, m_i=0, n_i=0):
-            return plgpu.emit_pipeline_warp_specialized(
-                step,
-                grid=(num_blocks,),
-                memory_registers=40,
-                in_specs=[
-                    plgpu.BlockSpec((cta_m, bk), lambda r: (m_i, r), transforms=a_transforms),
-                    plgpu.BlockSpec((bn, bk), lambda r: (n_i, r), transforms=b_transforms),
-                    plgpu.BlockSpec((cta_m,), lambda r: ((first + r) * grid_m + m_i,)),
-                    plgpu.BlockSpec((bn,), lambda r: ((first + r) * grid_n + n_i,)),
-                ],
-                wg_axis="wg",
-                num_compute_wgs=wgs,
-                max_concurrent_steps=config.max_concurrent_steps,
-                compute_context=compute_context,
-            )
+        def pipeline(compute_context, num_blocks, first=0, m_i=0, n_i=0):
+            return _mg._ws_pipeline(
+                step, compute_context, config, (a_t.dtype, b_t.dtype), (grid_m, grid_n),
+                num_blocks, bn, m_i, n_i, first,
+            )  # fmt: skip
 
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on them)
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on it)
         # Allocations from a static pipeline as long as the longest group could be.
-        static = pipeline(ignore, ignore, max(m // bk, config.max_concurrent_steps))
+        static = pipeline(ignore, max(nm, config.max_concurrent_steps))
 
         @functools.partial(
             pl.run_scoped,
@@ -219,29 +118,16 @@ def _wgrad_two(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, out
                 num_blocks = blocks_gmem[g_i]
                 group_rows = pl.ds(start, m)  # may run past M: only the group's blocks are read
 
-                def store(out):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store
-                    o_smem.at[wg][...] = out.astype(out_dtype)
-                    plgpu.commit_smem()
+                def store(total):
                     dst = o_gmem.at[g_i, pl.ds(m_i * cta_m + wg * bm, bm), pl.ds(n_i * bn, bn)]
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
-
-                def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
-                    row_s = _mg._load(sa_smem.at[rows], plgpu.Layout.WGMMA.reduce(1), False)
-                    col_s = _mg._load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
-                    return total + _mg._scaled_chunk(
-                        a_smem.at[rows], b_smem, row_s, col_s, (bm, bn)
-                    )
-
-                def zero():
-                    return plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
+                    _mg._store_tile(o_smem.at[wg], total.astype(out_dtype), dst)
 
                 def compute_context(run):
-                    store(run(zero()))
+                    store(run(_mg._wgmma_zero((bm, bn))))
 
                 @pl.when(num_blocks > 0)
                 def _run():
-                    pipeline(step, compute_context, num_blocks, start // bk, m_i, n_i)(
+                    pipeline(compute_context, num_blocks, start // bk, m_i, n_i)(
                         a_gmem.at[:, group_rows],
                         b_gmem.at[:, group_rows],
                         sa_gmem,
@@ -251,18 +137,11 @@ def _wgrad_two(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, out
 
                 @pl.when((num_blocks == 0) & (wg < wgs))
                 def _empty():
-                    store(zero())
+                    store(_mg._wgmma_zero((bm, bn)))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-        grid=(_gg._num_sms(),),
-        grid_names=("sm",),
-        num_threads=wgs + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    kernel = _mg._ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), out_dtype), config)
     blocks = group_padded_sizes.astype(jnp.int32) // bk
+    sa, sb = _mg._chunk_major(a_scale), _mg._chunk_major(b_scale)  # [M/128 * K], [M/128 * N]
     return kernel(group_starts.astype(jnp.int32), blocks, a_t, b_t, sa, sb)

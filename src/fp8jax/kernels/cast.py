@@ -44,20 +44,26 @@ def _block(size: int) -> int | None:
     return next((b for b in BLOCK_SIZES if size % b == 0), None)
 
 
+def device_reason(device=None) -> str | None:
+    """Why the Pallas Triton FP8 casts cannot run on ``device`` (default: the first
+    device), or None when they can."""
+    if _IMPORT_ERROR is not None:
+        return f"Pallas Triton does not import: {_IMPORT_ERROR}"
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return f"no GPU (platform {device.platform})"
+    capability = str(getattr(device, "compute_capability", ""))
+    if not capability[:1].isdigit() or int(capability.split(".")[0]) < 9:
+        return f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}"
+    return None
+
+
 def supported(shape: tuple[int, ...], device=None) -> tuple[bool, str]:
     """Whether a ``[B, P, C]`` tensor can take the kernel on ``device`` (default: the
     first device): ``(True, "")`` or ``(False, why)``."""
-    if _IMPORT_ERROR is not None:
-        return False, f"Pallas Triton does not import: {_IMPORT_ERROR}"
-    device = device or jax.devices()[0]
-    if device.platform != "gpu":
-        return False, f"no GPU (platform {device.platform})"
-    capability = str(getattr(device, "compute_capability", ""))
-    if not capability[:1].isdigit() or int(capability.split(".")[0]) < 9:
-        return (
-            False,
-            f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}",
-        )
+    why = device_reason(device)
+    if why is not None:
+        return False, why
     if len(shape) != 3 or _block(shape[1]) is None or _block(shape[2]) is None:
         return False, f"shape {shape} is not [B, P, C] with P and C multiples of {BLOCK_SIZES[-1]}"
     return True, ""

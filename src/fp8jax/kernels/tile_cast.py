@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import quant as q
-from .cast import _IMPORT_ERROR, pl, triton_params
+from .cast import device_reason, pl, triton_params
 
 F32 = jnp.float32
 # Warps per program, measured on an H100 (benchmarks/RESULTS.md, 8192^2 bf16): activations
@@ -35,15 +35,7 @@ NUM_WARPS = {False: 4, True: 8}
 def reason(shape: tuple[int, ...], block_size: int, device=None) -> str | None:
     """Why the kernel cannot cast a ``[B, P, C]`` tensor on ``device`` (default: the first
     device), or None when it can."""
-    if _IMPORT_ERROR is not None:
-        return f"Pallas Triton does not import: {_IMPORT_ERROR}"
-    device = device or jax.devices()[0]
-    if device.platform != "gpu":
-        return f"no GPU (platform {device.platform})"
-    capability = str(getattr(device, "compute_capability", ""))
-    if not capability[:1].isdigit() or int(capability.split(".")[0]) < 9:
-        return f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}"
-    return shape_reason(shape, block_size)
+    return device_reason(device) or shape_reason(shape, block_size)
 
 
 def shape_reason(shape: tuple[int, ...], block_size: int) -> str | None:
