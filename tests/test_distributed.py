@@ -275,8 +275,11 @@ BLOCK_MESH = ("data", "fsdp", "tensor")
 
 def _block(kind):
     k = jax.random.PRNGKey(3)
-    if kind == "mlp":
-        return fp8jax.nn.FusedMLP(64, 128, activation="swiglu", residual=True, config=CFG, key=k)
+    if kind.startswith("mlp"):  # "mlp-halves": fc1 rows [gate | up] (reshuffled under TP)
+        gate_block = None if kind == "mlp-halves" else 64
+        return fp8jax.nn.FusedMLP(
+            64, 128, activation="swiglu", residual=True, config=CFG, gate_block=gate_block, key=k
+        )
     if kind == "mha":
         return fp8jax.nn.MultiHeadAttention(
             64, 4, mode="fp8_mha", backend="reference", config=CFG, key=k
@@ -330,6 +333,9 @@ def test_blocks_sharded_match_single_device(setup):
         psums = sorted(c.shape for c in cs if c.op_name == "psum")
         assert psums == ["[1280,128]", "[1280,64]", "[1280,64]"], cs
         assert not [c for c in cs if c.kind == "all-gather" and c.shape.startswith("[8,64")]
+    if setup == "mlp":  # fc1's interleaved gate/up rows split in pairs: nothing reshuffled
+        cs = _block_collectives(model, xs, ys)
+        assert not [c for c in cs if c.kind in ("all-to-all", "collective-permute")], cs
     model, losses, grads = _train_block(model, xs, ys)
     check_matches((model, losses, grads), (ref_model, ref_losses, ref_grads))
 
@@ -337,6 +343,17 @@ def test_blocks_sharded_match_single_device(setup):
 def _block_collectives(model, x, y):
     lowered = _block_step.lower(model, OPT.init(fp8jax.trainable(model)), x, y)
     return distributed.hlo_collectives(lowered)
+
+
+def test_fused_mlp_tensor_split_of_gate_and_up_rows():
+    """A column-parallel gated fc1 stored as ``[gate | up]`` warns (XLA reshuffles the
+    halves); an interleaved one whose pairs do not split over the axis is refused."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 1, 8), BLOCK_MESH)
+    with pytest.warns(UserWarning, match=r"with_gate_block\(64\)"):
+        fp8jax.shard_model(_block("mlp-halves"), mesh, **BLOCK_SHARDING["mlp"])
+    with pytest.raises(ValueError, match=r"'fc1': ffn=128 .* gate_block=64 .* 'tensor' of size 8"):
+        fp8jax.shard_model(_block("mlp"), mesh, **BLOCK_SHARDING["mlp"])
+    fp8jax.shard_model(_block("mlp-halves").with_gate_block(16), mesh, **BLOCK_SHARDING["mlp"])
 
 
 def test_expert_axis_not_dividing_experts():

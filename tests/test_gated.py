@@ -132,6 +132,40 @@ def test_core_matches_float_references_and_xla_path(key, mode, m, activation):
         assert sqnr_db(_params(g_model)[name], _params(g_ref)[name]) >= threshold, name
 
 
+@pytest.mark.parametrize("m", ["xla", "interpret"])
+def test_gate_block_layouts_compute_the_same_block(key, mode, m):
+    """fc1 rows as ``[gate | up]`` or interleaved (`FusedMLP.gate_block`: the core's own 64,
+    and 32 and 16, which it relayouts): the same loss, and fc1's gradient in each layout's
+    own row order, equal to the halves' one bit for bit (a row permutation of the same
+    math); the XLA path the same at 64."""
+    mode(m)
+    kx, km, kc = jax.random.split(key, 3)
+    mlp = _block(km, fc1_bias=False)
+    x, c = normal(kx, (TOKENS, HIDDEN), scale=2.0), normal(kc, (TOKENS, HIDDEN))
+    loss = lambda m, x: jnp.sum(m(x) * c)  # noqa: E731
+    ref_loss, ref_grad = eqx.filter_value_and_grad(loss)(mlp, x)
+    for block in (64, 32, 16):
+        other = mlp.with_gate_block(block)
+        assert other.gate_block == block and mlp_module._gated_core_runs(other, x)
+        value, grad = eqx.filter_value_and_grad(loss)(other, x)
+        assert float(value) == float(ref_loss)
+        back = mlp_module.relayout_rows(grad.fc1.weight, -2, block, None)
+        np.testing.assert_array_equal(back, ref_grad.fc1.weight)
+        np.testing.assert_array_equal(grad.fc2.weight, ref_grad.fc2.weight)
+    np.testing.assert_array_equal(mlp.with_gate_block(64).with_gate_block(None).fc1.weight, mlp.fc1.weight)
+    xla = mlp_module._checkpointed_call
+    np.testing.assert_allclose(xla(mlp.with_gate_block(64), x), xla(mlp, x), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_gate_block_raises(key):
+    with pytest.raises(ValueError, match=r"gate_block=48 must divide ffn=128"):
+        FusedMLP(HIDDEN, FFN, gate_block=48, key=key)
+    with pytest.raises(ValueError, match=r"activation 'gelu' is not gated"):
+        FusedMLP(HIDDEN, FFN, activation="gelu", gate_block=64, key=key)
+    with pytest.raises(ValueError, match=r"positive int, got 0"):
+        FusedMLP(HIDDEN, FFN, key=key).with_gate_block(0)
+
+
 def test_core_writes_the_same_state_as_the_xla_path(key, mode):
     mode("xla")
     kx, km = jax.random.split(key)

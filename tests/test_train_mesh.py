@@ -135,7 +135,8 @@ def test_sequence_parallel_step_matches_tensor_parallel():
     """``--sequence-parallel`` on data=4,tensor=2: the train step's loss as without it (same
     math, tokens split between the blocks), and its FP8 layers gather tokens in FP8 (e4m3
     inputs, e5m2 output gradients). With or without it, attention needs no reshuffle (the
-    qkv outputs are grouped per KV head); only `FusedMLP`'s gate/up halves still move."""
+    qkv outputs are grouped per KV head), nor does `FusedMLP`'s activation (fc1's gate and
+    up rows interleaved: `FusedMLP.gate_block`)."""
     heads = ["--heads", "4", "--kv-heads", "2", "--fp8-everywhere", "--sequence-parallel"]
     run = cli.run_config(cli.parse_args(ARGS + heads))
     assert run.sequence_parallel
@@ -150,8 +151,7 @@ def test_sequence_parallel_step_matches_tensor_parallel():
         compiled, cs = distributed.compile_with_collectives(lowered)
         losses.append(float(compiled(trainer.params, trainer.opt_state, batch)[2]))
         collectives.append(cs)
-        moved = [c for c in cs if c.kind in ("all-to-all", "collective-permute")]
-        assert all("FusedMLP" in c.op_name for c in moved), moved
+        assert not [c for c in cs if c.kind in ("all-to-all", "collective-permute")], cs
     np.testing.assert_allclose(losses[1], losses[0], rtol=FIRST_RTOL)
     gathers = [
         c for c in collectives[1] if c.kind == "all-gather" and "sharding_constraint" in c.op_name

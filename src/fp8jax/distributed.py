@@ -13,6 +13,7 @@ import fnmatch
 import os
 import re
 import tempfile
+import warnings
 from typing import Any, NamedTuple, Sequence
 
 import equinox as eqx
@@ -135,6 +136,7 @@ def shard_model(
                     f"shard_model: {what} pattern {p!r} matches no linear layer; layers are: "
                     + ", ".join(path for path, _ in layers)
                 )
+    _check_gated_splits(model, mesh, tensor_axis, column_parallel)
     placements: dict[int, NamedSharding] = _expert_placements(model, mesh, expert_axis)
     kinds: dict[str, str] = {}  # path -> "column" / "row" of the tensor-parallel layers
     for path, layer in layers:
@@ -173,6 +175,37 @@ def shard_model(
         batch = _batch_axes(mesh, batch_axes, tensor_axis)
         model = _record_sequence(model, mesh, kinds, batch, tensor_axis)
     return model
+
+
+def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) -> None:
+    """A column-parallel gated `FusedMLP` fc1 must split into whole gate/up pairs
+    (``gate_block``); with ``[gate | up]`` rows it works but reshuffles every step: warn."""
+    from .nn.mlp import ACTIVATIONS, FusedMLP
+
+    n = _axis_size(mesh, tensor_axis)
+    is_mlp = lambda x: isinstance(x, FusedMLP)  # noqa: E731
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_mlp)
+    for p, mlp in flat:
+        path = _path_str(p)
+        fc1 = f"{path}.fc1" if path else "fc1"
+        if n == 1 or not is_mlp(mlp) or not ACTIVATIONS[mlp.activation][1]:
+            continue
+        if not _matches(fc1, column_parallel):
+            continue
+        if mlp.gate_block is None:
+            warnings.warn(
+                f"shard_model: FusedMLP {path or '(root)'!r} stores fc1 as [gate | up], so a "
+                f"column split over {tensor_axis!r} puts gates and ups on different devices "
+                "and XLA reshuffles them at every step; convert it with "
+                "mlp.with_gate_block(64) (or build it with gate_block=64) first.",
+                stacklevel=3,
+            )
+        elif mlp.ffn % (n * mlp.gate_block):
+            raise ValueError(
+                f"shard_model: layer {fc1!r}: ffn={mlp.ffn} does not split into whole "
+                f"gate_block={mlp.gate_block} pairs over mesh axis {tensor_axis!r} of size {n}; "
+                f"use a gate_block dividing ffn / {n}."
+            )
 
 
 def sequence_sharding(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Callable
 
 import equinox as eqx
 import jax
@@ -34,85 +33,12 @@ from .. import state as _state
 from ..config import Fp8Config, resolve_config
 from ..ops import dot as _dot
 from ..ops import gated as _gated
+from .elementwise import ACTIVATIONS, NORMS, activate, normalize, relayout_rows
 from .linear import Linear, apply_linear
 
 F32 = jnp.float32
 FC1_OUT = "fp8jax_mlp_fc1_out"
-
-
-@jax.custom_jvp
-def _gelu(x):
-    """GELU, tanh approximation (``jax.nn.gelu(approximate=True)``), written as
-    ``x * sigmoid(2k(x + 0.044715 x^3))`` with its derivative in closed form: with
-    ``tanh`` XLA writes the activation in bf16 in a pass of its own and casts it to FP8
-    in a second one; in this form it fuses the activation with its cast as it does for
-    silu (H100, jax 0.11.2). Value and derivative are `_gated._gate`'s, the Pallas core's."""
-    return _gated._gate("geglu", x)[0].astype(x.dtype)
-
-
-@_gelu.defjvp
-def _gelu_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    act, derivative = _gated._gate("geglu", x)
-    return act.astype(x.dtype), (derivative * t).astype(t.dtype)
-
-
-def _qgelu(x):
-    return x * jax.nn.sigmoid(1.702 * x)
-
-
-def _srelu(x):
-    return jnp.square(jax.nn.relu(x))
-
-
-# name -> (elementwise function, gated). Gated activations split fc1's output in two
-# halves along the feature axis: act(first half) * second half (Megatron's convention:
-# ``x0, x1 = chunk(x, 2, -1); act(x0) * x1``; TE's geglu/swiglu do the same).
-ACTIVATIONS: dict[str, tuple[Callable, bool]] = {
-    "gelu": (_gelu, False),
-    "geglu": (_gelu, True),
-    "qgelu": (_qgelu, False),
-    "qgeglu": (_qgelu, True),
-    "silu": (jax.nn.silu, False),
-    "swiglu": (jax.nn.silu, True),
-    "relu": (jax.nn.relu, False),
-    "reglu": (jax.nn.relu, True),
-    "srelu": (_srelu, False),
-    "sreglu": (_srelu, True),
-}
-NORMS = ("layernorm", "rmsnorm")
-
-
-def activate(h: Array, activation: str) -> Array:
-    """Apply ``activation`` to fc1's output ``h`` (gated ones halve the last dim), in
-    ``h.dtype`` as a plain bf16 model does (no f32 copies kept for the backward)."""
-    fn, gated = ACTIVATIONS[activation]
-    if gated:
-        gate, up = jnp.split(h, 2, axis=-1)
-        return fn(gate) * up
-    return fn(h)
-
-
-def normalize(
-    x: Array,
-    weight: Array | None,
-    bias: Array | None,
-    kind: str,
-    eps: float,
-    zero_centered_gamma: bool = False,
-) -> Array:
-    """LayerNorm or RMSNorm over the last dim, statistics in f32, output in ``x.dtype``.
-    With ``zero_centered_gamma`` the scale applied is ``1 + weight`` (TE's option)."""
-    x32 = x.astype(F32)
-    if kind == "layernorm":
-        x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        gamma = weight.astype(F32)
-        y = y * (1.0 + gamma if zero_centered_gamma else gamma)
-    if bias is not None:
-        y = y + bias.astype(F32)
-    return y.astype(x.dtype)
+__all__ = ["ACTIVATIONS", "NORMS", "FusedMLP", "activate", "normalize", "relayout_rows"]
 
 
 class FusedMLP(eqx.Module):
@@ -123,6 +49,13 @@ class FusedMLP(eqx.Module):
     ``qgeglu``, ``sreglu`` -- make fc1 ``2 * ffn`` wide; its first half is activated
     and gates the second, as in Megatron). ``fc1``/``fc2`` are `fp8jax.nn.Linear`
     (``eqx.nn.Linear`` with ``fp8=False``); inputs may have any leading dims.
+
+    ``gate_block``: how a gated fc1 lays out its output rows. ``None`` (default): ``[gate |
+    up]``, as Megatron and Hugging Face checkpoints store them. An int ``b``: ``[g0 u0 g1 u1
+    ...]`` in blocks of ``b`` rows, so that a tensor-parallel (column) split of fc1 into
+    shards of a multiple of ``2 * b`` rows keeps each gate row on the device of its up row:
+    the activation then needs no communication (with ``None`` XLA reshuffles the halves at
+    every step). ``64`` is also the core's own layout. `with_gate_block` converts a block.
 
     On Hopper, a gated activation (those in `_gated.GPU_TESTED`) with both linears FP8
     (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax.ops.gated`: one
@@ -143,6 +76,7 @@ class FusedMLP(eqx.Module):
     zero_centered_gamma: bool = eqx.field(static=True)
     residual: bool = eqx.field(static=True)
     fused: bool = eqx.field(static=True)
+    gate_block: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -160,6 +94,7 @@ class FusedMLP(eqx.Module):
         fused: bool = True,
         fp8: bool = True,
         config: Fp8Config | None = None,
+        gate_block: int | None = None,
         dtype=None,
         key: PRNGKeyArray,
     ):
@@ -191,6 +126,7 @@ class FusedMLP(eqx.Module):
             fused=fused,
             fp8=fp8,
             config=config,
+            gate_block=gate_block,
         )
 
     @classmethod
@@ -206,9 +142,12 @@ class FusedMLP(eqx.Module):
         fp8: bool = True,
         config: Fp8Config | None = None,
         zero_centered_gamma: bool = False,
+        gate_block: int | None = None,
     ) -> "FusedMLP":
         """Build from an existing norm and two linears (``eqx.nn.Linear`` or
-        `fp8jax.nn.Linear`), sharing their arrays: no copies are made."""
+        `fp8jax.nn.Linear`), sharing their arrays: no copies are made. ``gate_block`` says
+        how fc1's rows are laid out already (see the class); use `with_gate_block` to
+        change it."""
         if isinstance(norm, eqx.nn.LayerNorm):
             kind = "layernorm"
         elif isinstance(norm, eqx.nn.RMSNorm):
@@ -246,8 +185,25 @@ class FusedMLP(eqx.Module):
             fp8=fp8,
             config=config,
             hidden=shape[0],
+            gate_block=gate_block,
         )
         return self
+
+    def with_gate_block(self, gate_block: int | None) -> "FusedMLP":
+        """The same block with fc1's rows (weight, bias) moved to layout ``gate_block``
+        (see the class): the same function of its input. The FP8 state is unchanged (a
+        row permutation keeps every amax)."""
+        _check_gate_block(gate_block, self.ffn, self.activation)
+        src = self.gate_block
+        fc1 = eqx.tree_at(
+            lambda f: f.weight, self.fc1, relayout_rows(self.fc1.weight, -2, src, gate_block)
+        )
+        if fc1.bias is not None:
+            fc1 = eqx.tree_at(lambda f: f.bias, fc1, relayout_rows(fc1.bias, -1, src, gate_block))
+        new = copy.copy(self)
+        object.__setattr__(new, "fc1", fc1)
+        object.__setattr__(new, "gate_block", gate_block)
+        return new
 
     def with_fused(self, fused: bool) -> "FusedMLP":
         """The same block (same arrays and state) with fusion on or off."""
@@ -261,7 +217,7 @@ class FusedMLP(eqx.Module):
             x, self.norm_weight, self.norm_bias, self.norm, self.eps, self.zero_centered_gamma
         )
         fc1_out = apply_linear(self.fc1, normed)
-        act = activate(checkpoint_name(fc1_out, FC1_OUT), self.activation)
+        act = activate(checkpoint_name(fc1_out, FC1_OUT), self.activation, self.gate_block)
         y = apply_linear(self.fc2, act)
         if self.residual:
             y = y + x.astype(y.dtype)
@@ -297,6 +253,23 @@ class FusedMLP(eqx.Module):
         return _checkpointed_call(self, x)
 
 
+def _check_gate_block(gate_block, ffn: int, activation: str) -> None:
+    if gate_block is None:
+        return
+    if not ACTIVATIONS[activation][1]:
+        raise ValueError(
+            f"FusedMLP: gate_block={gate_block!r} lays out a gated fc1's gate and up rows, "
+            f"but activation {activation!r} is not gated; leave gate_block=None"
+        )
+    if isinstance(gate_block, bool) or not isinstance(gate_block, int) or gate_block < 1:
+        raise ValueError(f"FusedMLP: gate_block must be None or a positive int, got {gate_block!r}")
+    if ffn % gate_block:
+        raise ValueError(
+            f"FusedMLP: gate_block={gate_block} must divide ffn={ffn} (fc1's gate and up halves "
+            "are interleaved in blocks of gate_block rows)"
+        )
+
+
 def _check_kinds(norm: str, activation: str) -> None:
     if norm not in NORMS:
         raise ValueError(f"FusedMLP: unknown norm {norm!r}; choose from {NORMS}")
@@ -322,6 +295,7 @@ def _init(
     fp8,
     config,
     hidden=None,
+    gate_block=None,
 ):
     """Validate shapes and set the fields (shared by ``__init__`` and ``from_modules``)."""
     _check_kinds(norm, activation)
@@ -343,6 +317,7 @@ def _init(
             f"but fc1 has an odd number of outputs ({width})"
         )
     ffn = width // 2 if gated else width
+    _check_gate_block(gate_block, ffn, activation)
     if fc2.in_features != ffn:
         raise ValueError(
             f"FusedMLP: fc2 takes {fc2.in_features} features but {activation!r} gives {ffn} "
@@ -379,6 +354,7 @@ def _init(
         zero_centered_gamma=bool(zero_centered_gamma),
         residual=bool(residual),
         fused=bool(fused),
+        gate_block=gate_block,
     ).items():
         object.__setattr__(self, name, value)
 
@@ -387,12 +363,12 @@ def _init(
 def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     """Whether `fp8jax.ops.gated` (one custom VJP, Pallas activation kernels) runs this call:
     both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``;
-    the activation, scaling and sizes as `_gated.usable` says; not sequence parallel (its
-    token gathers and scatters are the linear op's)."""
+    the activation, scaling and sizes as `_gated.usable` says; not tensor or sequence
+    parallel (`_tensor_parallel`)."""
     fc1, fc2 = mlp.fc1, mlp.fc2
     if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
         return False
-    if any(getattr(f.dot_general.weight_sharding, "sequence", None) for f in (fc1, fc2)):
+    if any(_tensor_parallel(f.dot_general.weight_sharding) for f in (fc1, fc2)):
         return False
     if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
         return False
@@ -404,6 +380,21 @@ def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     if any(c.selective and m < c.min_tokens for c in (cfg1, cfg2)):
         return False
     return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation)
+
+
+def _tensor_parallel(ws) -> bool:
+    """Whether a layer's weight is split over a mesh axis it does not all-gather (tensor
+    parallel, sequence parallel or not): the core's Pallas kernels are custom calls
+    without a partitioning rule, so such layers take XLA's path, which partitions."""
+    if ws is None:
+        return False
+    if ws.sequence is not None:
+        return True
+    return any(
+        axis is not None and axis not in ws.gather and ws.mesh.shape[axis] > 1
+        for entry in ws.spec
+        for axis in (entry if isinstance(entry, tuple) else (entry,))
+    )
 
 
 def _gated_call(mlp: FusedMLP, x):
@@ -423,6 +414,7 @@ def _gated_call(mlp: FusedMLP, x):
         fc1.weight.dtype,
         fc2.weight.dtype,
         mlp.activation,
+        mlp.gate_block,
     )
     y = _gated.gated_mlp(
         spec,

@@ -15,9 +15,11 @@ and two Pallas Triton kernels do the rest, each in one read:
   (so the forward keeps only ``h``, the FP8 ``x^T`` and the FP8 weights).
 
 To let one tile hold matching gate and up columns, fc1's weight rows are interleaved
-in blocks of `BLOCK` (``[g0 u0 g1 u1 ...]``) when cast to FP8; the backward kernel writes
-the transposed gradient in the natural ``[gate | up]`` order (Megatron's convention), so
-fc1's wgrad comes out in the weight's own order.
+in blocks of `BLOCK` (``[g0 u0 g1 u1 ...]``) when cast to FP8, unless they are stored
+that way (``FusedMLP(gate_block=64)``, the layout that splits without communication
+under tensor parallelism); the backward kernel writes the transposed gradient in the
+stored order (natural ``[gate | up]``, Megatron's convention, or interleaved), so fc1's
+wgrad comes out in the weight's own order.
 Delayed scaling only (the activation's scale must be known before the pass). The
 same math runs in plain JAX where the kernels cannot (CPU, other GPUs), and the
 kernels run in interpret mode on CPU for the tests. ``act`` is one of `ACTIVATIONS`
@@ -70,6 +72,14 @@ def deinterleave(w1i, block: int = BLOCK):
     two_f, c = w1i.shape
     f = two_f // 2
     return w1i.reshape(f // block, 2, block, c).swapaxes(0, 1).reshape(two_f, c)
+
+
+def to_core_layout(w1, gate_block: int | None):
+    """fc1 rows as stored (``gate_block``: None for ``[gate | up]``, else interleaved in
+    blocks of ``gate_block``) -> interleaved in blocks of `BLOCK`, the core's layout."""
+    if gate_block == BLOCK:
+        return w1
+    return interleave(w1 if gate_block is None else deinterleave(w1, gate_block))
 
 
 def _halves(h, block: int = BLOCK):
@@ -164,7 +174,7 @@ def _bwd_kernel(
     uq = q.saturate(d_up, inv_dh_scale, dh_ref.dtype)
     dh_ref[:, :block] = gq
     dh_ref[:, block:] = uq
-    dht_ref[0] = gq.T  # [2, F, M]: the transposed copy in natural [gate | up] order
+    dht_ref[0] = gq.T  # the transposed copy: gate rows, then up rows, of this feature block
     dht_ref[1] = uq.T
 
 
@@ -230,7 +240,8 @@ def _fwd_pallas(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("dtype", "a_dtype", "activation", "interpret", "rows", "num_warps")
+    jax.jit,
+    static_argnames=("dtype", "a_dtype", "activation", "interpret", "rows", "num_warps", "natural"),
 )
 def _bwd_pallas(
     h,
@@ -245,10 +256,17 @@ def _bwd_pallas(
     interpret=False,
     rows=BLOCK,
     num_warps=4,
+    natural=True,
 ):
     m, two_f = h.shape
     f, b, r = two_f // 2, BLOCK, rows
     grid = (m // r, f // b)
+    # dh^T in natural [gate | up] row order ([2, F, M]) or interleaved like h ([F/b, 2, b, M])
+    dht_spec, dht_shape = (
+        (pl.BlockSpec((2, b, r), lambda i, j: (0, j, i)), (2, f, m))
+        if natural
+        else (pl.BlockSpec((None, 2, b, r), lambda i, j: (j, 0, 0, i)), (f // b, 2, b, m))
+    )
     scalars = jnp.stack(
         [
             h_scale.reshape(()),
@@ -267,13 +285,13 @@ def _bwd_pallas(
         ],
         [
             pl.BlockSpec((r, 2 * b), lambda i, j: (i, j)),
-            pl.BlockSpec((2, b, r), lambda i, j: (0, j, i)),
+            dht_spec,
             pl.BlockSpec((1, 1), lambda i, j: (i, j)),
             pl.BlockSpec((b, r), lambda i, j: (j, i)),
         ],
         [
             jax.ShapeDtypeStruct((m, two_f), dtype),
-            jax.ShapeDtypeStruct((2, f, m), dtype),
+            jax.ShapeDtypeStruct(dht_shape, dtype),
             jax.ShapeDtypeStruct(grid, F32),
             jax.ShapeDtypeStruct((f, m), a_dtype),
         ],
@@ -317,13 +335,14 @@ def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu", transposed=T
 
 
 def activation_grad_fp8(
-    h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu"
+    h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu", natural=True
 ):
     """Gradient of `activation_fp8` w.r.t. ``h`` for the output gradient ``da * da_scale``,
     cast to ``dtype`` (scale ``dh_scale``): ``(dhq [M, 2F], dhq^T [2F, M], amax, aq^T)``.
     ``dhq`` is interleaved like ``h`` (fc1's dgrad contracts it with the interleaved weight);
-    ``dhq^T`` is in natural ``[gate | up]`` order, so fc1's wgrad comes out in the weight's
-    own order (a row permutation of it kept XLA from fusing the optimizer's update).
+    ``dhq^T`` is in natural ``[gate | up]`` order (``natural``) or interleaved like ``h``,
+    so that fc1's wgrad comes out in the weight's own row order (a row permutation of it
+    kept XLA from fusing the optimizer's update).
     ``aq^T`` is the forward's FP8 activation (scale ``a_scale``) recomputed in the same
     pass, so the forward need not keep it."""
     mode = _mode(h.shape)
@@ -341,15 +360,17 @@ def activation_grad_fp8(
             interpret=mode == "interpret",
             rows=_rows(h.shape[0]),
             num_warps=TILE["num_warps"],
+            natural=natural,
         )
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     d_gate, d_up = _glu_grad(activation, gate, up, da.astype(F32) * da_scale.reshape(()))
     inv = 1.0 / dh_scale.reshape(())
     gate_q, up_q = q.saturate(d_gate, inv, dtype), q.saturate(d_up, inv, dtype)
     aq = q.saturate(_glu(activation, gate, up), 1.0 / a_scale.reshape(()), a_dtype)
+    dhq = _join(gate_q, up_q)
     return (
-        _join(gate_q, up_q),
-        jnp.concatenate([gate_q.T, up_q.T]),
+        dhq,
+        jnp.concatenate([gate_q.T, up_q.T]) if natural else dhq.T,
         jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)),
         aq.T,
     )
@@ -365,6 +386,7 @@ class Spec(NamedTuple):
     w1_dtype: np.dtype
     w2_dtype: np.dtype
     activation: str = "swiglu"  # one of `ACTIVATIONS`
+    gate_block: int | None = None  # fc1's row layout (`fp8jax.nn.FusedMLP.gate_block`)
 
 
 def usable(
@@ -410,7 +432,8 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     c1, c2 = spec.config1, spec.config2
     sx, sw1, sdh, sa, sw2, sg = _scales(spec, state1, state2)
     xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
-    w1q, w1Tq, aw1 = _gemm.quantize_both(interleave(w1)[None], sw1, c1.kernel_dtype, c1.cast_kernel)
+    w1c = to_core_layout(w1, spec.gate_block)[None]
+    w1q, w1Tq, aw1 = _gemm.quantize_both(w1c, sw1, c1.kernel_dtype, c1.cast_kernel)
     h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[
         0
     ]  # [M, 2F] interleaved, not dequantized
@@ -426,7 +449,8 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
     """``fc2(act(fc1(x)_gate) * fc1(x)_up)`` with FP8 GEMMs (``act`` from ``spec.activation``):
-    ``x [M, C]``, ``w1 [2F, C]`` (rows ``[gate | up]``), ``w2 [N, F]``; ``state1``/``state2``
+    ``x [M, C]``, ``w1 [2F, C]`` (rows ``[gate | up]``, or interleaved in blocks of
+    ``spec.gate_block``), ``w2 [N, F]``; ``state1``/``state2``
     the fc1/fc2 `_dot.STATE_FIELDS` tuples as `fp8jax.state.MAX_GRAD`, whose new values
     come back as their gradients."""
     return _forward(spec, x, w1, _state.values(state1), w2, _state.values(state2))[0]
@@ -455,12 +479,13 @@ def _bwd(spec, saved, g):
         sa,
         c2.input_dtype,
         spec.activation,
+        natural=spec.gate_block != BLOCK,
     )
     dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
-    dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[
-        0
-    ]  # natural row order
+    dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]
+    if spec.gate_block not in (None, BLOCK):  # natural row order -> the stored one
+        dw1 = interleave(dw1, spec.gate_block)
 
     state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
     state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))

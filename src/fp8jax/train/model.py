@@ -154,6 +154,13 @@ class MoE(eqx.Module):
         return x + y.astype(x.dtype), info.load_balancing_loss
 
 
+def _gate_block(ffn: int) -> int | None:
+    """fc1's gate/up interleaving (`FusedMLP.gate_block`): the largest block (64, the MLP
+    core's own, down to 1) that splits into whole pairs over up to 8 tensor shards. A
+    function of ``ffn`` alone, so that checkpoints move between meshes."""
+    return next((b for b in (64, 32, 16, 8, 4, 2, 1) if ffn % (8 * b) == 0), None)
+
+
 class Block(eqx.Module):
     attn: Attention
     mlp: FusedMLP | MoE
@@ -171,6 +178,7 @@ class Block(eqx.Module):
                 norm="rmsnorm",
                 residual=True,
                 fp8=False,
+                gate_block=_gate_block(cfg.ffn),
                 key=km,
             )
             self.mlp = eqx.tree_at(

@@ -1,0 +1,108 @@
+"""The MLP blocks' elementwise math: activations (plain and gated), the layouts of a gated
+fc1's gate and up rows, and the norms. Shared by `fp8jax.nn.FusedMLP`, the grouped experts
+and the trainer."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ..ops import gated as _gated
+
+F32 = jnp.float32
+
+
+@jax.custom_jvp
+def _gelu(x):
+    """GELU, tanh approximation (``jax.nn.gelu(approximate=True)``), written as
+    ``x * sigmoid(2k(x + 0.044715 x^3))`` with its derivative in closed form: with
+    ``tanh`` XLA writes the activation in bf16 in a pass of its own and casts it to FP8
+    in a second one; in this form it fuses the activation with its cast as it does for
+    silu (H100, jax 0.11.2). Value and derivative are `_gated._gate`'s, the Pallas core's."""
+    return _gated._gate("geglu", x)[0].astype(x.dtype)
+
+
+@_gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    act, derivative = _gated._gate("geglu", x)
+    return act.astype(x.dtype), (derivative * t).astype(t.dtype)
+
+
+def _qgelu(x):
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return jnp.square(jax.nn.relu(x))
+
+
+# name -> (elementwise function, gated). Gated activations split fc1's output in two
+# halves along the feature axis: act(first half) * second half (Megatron's convention:
+# ``x0, x1 = chunk(x, 2, -1); act(x0) * x1``; TE's geglu/swiglu do the same).
+ACTIVATIONS: dict[str, tuple[Callable, bool]] = {
+    "gelu": (_gelu, False),
+    "geglu": (_gelu, True),
+    "qgelu": (_qgelu, False),
+    "qgeglu": (_qgelu, True),
+    "silu": (jax.nn.silu, False),
+    "swiglu": (jax.nn.silu, True),
+    "relu": (jax.nn.relu, False),
+    "reglu": (jax.nn.relu, True),
+    "srelu": (_srelu, False),
+    "sreglu": (_srelu, True),
+}
+NORMS = ("layernorm", "rmsnorm")
+
+
+def activate(h: Array, activation: str, gate_block: int | None = None) -> Array:
+    """Apply ``activation`` to fc1's output ``h`` (gated ones halve the last dim), in
+    ``h.dtype`` as a plain bf16 model does (no f32 copies kept for the backward).
+    ``gate_block``: the layout of ``h``'s gate and up features (`FusedMLP.gate_block`)."""
+    fn, gated = ACTIVATIONS[activation]
+    if not gated:
+        return fn(h)
+    if gate_block is None:
+        gate, up = jnp.split(h, 2, axis=-1)
+    else:  # a split of the blocks' dim keeps a sharded last dim where it is
+        *lead, two_f = h.shape
+        pairs = h.reshape(*lead, two_f // (2 * gate_block), 2, gate_block)
+        gate, up = (pairs[..., i, :].reshape(*lead, two_f // 2) for i in (0, 1))
+    return fn(gate) * up
+
+
+def relayout_rows(a: Array, axis: int, src: int | None, dst: int | None) -> Array:
+    """``a``'s gate/up entries along ``axis`` moved from layout ``src`` to ``dst`` (None:
+    ``[gate | up]``; an int ``b``: ``[g0 u0 g1 u1 ...]`` in blocks of ``b``)."""
+    if src == dst:
+        return a
+    moved = jnp.moveaxis(a, axis, 0)
+    rows = moved.reshape(moved.shape[0], -1)
+    rows = rows if src is None else _gated.deinterleave(rows, src)
+    rows = rows if dst is None else _gated.interleave(rows, dst)
+    return jnp.moveaxis(rows.reshape(moved.shape), 0, axis)
+
+
+def normalize(
+    x: Array,
+    weight: Array | None,
+    bias: Array | None,
+    kind: str,
+    eps: float,
+    zero_centered_gamma: bool = False,
+) -> Array:
+    """LayerNorm or RMSNorm over the last dim, statistics in f32, output in ``x.dtype``.
+    With ``zero_centered_gamma`` the scale applied is ``1 + weight`` (TE's option)."""
+    x32 = x.astype(F32)
+    if kind == "layernorm":
+        x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        gamma = weight.astype(F32)
+        y = y * (1.0 + gamma if zero_centered_gamma else gamma)
+    if bias is not None:
+        y = y + bias.astype(F32)
+    return y.astype(x.dtype)
