@@ -407,3 +407,29 @@ def test_collectives_listed_with_the_compilation_cache_on(tmp_path):
     for _ in range(2):
         cs = _collectives(fp8jax.shard_model(_model(), mesh), mesh)
         assert {c.dtype for c in cs if c.kind == "all-gather"} == {"f8e4m3fn"}
+
+
+def test_kernels_without_partitioning_rules_step_aside_over_several_devices():
+    """Our Pallas / Mosaic kernels are custom calls that XLA cannot partition: with 8
+    devices they run only inside a shard_map that makes every mesh axis manual."""
+    from fp8jax.kernels import dispatch
+
+    assert jax.device_count() == 8
+    assert "8 devices and no shard_map" in dispatch.unpartitioned_reason()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    seen = {}
+
+    def probe(name):
+        def local(x):
+            seen[name] = dispatch.unpartitioned_reason()
+            return x
+
+        return local
+
+    x = jnp.ones((8, 4))
+    jax.jit(jax.shard_map(probe("all"), mesh=mesh, in_specs=P("data"), out_specs=P("data")))(x)
+    partial = jax.shard_map(
+        probe("partial"), mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+    )
+    jax.jit(partial)(x)
+    assert seen["all"] is None and "no partitioning rule" in seen["partial"]

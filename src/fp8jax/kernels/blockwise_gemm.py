@@ -101,7 +101,8 @@ def kernel_reason(a, a_scale, b, b_scale, out_dtype, block_size: int) -> str | N
     trace = getattr(a, "_trace", None)
     if trace is not None and "Batch" in type(trace).__name__:
         return "under jax.vmap (the kernel is one GEMM)"
-    return mgpu.reason(a.shape, b.shape, a.dtype, b.dtype, out_dtype, block_size) or None
+    why = mgpu.reason(a.shape, b.shape, a.dtype, b.dtype, out_dtype, block_size)
+    return why or dispatch.unpartitioned_reason()
 
 
 # Named scope around the Hopper kernel's call: its custom call's HLO metadata carries it, so

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import quant as q
+from . import dispatch
 
 try:  # Pallas moves between JAX releases: import lazily and guard.
     from jax.experimental import pallas as pl
@@ -46,7 +47,7 @@ def _block(size: int) -> int | None:
 
 def device_reason(device=None) -> str | None:
     """Why the Pallas Triton FP8 casts cannot run on ``device`` (default: the first
-    device), or None when they can."""
+    device) in the program being traced (`dispatch.unpartitioned_reason`), or None."""
     if _IMPORT_ERROR is not None:
         return f"Pallas Triton does not import: {_IMPORT_ERROR}"
     device = device or jax.devices()[0]
@@ -55,7 +56,7 @@ def device_reason(device=None) -> str | None:
     capability = str(getattr(device, "compute_capability", ""))
     if not capability[:1].isdigit() or int(capability.split(".")[0]) < 9:
         return f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}"
-    return None
+    return dispatch.unpartitioned_reason()
 
 
 def supported(shape: tuple[int, ...], device=None) -> tuple[bool, str]:

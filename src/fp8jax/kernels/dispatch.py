@@ -9,6 +9,8 @@ GEMM, ``"cudnn"`` for attention), so existing code keeps working.
 
 from __future__ import annotations
 
+import jax
+
 BACKENDS = ("auto", "kernel", "reference")
 ALIASES = {"pallas": "kernel", "cudnn": "kernel"}
 
@@ -36,3 +38,21 @@ def choose(owner: str, backend, why_not: str | None, accepted: tuple[str, ...] =
             "use backend='auto' or backend='reference'."
         )
     return "reference"
+
+
+def unpartitioned_reason() -> str | None:
+    """Why one of our Pallas / Mosaic GPU kernels should not run in the program being traced,
+    or None. Their custom calls have no partitioning rule: in a program over several devices
+    XLA would hand each device the whole operands (all-gathered) and run the kernel on them.
+    They run when one device is visible, or inside a `jax.shard_map` that makes every mesh
+    axis manual (the kernel then sees its own shard); elsewhere the XLA path runs, which
+    partitions. (cuDNN attention is XLA's own custom call and partitions.)"""
+    if jax.device_count() == 1:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names):
+        return None
+    return (
+        f"{jax.device_count()} devices and no shard_map around the call: the kernel's custom "
+        "call has no partitioning rule, so XLA would run it on whole arrays on every device"
+    )

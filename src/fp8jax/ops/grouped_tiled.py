@@ -45,7 +45,8 @@ def kernel_reason(spec, layout, k: int, n: int, operand) -> str | None:
     dtypes = {jnp.dtype(cfg.input_dtype), jnp.dtype(cfg.kernel_dtype), jnp.dtype(cfg.grad_dtype)}
     if len(dtypes) != 1:
         return f"mixed FP8 dtypes {sorted(d.name for d in dtypes)}"
-    return bgk.reason(layout.num_rows, k, n, cfg.input_dtype, spec.x_dtype) or None
+    why = bgk.reason(layout.num_rows, k, n, cfg.input_dtype, spec.x_dtype)
+    return why or dispatch.unpartitioned_reason()
 
 
 def _use_kernel(spec, layout, k: int, n: int, operand) -> bool:
