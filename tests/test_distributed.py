@@ -433,3 +433,36 @@ def test_kernels_without_partitioning_rules_step_aside_over_several_devices():
     )
     jax.jit(partial)(x)
     assert seen["all"] is None and "no partitioning rule" in seen["partial"]
+
+
+def test_fused_mlp_core_runs_per_device_on_its_rows():
+    """`FusedMLP`'s gated core (Pallas kernels, here in interpret mode) on a data x FSDP mesh:
+    its activation kernels run under shard_map on each device's 64 token rows with one
+    scalar pmax per amax; no activation is gathered; loss and gradients match one device."""
+    from fp8jax.nn import mlp as mlp_module
+    from fp8jax.ops import gated
+
+    saved = dict(gated.MODE)
+    gated.MODE["activation"] = "interpret"
+    try:
+        kx, km, kc = jax.random.split(jax.random.PRNGKey(6), 3)
+        mlp = fp8jax.nn.FusedMLP(64, 128, config=CFG, gate_block=64, key=km)
+        x, c = (jax.random.normal(k, (512, 64)) for k in (kx, kc))
+        step = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, c: jnp.sum(m(x) * c)))
+        ref_loss, ref_grads = step(mlp, x, c)
+        mesh = _mesh(2, 4, 1)
+        model = fp8jax.shard_model(mlp, mesh)
+        rows = NamedSharding(mesh, P(("data", "fsdp")))
+        xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+        assert mlp_module._row_split(model).axes == ("data", "fsdp")
+        assert mlp_module._gated_core_runs(model, xs)
+        collectives = distributed.hlo_collectives(step.lower(model, xs, cs))
+        assert [c.shape for c in collectives if c.op_name == "pmax"] == ["[]", "[]"], collectives
+        assert not [c for c in collectives if "512" in c.shape], collectives  # no token gather
+        loss, grads = step(model, xs, cs)
+    finally:
+        gated.MODE.update(saved)
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    for g, rg in zip(jax.tree_util.tree_leaves(fp8jax.trainable(grads)),
+                     jax.tree_util.tree_leaves(fp8jax.trainable(ref_grads)), strict=True):  # fmt: skip
+        np.testing.assert_allclose(g, rg, atol=GRAD_OF_MAX * float(jnp.max(jnp.abs(rg))))

@@ -45,9 +45,10 @@ def _block(size: int) -> int | None:
     return next((b for b in BLOCK_SIZES if size % b == 0), None)
 
 
-def device_reason(device=None) -> str | None:
+def device_reason(device=None, local: bool = False) -> str | None:
     """Why the Pallas Triton FP8 casts cannot run on ``device`` (default: the first
-    device) in the program being traced (`dispatch.unpartitioned_reason`), or None."""
+    device) in the program being traced (`dispatch.unpartitioned_reason`, unless the
+    caller runs them on ``local`` shards itself), or None."""
     if _IMPORT_ERROR is not None:
         return f"Pallas Triton does not import: {_IMPORT_ERROR}"
     device = device or jax.devices()[0]
@@ -56,13 +57,13 @@ def device_reason(device=None) -> str | None:
     capability = str(getattr(device, "compute_capability", ""))
     if not capability[:1].isdigit() or int(capability.split(".")[0]) < 9:
         return f"FP8 conversion in the kernel needs compute capability >= 9.0, got {capability!r}"
-    return dispatch.unpartitioned_reason()
+    return None if local else dispatch.unpartitioned_reason()
 
 
-def supported(shape: tuple[int, ...], device=None) -> tuple[bool, str]:
+def supported(shape: tuple[int, ...], device=None, local: bool = False) -> tuple[bool, str]:
     """Whether a ``[B, P, C]`` tensor can take the kernel on ``device`` (default: the
-    first device): ``(True, "")`` or ``(False, why)``."""
-    why = device_reason(device)
+    first device): ``(True, "")`` or ``(False, why)``; ``local`` as in `device_reason`."""
+    why = device_reason(device, local)
     if why is not None:
         return False, why
     if len(shape) != 3 or _block(shape[1]) is None or _block(shape[2]) is None:

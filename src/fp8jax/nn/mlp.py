@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .. import checks
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
+from ..kernels import dispatch
 from ..ops import dot as _dot
 from ..ops import gated as _gated
 from .elementwise import ACTIVATIONS, NORMS, activate, normalize, relayout_rows
@@ -60,7 +61,9 @@ class FusedMLP(eqx.Module):
     On Hopper, a gated activation (those in `_gated.GPU_TESTED`) with both linears FP8
     (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax.ops.gated`: one
     custom VJP whose Pallas kernels write the activation and its gradient straight to FP8,
-    in both layouts, with their amax.
+    in both layouts, with their amax. Over several devices it needs the model placed with
+    `fp8jax.shard_model` (data parallel / FSDP): its kernels then run per device on their
+    own token rows; tensor- and sequence-parallel layers take the XLA path.
     Everything else runs as one checkpoint region through XLA's fusions.
     """
 
@@ -379,7 +382,19 @@ def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     cfg1, cfg2 = states[0].config, states[1].config
     if any(c.selective and m < c.min_tokens for c in (cfg1, cfg2)):
         return False
-    return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation)
+    rows = _row_split(mlp)
+    return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation, rows)
+
+
+def _row_split(mlp: FusedMLP) -> _gated.RowSplit | None:
+    """How the core's kernels split the tokens: over every mesh axis of size > 1 when the
+    program spans several devices and fc1 was placed on a mesh (`fp8jax.shard_model`,
+    data parallel / FSDP: tensor-parallel layers do not take the core), else None (one
+    device, inside a ``shard_map``, or no mesh known: then `_gated.usable` says no)."""
+    ws = mlp.fc1.dot_general.weight_sharding
+    if ws is None or dispatch.unpartitioned_reason() is None:
+        return None
+    return _gated.RowSplit(ws.mesh, tuple(a for a in ws.mesh.axis_names if ws.mesh.shape[a] > 1))
 
 
 def _tensor_parallel(ws) -> bool:
@@ -415,6 +430,7 @@ def _gated_call(mlp: FusedMLP, x):
         fc2.weight.dtype,
         mlp.activation,
         mlp.gate_block,
+        _row_split(mlp),
     )
     y = _gated.gated_mlp(
         spec,
