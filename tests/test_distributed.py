@@ -466,3 +466,37 @@ def test_fused_mlp_core_runs_per_device_on_its_rows():
     for g, rg in zip(jax.tree_util.tree_leaves(fp8jax.trainable(grads)),
                      jax.tree_util.tree_leaves(fp8jax.trainable(ref_grads)), strict=True):  # fmt: skip
         np.testing.assert_allclose(g, rg, atol=GRAD_OF_MAX * float(jnp.max(jnp.abs(rg))))
+
+
+def test_blockwise_linears_run_per_device_on_their_rows():
+    """The block-wise recipe under FSDP (2 x 4): casts and GEMMs run under shard_map on each
+    device's tokens (one scalar pmax per amax, the wgrad summed over the devices), the
+    weights are all-gathered in FP8 only, no activation moves, and the step matches one
+    device. On a GPU the same split lets the Pallas casts and the block-scaled kernel run."""
+    cfg = fp8jax.Fp8Config(recipe="blockwise", selective=False)
+    k1, k2, kx, kc = jax.random.split(jax.random.PRNGKey(7), 4)
+    model = [eqx.nn.Linear(256, 1024, key=k1), eqx.nn.Linear(1024, 256, key=k2)]
+    model = fp8jax.fp8_linear_layers(model, cfg)
+    x, c = jax.random.normal(kx, (2048, 256)), jax.random.normal(kc, (2048, 256))
+
+    def loss(m, x, c):
+        return jnp.sum(jax.vmap(m[1])(jax.nn.gelu(jax.vmap(m[0])(x))) * c)
+
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    ref_loss, ref_grads = step(model, x, c)
+    mesh = _mesh(2, 4, 1)
+    sharded = fp8jax.shard_model(model, mesh)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+    collectives = distributed.hlo_collectives(step.lower(sharded, xs, cs))
+    assert sorted(c.shape for c in collectives if c.op_name == "psum") == [
+        "[1,1024,256]", "[1,256,1024]"]  # fmt: skip
+    assert [c.shape for c in collectives if c.op_name == "pmax"] == ["[]"] * 4, collectives
+    assert not [c for c in collectives if "2048" in c.shape], collectives  # no token moves
+    weights = [c for c in collectives if c.kind == "all-gather" and "1024" in c.shape]
+    assert len(weights) == 3 and {c.dtype for c in weights} == {"f8e4m3fn"}, collectives
+    loss_value, grads = step(sharded, xs, cs)
+    np.testing.assert_allclose(loss_value, ref_loss, rtol=LOSS_RTOL)
+    for g, rg in zip(jax.tree_util.tree_leaves(fp8jax.trainable(grads)),
+                     jax.tree_util.tree_leaves(fp8jax.trainable(ref_grads)), strict=True):  # fmt: skip
+        np.testing.assert_allclose(g, rg, atol=GRAD_OF_MAX * float(jnp.max(jnp.abs(rg))))

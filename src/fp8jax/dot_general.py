@@ -151,6 +151,7 @@ class Fp8DotGeneral(Fp8GemmState):
             rhs_k_first,
             w_shardings,
             ws.sequence if ws and not pad else None,  # padded rows would move the token split
+            _dot.row_split(cfg, ws),
         )
         y3 = _dot.fp8_dot3(spec, x3, w3, _state.enter(self.state()))
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)

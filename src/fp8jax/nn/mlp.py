@@ -31,9 +31,9 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .. import checks
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
-from ..kernels import dispatch
 from ..ops import dot as _dot
 from ..ops import gated as _gated
+from ..ops import rows as _rows
 from .elementwise import ACTIVATIONS, NORMS, activate, normalize, relayout_rows
 from .linear import Linear, apply_linear
 
@@ -386,15 +386,11 @@ def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation, rows)
 
 
-def _row_split(mlp: FusedMLP) -> _gated.RowSplit | None:
-    """How the core's kernels split the tokens: over every mesh axis of size > 1 when the
-    program spans several devices and fc1 was placed on a mesh (`fp8jax.shard_model`,
-    data parallel / FSDP: tensor-parallel layers do not take the core), else None (one
-    device, inside a ``shard_map``, or no mesh known: then `_gated.usable` says no)."""
-    ws = mlp.fc1.dot_general.weight_sharding
-    if ws is None or dispatch.unpartitioned_reason() is None:
-        return None
-    return _gated.RowSplit(ws.mesh, tuple(a for a in ws.mesh.axis_names if ws.mesh.shape[a] > 1))
+def _row_split(mlp: FusedMLP) -> _rows.RowSplit | None:
+    """How the core's kernels split the tokens (`fp8jax.ops.rows.of_weight` of fc1): None
+    on one device, inside a ``shard_map``, or with no mesh known (then, over several
+    devices, `_gated.usable` says no)."""
+    return _rows.of_weight(mlp.fc1.dot_general.weight_sharding)
 
 
 def _tensor_parallel(ws) -> bool:

@@ -30,7 +30,9 @@ from .. import quant as q
 from .. import state as _state
 from ..config import Fp8Config
 from ..kernels import gemm as _gemm
+from ..recipe import Cast
 from . import fsdp as _fsdp_op
+from . import rows as _split
 from . import sequence_parallel as _sp
 
 F32 = jnp.float32
@@ -55,6 +57,8 @@ class Spec(NamedTuple):
     # sharding with nothing to gather; None when nothing is recorded (found when compiling).
     w_shardings: tuple | None = None
     sequence: _sp.SequenceParallel | None = None  # Megatron sequence parallelism
+    # Block-wise recipe over several devices: the kernels' token split (`fp8jax.ops.rows`)
+    rows: _split.RowSplit | None = None
 
 
 class WeightSharding(NamedTuple):
@@ -144,6 +148,38 @@ def scale_inputs(config: Fp8Config, state) -> tuple[tuple, tuple, tuple]:
     return (in_h, k_h, g_h), (in_s, k_s, g_s), dtypes
 
 
+def row_split(cfg: Fp8Config, ws) -> _split.RowSplit | None:
+    """The token split a block-wise layer's kernels run under on a mesh (`fp8jax.ops.rows`)."""
+    return _split.of_weight(ws) if cfg.recipe.kind == "blockwise" else None
+
+
+def _rows(spec: Spec, m: int) -> _split.RowSplit | None:
+    """``spec.rows`` where each device's share of ``m`` token rows holds whole tiles."""
+    rows = spec.rows
+    return rows if rows and m % (rows.count * spec.config.recipe.block_size) == 0 else None
+
+
+def _cast_rows(rows, recipe, t3, dtype) -> Cast:
+    """An activation or output gradient ``[B, M, K]`` in both layouts, per device on its
+    tokens (``rows``): data ``[B, M, K]`` with its ``1 x bs`` tile scales ``[B, M, K/bs]``,
+    the transposed copy ``[B, K, M]`` with ``[B, K, M/bs]``; the amax by pmax."""
+    cast = lambda t: recipe.quantize_both(t, None, None, dtype)  # noqa: E731
+    dims = Cast(data=1, data_t=2, scale=1, amax="max", scale_t=2)
+    return _split.on_rows(rows, cast, (t3,), (1,), dims)
+
+
+def _gemm_rows(rows, recipe, a, sa, b, sb, out_dtype, fast: bool, wgrad: bool = False):
+    """``recipe.gemm``; with ``rows``, per device on its tokens: the rows of ``a`` (forward,
+    dgrad: ``b`` whole on every device) or, for the wgrad (``wgrad``), the contracted
+    tokens of both, summed over the devices in the gradient's dtype (under FSDP XLA makes
+    the sum and the layer's shard constraint a reduce-scatter)."""
+    if rows is None:
+        return recipe.gemm(a, sa, b, sb, out_dtype, fast)
+    fn = lambda a, sa, b, sb: recipe.gemm(a, sa, b, sb, out_dtype, fast)  # noqa: E731
+    dims = ((2, 2, 2, 2), "sum") if wgrad else ((1, 1, None, None), 1)
+    return _split.on_rows(rows, fn, (a, sa, b, sb), *dims)
+
+
 def _scales_in_forward(spec: Spec) -> bool:
     """Delayed per-tensor scaling: the forward computes all three scales at once
     (`fp8jax.recipe.PerTensor.gemm_scales`) and hands the output gradient's to the backward."""
@@ -163,7 +199,11 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     if _scales_in_forward(spec):  # all three in one small computation; sg to the backward
         scales = recipe.gemm_scales(*scale_inputs(cfg, state))
         sx, sw, sg = scales[0:1], scales[1:2], scales[2:3]
-    x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
+    rows = _rows(spec, x3.shape[1])
+    if rows is None:
+        x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
+    else:
+        x = _cast_rows(rows, recipe, x3, cfg.input_dtype)
     # FSDP: each device casts its own shard (global amax: a scalar all-reduce), the FP8
     # copy is all-gathered for the GEMM and kept sharded as the residual.
     w3 = _fsdp(spec, w3, False, False)
@@ -183,7 +223,7 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     # x [B, M, K] . w [B, N, K]: column splits N (w's dim 1), row splits K (both dims 2)
     x_data, w_nk = _sp.pin_operands(col, x_data, w_nk, None, 1)
     x_data, w_nk = _sp.pin_operands(row, x_data, w_nk, 2, 2)
-    y = recipe.gemm(x_data, x_scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
+    y = _gemm_rows(rows, recipe, x_data, x_scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
     y = _sp.scatter(row, y, 1)
     return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
 
@@ -201,7 +241,11 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         return dx, dw, jnp.zeros((), F32), g_scale
     xTq, w_kn = xr, _fsdp(spec, wr, not spec.rhs_k_first, True)  # FSDP: all-gather FP8 again
     known = g_scale if _scales_in_forward(spec) else None
-    g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype, scale=known)
+    rows = _rows(spec, g3.shape[1])  # as the forward's: the same token count
+    if rows is None:
+        g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype, scale=known)
+    else:
+        g = _cast_rows(rows, recipe, g3, cfg.grad_dtype)
     # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
     # row gathers the FP8 output gradient's tokens, both layouts.
     col, row = _sp.of_kind(spec.sequence, "column"), _sp.of_kind(spec.sequence, "row")
@@ -212,11 +256,13 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     g_data, w_kn = _sp.pin_operands(col, g_data, w_kn, 2, 2)
     g_data, w_kn = _sp.pin_operands(row, g_data, w_kn, None, 1)
     fast = cfg.fast_backward
-    dx = _sp.scatter(col, recipe.gemm(g_data, g_scale_nk, w_kn, sw, spec.x_dtype, fast), 1)
+    dx = _gemm_rows(rows, recipe, g_data, g_scale_nk, w_kn, sw, spec.x_dtype, fast)
+    dx = _sp.scatter(col, dx, 1)
+    wdt = spec.w_dtype
     if spec.rhs_k_first:
-        dw = recipe.gemm(xTq, sx, g_data_t, g_scale_t, spec.w_dtype, fast)
+        dw = _gemm_rows(rows, recipe, xTq, sx, g_data_t, g_scale_t, wdt, fast, wgrad=True)
     else:
-        dw = recipe.gemm(g_data_t, g_scale_t, xTq, sx, spec.w_dtype, fast)
+        dw = _gemm_rows(rows, recipe, g_data_t, g_scale_t, xTq, sx, wdt, fast, wgrad=True)
     dw = _fsdp(spec, dw, False, False)  # FSDP: reduce-scatter in the gradient dtype
     return dx, dw, g.amax, recipe.summary(g.scale)
 

@@ -44,6 +44,7 @@ from ..config import Fp8Config
 from ..kernels import cast as _cast_kernel
 from ..kernels import gemm as _gemm
 from . import dot as _dot
+from . import rows as _split
 
 pl = _cast_kernel.pl  # the guarded Pallas import (None where it does not import)
 
@@ -376,44 +377,6 @@ def activation_grad_fp8(
     )
 
 
-# ----------------------------------------------------------------------------- on a mesh
-class RowSplit(NamedTuple):
-    """Token rows split over ``axes`` of ``mesh`` (data parallel, FSDP): the activation
-    kernels, custom calls XLA cannot partition, run per device under ``shard_map`` on
-    their own rows, with one ``pmax`` for the amax, so every device scales alike."""
-
-    mesh: jax.sharding.Mesh
-    axes: tuple[str, ...]
-
-    @property
-    def count(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in self.axes)
-
-
-def _on_rows(rows: RowSplit | None, fn, args, row_dims, out_row_dims):
-    """``fn(*args)`` (arrays, the last output an amax) per device on its rows: ``row_dims``
-    / ``out_row_dims`` give each array's token dim (None: replicated). Plain call when
-    ``rows`` is None."""
-    if rows is None:
-        return fn(*args)
-    from jax.sharding import PartitionSpec as P
-
-    def spec(dim):
-        return P() if dim is None else P(*(None,) * dim, rows.axes)
-
-    def local(*local_args):
-        *outs, amax = fn(*local_args)
-        return (*outs, jax.lax.pmax(amax, rows.axes))
-
-    return jax.shard_map(
-        local,
-        mesh=rows.mesh,
-        in_specs=tuple(spec(d) for d in row_dims),
-        out_specs=(*(spec(d) for d in out_row_dims), P()),
-        check_vma=False,
-    )(*args)
-
-
 # ----------------------------------------------------------------------------- custom VJP
 class Spec(NamedTuple):
     """Static description of one call (a custom_vjp nondiff arg)."""
@@ -425,7 +388,7 @@ class Spec(NamedTuple):
     w2_dtype: np.dtype
     activation: str = "swiglu"  # one of `ACTIVATIONS`
     gate_block: int | None = None  # fc1's row layout (`fp8jax.nn.FusedMLP.gate_block`)
-    rows: RowSplit | None = None  # the kernels' token rows split over a mesh (`RowSplit`)
+    rows: _split.RowSplit | None = None  # the kernels' token split on a mesh (`fp8jax.ops.rows`)
 
 
 def usable(
@@ -436,7 +399,7 @@ def usable(
     ffn: int,
     out: int,
     activation: str = "swiglu",
-    rows: RowSplit | None = None,
+    rows: _split.RowSplit | None = None,
 ) -> bool:
     """Whether the core can run this MLP (else `FusedMLP` takes its XLA path); ``rows``:
     the token split its kernels run under (None: the whole program's rows)."""
@@ -484,14 +447,12 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
         0
     ]  # [M, 2F] interleaved, not dequantized
     h_scale = (sx * sw1).reshape(())
-    aq, aa = _on_rows(
+    aq, _, aa = _split.on_rows(
         spec.rows,
-        lambda h, hs, s: _drop_none(
-            activation_fp8(h, hs, s, c2.input_dtype, spec.activation, transposed=False)
-        ),
+        lambda h, hs, s: activation_fp8(h, hs, s, c2.input_dtype, spec.activation, False),
         (h, h_scale, sa),
         (0, None, None),
-        (0,),
+        (0, None, "max"),
     )
     w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
     y = _gemm.fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward)[0]
@@ -508,10 +469,6 @@ def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
     the fc1/fc2 `_dot.STATE_FIELDS` tuples as `fp8jax.state.MAX_GRAD`, whose new values
     come back as their gradients."""
     return _forward(spec, x, w1, _state.values(state1), w2, _state.values(state2))[0]
-
-
-def _drop_none(outs):
-    return tuple(o for o in outs if o is not None)
 
 
 def _fwd(spec, x, w1, state1, w2, state2):
@@ -533,10 +490,11 @@ def _bwd(spec, saved, g):
             h, hs, da, das, sdh, c1.grad_dtype, sa, c2.input_dtype, spec.activation,
             natural=spec.gate_block != BLOCK,
         )  # fmt: skip
-        return dhq, dhTq, aTq, adh
+        return dhq, dhTq, adh, aTq
 
     args = (h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh, sa)
-    dhq, dhTq, aTq, adh = _on_rows(spec.rows, grad, args, (0, None, 0, None, None, None), (0, 1, 1))
+    in_dims = (0, None, 0, None, None, None)
+    dhq, dhTq, adh, aTq = _split.on_rows(spec.rows, grad, args, in_dims, (0, 1, "max", 1))
     dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
     dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]
