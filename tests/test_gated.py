@@ -135,7 +135,7 @@ def test_core_matches_float_references_and_xla_path(key, mode, m, activation):
 @pytest.mark.parametrize("m", ["xla", "interpret", "kernel"])
 def test_gate_block_layouts_compute_the_same_block(key, mode, m):
     """fc1 rows as ``[gate | up]`` or interleaved (`FusedMLP.gate_block`: the core's own 64,
-    and 32 and 16, which it relayouts): the same loss, and fc1's gradient in each layout's
+    and 128, 32 and 16, which it relayouts): the same loss, and fc1's gradient in each layout's
     own row order, equal to the halves' one bit for bit (a row permutation of the same
     math); the XLA path the same at 64."""
     if m == "kernel" and not _gated._cast_kernel.supported((1, TOKENS, 2 * FFN))[0]:
@@ -146,7 +146,7 @@ def test_gate_block_layouts_compute_the_same_block(key, mode, m):
     x, c = normal(kx, (TOKENS, HIDDEN), scale=2.0), normal(kc, (TOKENS, HIDDEN))
     loss = lambda m, x: jnp.sum(m(x) * c)  # noqa: E731
     ref_loss, ref_grad = eqx.filter_value_and_grad(loss)(mlp, x)
-    for block in (64, 32, 16):
+    for block in (64, 128, 32, 16):
         other = mlp.with_gate_block(block)
         assert other.gate_block == block and mlp_module._gated_core_runs(other, x)
         value, grad = eqx.filter_value_and_grad(loss)(other, x)

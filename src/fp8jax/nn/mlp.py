@@ -56,7 +56,9 @@ class FusedMLP(eqx.Module):
     ...]`` in blocks of ``b`` rows, so that a tensor-parallel (column) split of fc1 into
     shards of a multiple of ``2 * b`` rows keeps each gate row on the device of its up row:
     the activation then needs no communication (with ``None`` XLA reshuffles the halves at
-    every step). ``64`` is also the core's own layout. `with_gate_block` converts a block.
+    every step). ``64`` is also the core's own layout; with the block-wise recipe a multiple of
+    its block (128) keeps gate and up rows in separate scale blocks. `with_gate_block`
+    converts a block.
 
     On Hopper, a gated activation (those in `_gated.GPU_TESTED`) with both linears FP8
     (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax.ops.gated`: one

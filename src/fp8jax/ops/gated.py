@@ -242,7 +242,15 @@ def _fwd_pallas(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("dtype", "a_dtype", "activation", "interpret", "rows", "num_warps", "natural"),
+    static_argnames=(
+        "dtype",
+        "a_dtype",
+        "activation",
+        "interpret",
+        "rows",
+        "num_warps",
+        "dht_block",
+    ),
 )
 def _bwd_pallas(
     h,
@@ -257,15 +265,15 @@ def _bwd_pallas(
     interpret=False,
     rows=BLOCK,
     num_warps=4,
-    natural=True,
+    dht_block=None,
 ):
     m, two_f = h.shape
     f, b, r = two_f // 2, BLOCK, rows
     grid = (m // r, f // b)
-    # dh^T in natural [gate | up] row order ([2, F, M]) or interleaved like h ([F/b, 2, b, M])
+    # dh^T with its rows [gate | up] ([2, F, M]) or interleaved like h ([F/b, 2, b, M])
     dht_spec, dht_shape = (
         (pl.BlockSpec((2, b, r), lambda i, j: (0, j, i)), (2, f, m))
-        if natural
+        if dht_block is None
         else (pl.BlockSpec((None, 2, b, r), lambda i, j: (j, 0, 0, i)), (f // b, 2, b, m))
     )
     scalars = jnp.stack(
@@ -335,15 +343,19 @@ def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu", transposed=T
     return aq, (aq.T if transposed else None), q.tile_amax(a)
 
 
+def _rows_as(t, block: int | None):
+    return t if block is None else interleave(t, block)
+
+
 def activation_grad_fp8(
-    h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu", natural=True
+    h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu", dht_block=None
 ):
     """Gradient of `activation_fp8` w.r.t. ``h`` for the output gradient ``da * da_scale``,
     cast to ``dtype`` (scale ``dh_scale``): ``(dhq [M, 2F], dhq^T [2F, M], amax, aq^T)``.
     ``dhq`` is interleaved like ``h`` (fc1's dgrad contracts it with the interleaved weight);
-    ``dhq^T`` is in natural ``[gate | up]`` order (``natural``) or interleaved like ``h``,
-    so that fc1's wgrad comes out in the weight's own row order (a row permutation of it
-    kept XLA from fusing the optimizer's update).
+    ``dhq^T`` has its rows ``[gate | up]`` (``dht_block`` None) or interleaved in blocks of
+    ``dht_block`` (the kernel: `BLOCK` only), so that fc1's wgrad comes out in the weight's
+    own row order (a row permutation of it kept XLA from fusing the optimizer's update).
     ``aq^T`` is the forward's FP8 activation (scale ``a_scale``) recomputed in the same
     pass, so the forward need not keep it."""
     mode = _mode(h.shape)
@@ -361,7 +373,7 @@ def activation_grad_fp8(
             interpret=mode == "interpret",
             rows=_rows(h.shape[0]),
             num_warps=TILE["num_warps"],
-            natural=natural,
+            dht_block=dht_block,
         )
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
     d_gate, d_up = _glu_grad(activation, gate, up, da.astype(F32) * da_scale.reshape(()))
@@ -371,7 +383,7 @@ def activation_grad_fp8(
     dhq = _join(gate_q, up_q)
     return (
         dhq,
-        jnp.concatenate([gate_q.T, up_q.T]) if natural else dhq.T,
+        _rows_as(jnp.concatenate([gate_q.T, up_q.T]), dht_block),
         jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)),
         aq.T,
     )
@@ -471,6 +483,13 @@ def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
     return _forward(spec, x, w1, _state.values(state1), w2, _state.values(state2))[0]
 
 
+def _dht_block(gate_block: int | None) -> int | None:
+    """The row layout the backward kernel writes fc1's transposed gradient in: the stored
+    one where the kernel can (``[gate | up]`` or blocks of `BLOCK`), else ``[gate | up]``
+    (then permuted to the stored one)."""
+    return gate_block if gate_block in (None, BLOCK) else None
+
+
 def _fwd(spec, x, w1, state1, w2, state2):
     state1, state2 = _state.values(state1), _state.values(state2)
     y, residuals = _forward(spec, x, w1, state1, w2, state2)
@@ -488,7 +507,7 @@ def _bwd(spec, saved, g):
     def grad(h, hs, da, das, sdh, sa):
         dhq, dhTq, adh, aTq = activation_grad_fp8(
             h, hs, da, das, sdh, c1.grad_dtype, sa, c2.input_dtype, spec.activation,
-            natural=spec.gate_block != BLOCK,
+            dht_block=_dht_block(spec.gate_block),
         )  # fmt: skip
         return dhq, dhTq, adh, aTq
 
@@ -498,7 +517,7 @@ def _bwd(spec, saved, g):
     dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
     dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]
-    if spec.gate_block not in (None, BLOCK):  # natural row order -> the stored one
+    if spec.gate_block != _dht_block(spec.gate_block):  # natural row order -> the stored one
         dw1 = interleave(dw1, spec.gate_block)
 
     state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))

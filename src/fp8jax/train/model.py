@@ -155,10 +155,12 @@ class MoE(eqx.Module):
 
 
 def _gate_block(ffn: int) -> int | None:
-    """fc1's gate/up interleaving (`FusedMLP.gate_block`): the largest block (64, the MLP
-    core's own, down to 1) that splits into whole pairs over up to 8 tensor shards. A
-    function of ``ffn`` alone, so that checkpoints move between meshes."""
-    return next((b for b in (64, 32, 16, 8, 4, 2, 1) if ffn % (8 * b) == 0), None)
+    """fc1's gate/up interleaving (`FusedMLP.gate_block`): the largest block (128 down to 1)
+    that splits into whole pairs over up to 8 tensor shards. 128, the block-wise recipe's
+    block, keeps gate and up rows in separate 128 x 128 weight scales and 1 x 128 gradient
+    tiles (with 64 each held both). A function of ``ffn`` alone, so that checkpoints move
+    between meshes and recipes."""
+    return next((b for b in (128, 64, 32, 16, 8, 4, 2, 1) if ffn % (8 * b) == 0), None)
 
 
 class Block(eqx.Module):
