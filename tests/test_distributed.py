@@ -500,3 +500,10 @@ def test_blockwise_linears_run_per_device_on_their_rows():
     for g, rg in zip(jax.tree_util.tree_leaves(fp8jax.trainable(grads)),
                      jax.tree_util.tree_leaves(fp8jax.trainable(ref_grads)), strict=True):  # fmt: skip
         np.testing.assert_allclose(g, rg, atol=GRAD_OF_MAX * float(jnp.max(jnp.abs(rg))))
+
+
+def test_blockwise_weight_shards_of_partial_blocks_warn():
+    cfg = fp8jax.Fp8Config(recipe="blockwise", selective=False)
+    model = fp8jax.fp8_linear_layers([eqx.nn.Linear(256, 384, key=jax.random.PRNGKey(0))], cfg)
+    with pytest.warns(UserWarning, match=r"'0': out_features=384 over mesh axis 'fsdp' of "):
+        fp8jax.shard_model(model, _mesh(2, 4, 1))

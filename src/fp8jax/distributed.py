@@ -154,6 +154,7 @@ def shard_model(
             tensor_axis,
             kinds.get(path),
         )
+        _check_block_shards(path, layer, spec, mesh)
         stack = (None,) * (w.ndim - 2)
         placements[id(w)] = NamedSharding(mesh, P(*stack, *spec))
         if layer.bias is not None:
@@ -175,6 +176,26 @@ def shard_model(
         batch = _batch_axes(mesh, batch_axes, tensor_axis)
         model = _record_sequence(model, mesh, kinds, batch, tensor_axis)
     return model
+
+
+def _check_block_shards(path: str, layer: Any, spec: tuple, mesh: Mesh) -> None:
+    """Block-wise recipe: a weight shard that does not hold whole ``block_size`` blocks
+    makes XLA's partitioner replicate the weight for the cast (float32 gathers): warn."""
+    recipe = getattr(getattr(layer, "dot_general", None), "config", None)
+    recipe = getattr(recipe, "recipe", None)
+    if getattr(recipe, "kind", None) != "blockwise":
+        return
+    names = ("out_features", "in_features")
+    for i, axis in enumerate(spec):
+        n, size = _axis_size(mesh, axis), layer.weight.shape[-2:][i]
+        if n > 1 and (size // n) % recipe.block_size:
+            warnings.warn(
+                f"shard_model: layer {path!r}: {names[i]}={size} over mesh axis {axis!r} of "
+                f"size {n} gives shards of {size // n}, not whole {recipe.block_size}-blocks "
+                "of the block-wise recipe: XLA will gather the weight in full precision to "
+                "cast it.",
+                stacklevel=3,
+            )
 
 
 def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) -> None:
