@@ -60,8 +60,11 @@ def _layers(model: Any) -> list[tuple[str, Any]]:
     return [(_path_str(p), x) for p, x in flat if is_layer(x)]
 
 
-def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel) -> tuple:
-    """PartitionSpec entries of a ``[*stack, out, in]`` weight (the last two dims)."""
+def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel, block=None) -> tuple:
+    """PartitionSpec entries of a ``[*stack, out, in]`` weight (the last two dims).
+    ``block``: the block-wise recipe's block size, which each shard should hold whole (else
+    XLA's partitioner replicates the weight for the cast, gathering it in full precision:
+    warn)."""
     out_f, in_f = shape[-2:]
     spec: list = [None, None]  # out, in
     if parallel == "column":
@@ -79,7 +82,21 @@ def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel) -> tuple:
                 f"shard_model: layer {path!r}: {names[i]}={(out_f, in_f)[i]} "
                 f"(weight {tuple(shape)}) is not divisible by mesh axis {axis!r} of size {n}."
             )
+        size = (out_f, in_f)[i]
+        if block and n > 1 and (size // n) % block:
+            warnings.warn(
+                f"shard_model: layer {path!r}: {names[i]}={size} over mesh axis {axis!r} of "
+                f"size {n} gives shards of {size // n}, not whole {block}-blocks of the "
+                "block-wise recipe: XLA will gather the weight in full precision to cast it.",
+                stacklevel=3,
+            )
     return tuple(spec)
+
+
+def _block_size(layer) -> int | None:
+    """The block-wise recipe's block size of an FP8 layer, else None."""
+    recipe = layer.dot_general.config.recipe if isinstance(layer, Linear) else None
+    return recipe.block_size if getattr(recipe, "kind", None) == "blockwise" else None
 
 
 def shard_model(
@@ -153,8 +170,8 @@ def shard_model(
             fsdp_axis,
             tensor_axis,
             kinds.get(path),
+            _block_size(layer),
         )
-        _check_block_shards(path, layer, spec, mesh)
         stack = (None,) * (w.ndim - 2)
         placements[id(w)] = NamedSharding(mesh, P(*stack, *spec))
         if layer.bias is not None:
@@ -178,38 +195,20 @@ def shard_model(
     return model
 
 
-def _check_block_shards(path: str, layer: Any, spec: tuple, mesh: Mesh) -> None:
-    """Block-wise recipe: a weight shard that does not hold whole ``block_size`` blocks
-    makes XLA's partitioner replicate the weight for the cast (float32 gathers): warn."""
-    recipe = getattr(getattr(layer, "dot_general", None), "config", None)
-    recipe = getattr(recipe, "recipe", None)
-    if getattr(recipe, "kind", None) != "blockwise":
-        return
-    names = ("out_features", "in_features")
-    for i, axis in enumerate(spec):
-        n, size = _axis_size(mesh, axis), layer.weight.shape[-2:][i]
-        if n > 1 and (size // n) % recipe.block_size:
-            warnings.warn(
-                f"shard_model: layer {path!r}: {names[i]}={size} over mesh axis {axis!r} of "
-                f"size {n} gives shards of {size // n}, not whole {recipe.block_size}-blocks "
-                "of the block-wise recipe: XLA will gather the weight in full precision to "
-                "cast it.",
-                stacklevel=3,
-            )
-
-
 def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) -> None:
     """A column-parallel gated `FusedMLP` fc1 must split into whole gate/up pairs
     (``gate_block``); with ``[gate | up]`` rows it works but reshuffles every step: warn."""
     from .nn.mlp import ACTIVATIONS, FusedMLP
 
     n = _axis_size(mesh, tensor_axis)
+    if n == 1:
+        return
     is_mlp = lambda x: isinstance(x, FusedMLP)  # noqa: E731
     flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_mlp)
     for p, mlp in flat:
         path = _path_str(p)
         fc1 = f"{path}.fc1" if path else "fc1"
-        if n == 1 or not is_mlp(mlp) or not ACTIVATIONS[mlp.activation][1]:
+        if not is_mlp(mlp) or not ACTIVATIONS[mlp.activation][1]:
             continue
         if not _matches(fc1, column_parallel):
             continue

@@ -11,6 +11,9 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ..ops import gated as _gated
+from ..ops.gated import relayout_rows
+
+__all__ = ["ACTIVATIONS", "NORMS", "activate", "normalize", "relayout_rows"]
 
 F32 = jnp.float32
 
@@ -72,18 +75,6 @@ def activate(h: Array, activation: str, gate_block: int | None = None) -> Array:
         pairs = h.reshape(*lead, two_f // (2 * gate_block), 2, gate_block)
         gate, up = (pairs[..., i, :].reshape(*lead, two_f // 2) for i in (0, 1))
     return fn(gate) * up
-
-
-def relayout_rows(a: Array, axis: int, src: int | None, dst: int | None) -> Array:
-    """``a``'s gate/up entries along ``axis`` moved from layout ``src`` to ``dst`` (None:
-    ``[gate | up]``; an int ``b``: ``[g0 u0 g1 u1 ...]`` in blocks of ``b``)."""
-    if src == dst:
-        return a
-    moved = jnp.moveaxis(a, axis, 0)
-    rows = moved.reshape(moved.shape[0], -1)
-    rows = rows if src is None else _gated.deinterleave(rows, src)
-    rows = rows if dst is None else _gated.interleave(rows, dst)
-    return jnp.moveaxis(rows.reshape(moved.shape), 0, axis)
 
 
 def normalize(

@@ -369,11 +369,12 @@ def _gated_core_runs(mlp: FusedMLP, x) -> bool:
     """Whether `fp8jax.ops.gated` (one custom VJP, Pallas activation kernels) runs this call:
     both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``;
     the activation, scaling and sizes as `_gated.usable` says; not tensor or sequence
-    parallel (`_tensor_parallel`)."""
+    parallel (`fp8jax.ops.rows.splits_features`: the core's Pallas kernels are custom calls
+    without a partitioning rule, so such layers take XLA's path, which partitions)."""
     fc1, fc2 = mlp.fc1, mlp.fc2
     if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
         return False
-    if any(_tensor_parallel(f.dot_general.weight_sharding) for f in (fc1, fc2)):
+    if any(_rows.splits_features(f.dot_general.weight_sharding) for f in (fc1, fc2)):
         return False
     if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
         return False
@@ -393,21 +394,6 @@ def _row_split(mlp: FusedMLP) -> _rows.RowSplit | None:
     on one device, inside a ``shard_map``, or with no mesh known (then, over several
     devices, `_gated.usable` says no)."""
     return _rows.of_weight(mlp.fc1.dot_general.weight_sharding)
-
-
-def _tensor_parallel(ws) -> bool:
-    """Whether a layer's weight is split over a mesh axis it does not all-gather (tensor
-    parallel, sequence parallel or not): the core's Pallas kernels are custom calls
-    without a partitioning rule, so such layers take XLA's path, which partitions."""
-    if ws is None:
-        return False
-    if ws.sequence is not None:
-        return True
-    return any(
-        axis is not None and axis not in ws.gather and ws.mesh.shape[axis] > 1
-        for entry in ws.spec
-        for axis in (entry if isinstance(entry, tuple) else (entry,))
-    )
 
 
 def _gated_call(mlp: FusedMLP, x):

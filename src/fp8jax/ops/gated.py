@@ -75,12 +75,16 @@ def deinterleave(w1i, block: int = BLOCK):
     return w1i.reshape(f // block, 2, block, c).swapaxes(0, 1).reshape(two_f, c)
 
 
-def to_core_layout(w1, gate_block: int | None):
-    """fc1 rows as stored (``gate_block``: None for ``[gate | up]``, else interleaved in
-    blocks of ``gate_block``) -> interleaved in blocks of `BLOCK`, the core's layout."""
-    if gate_block == BLOCK:
-        return w1
-    return interleave(w1 if gate_block is None else deinterleave(w1, gate_block))
+def relayout_rows(a, axis: int, src: int | None, dst: int | None):
+    """``a``'s gate/up entries along ``axis`` moved from layout ``src`` to ``dst`` (None:
+    ``[gate | up]``; an int ``b``: ``[g0 u0 g1 u1 ...]`` in blocks of ``b``)."""
+    if src == dst:
+        return a
+    moved = jnp.moveaxis(a, axis, 0)
+    rows = moved.reshape(moved.shape[0], -1)
+    rows = rows if src is None else deinterleave(rows, src)
+    rows = rows if dst is None else interleave(rows, dst)
+    return jnp.moveaxis(rows.reshape(moved.shape), 0, axis)
 
 
 def _halves(h, block: int = BLOCK):
@@ -343,10 +347,6 @@ def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu", transposed=T
     return aq, (aq.T if transposed else None), q.tile_amax(a)
 
 
-def _rows_as(t, block: int | None):
-    return t if block is None else interleave(t, block)
-
-
 def activation_grad_fp8(
     h, h_scale, da, da_scale, dh_scale, dtype, a_scale, a_dtype, activation="swiglu", dht_block=None
 ):
@@ -383,7 +383,7 @@ def activation_grad_fp8(
     dhq = _join(gate_q, up_q)
     return (
         dhq,
-        _rows_as(jnp.concatenate([gate_q.T, up_q.T]), dht_block),
+        relayout_rows(jnp.concatenate([gate_q.T, up_q.T]), 0, None, dht_block),
         jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)),
         aq.T,
     )
@@ -453,7 +453,7 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     c1, c2 = spec.config1, spec.config2
     sx, sw1, sdh, sa, sw2, sg = _scales(spec, state1, state2)
     xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
-    w1c = to_core_layout(w1, spec.gate_block)[None]
+    w1c = relayout_rows(w1, 0, spec.gate_block, BLOCK)[None]  # the core's layout
     w1q, w1Tq, aw1 = _gemm.quantize_both(w1c, sw1, c1.kernel_dtype, c1.cast_kernel)
     h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[
         0
@@ -505,11 +505,10 @@ def _bwd(spec, saved, g):
     ]  # [M, F], not dequantized
 
     def grad(h, hs, da, das, sdh, sa):
-        dhq, dhTq, adh, aTq = activation_grad_fp8(
+        return activation_grad_fp8(
             h, hs, da, das, sdh, c1.grad_dtype, sa, c2.input_dtype, spec.activation,
             dht_block=_dht_block(spec.gate_block),
         )  # fmt: skip
-        return dhq, dhTq, adh, aTq
 
     args = (h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh, sa)
     in_dims = (0, None, 0, None, None, None)
@@ -517,8 +516,7 @@ def _bwd(spec, saved, g):
     dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
     dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]
-    if spec.gate_block != _dht_block(spec.gate_block):  # natural row order -> the stored one
-        dw1 = interleave(dw1, spec.gate_block)
+    dw1 = relayout_rows(dw1, 0, _dht_block(spec.gate_block), spec.gate_block)  # as stored
 
     state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
     state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))

@@ -190,8 +190,9 @@ def _kernel_reason(layout: GroupLayout, k: int, n: int, dtype) -> str:
     ok, why = gk.available()
     if not ok:
         return why
-    if dispatch.unpartitioned_reason():
-        return dispatch.unpartitioned_reason()
+    why = dispatch.unpartitioned_reason()
+    if why:
+        return why
     if layout.align % gk.ROW_ALIGN:
         return (
             f"the layout's groups are aligned to {layout.align} rows, "

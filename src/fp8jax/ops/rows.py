@@ -33,20 +33,30 @@ class RowSplit(NamedTuple):
         return math.prod(self.mesh.shape[a] for a in self.axes)
 
 
+def splits_features(ws) -> bool:
+    """Whether a layer placed as ``ws`` (`fp8jax.ops.dot.WeightSharding`) is tensor or
+    sequence parallel: its weight split over a mesh axis it does not all-gather, or its
+    tokens moved between the tensor-parallel devices."""
+    if ws is None:
+        return False
+    if ws.sequence is not None:
+        return True
+    return any(
+        axis is not None and axis not in ws.gather and ws.mesh.shape[axis] > 1
+        for entry in ws.spec
+        for axis in (entry if isinstance(entry, tuple) else (entry,))
+    )
+
+
 def of_weight(ws) -> RowSplit | None:
     """The token split of a layer whose weight was placed as ``ws`` (`fp8jax.ops.dot.
     WeightSharding`): every mesh axis of size > 1, when the program spans several devices
     outside a ``shard_map`` (else None: the kernels run as they are). None too for a
     tensor- or sequence-parallel layer (its features or tokens move between devices: the
     XLA path partitions it)."""
-    if ws is None or dispatch.unpartitioned_reason() is None or ws.sequence is not None:
+    if ws is None or splits_features(ws) or dispatch.unpartitioned_reason() is None:
         return None
-    sizes = ws.mesh.shape
-    for entry in ws.spec:
-        for axis in entry if isinstance(entry, tuple) else (entry,):
-            if axis is not None and axis not in ws.gather and sizes[axis] > 1:
-                return None
-    return RowSplit(ws.mesh, tuple(a for a in ws.mesh.axis_names if sizes[a] > 1))
+    return RowSplit(ws.mesh, tuple(a for a in ws.mesh.axis_names if ws.mesh.shape[a] > 1))
 
 
 def on_rows(rows: RowSplit | None, fn: Callable, args: tuple, in_dims: tuple, out_dims: Any):
