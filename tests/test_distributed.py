@@ -468,12 +468,15 @@ def test_fused_mlp_core_runs_per_device_on_its_rows():
         np.testing.assert_allclose(g, rg, atol=GRAD_OF_MAX * float(jnp.max(jnp.abs(rg))))
 
 
-def test_blockwise_linears_run_per_device_on_their_rows():
-    """The block-wise recipe under FSDP (2 x 4): casts and GEMMs run under shard_map on each
-    device's tokens (one scalar pmax per amax, the wgrad summed over the devices), the
-    weights are all-gathered in FP8 only, no activation moves, and the step matches one
-    device. On a GPU the same split lets the Pallas casts and the block-scaled kernel run."""
-    cfg = fp8jax.Fp8Config(recipe="blockwise", selective=False)
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_tiled_recipes_run_per_device_on_their_rows(recipe):
+    """The row- and block-wise recipes under FSDP (2 x 4): casts and GEMMs run under
+    shard_map on each device's tokens (the wgrad summed over the devices), the weights are
+    all-gathered in FP8 only, no activation moves, and the step matches one device. Each
+    amax is one scalar pmax; the row-wise cast's column amaxes (the transposed copy's
+    scales span every device's tokens) one pmax of a row per cast. On a GPU the same split
+    lets the Pallas casts and the block-scaled kernel run."""
+    cfg = fp8jax.Fp8Config(recipe=recipe, selective=False)
     k1, k2, kx, kc = jax.random.split(jax.random.PRNGKey(7), 4)
     model = [eqx.nn.Linear(256, 1024, key=k1), eqx.nn.Linear(1024, 256, key=k2)]
     model = fp8jax.fp8_linear_layers(model, cfg)
@@ -491,9 +494,16 @@ def test_blockwise_linears_run_per_device_on_their_rows():
     collectives = distributed.hlo_collectives(step.lower(sharded, xs, cs))
     assert sorted(c.shape for c in collectives if c.op_name == "psum") == [
         "[1,1024,256]", "[1,256,1024]"]  # fmt: skip
-    assert [c.shape for c in collectives if c.op_name == "pmax"] == ["[]"] * 4, collectives
+    pmax = sorted(c.shape for c in collectives if c.op_name == "pmax")
+    # x and g of each layer: [1, K] column amaxes (row-wise) or a scalar (block-wise)
+    want = ["[1,1024]", "[1,1024]", "[1,256]", "[1,256]"] if recipe == "rowwise" else ["[]"] * 4
+    assert pmax == want, collectives
     assert not [c for c in collectives if "2048" in c.shape], collectives  # no token moves
-    weights = [c for c in collectives if c.kind == "all-gather" and "1024" in c.shape]
+    # the weights' data (their scales, [1, 1024] or [1, 8, 2], are gathered too, in float32)
+    weights = [
+        c for c in collectives
+        if c.kind == "all-gather" and "1024" in c.shape and c.shape.count(",") == 2
+    ]  # fmt: skip
     assert len(weights) == 3 and {c.dtype for c in weights} == {"f8e4m3fn"}, collectives
     loss_value, grads = step(sharded, xs, cs)
     np.testing.assert_allclose(loss_value, ref_loss, rtol=LOSS_RTOL)

@@ -107,12 +107,21 @@ def _xla_rows(t, dtype):
     return data, scale, data_t, scale_t, amax
 
 
+def _kernel_rows(t, dtype, interpret=False):
+    """The row-wise recipe's scales, then the kernel's cast with them."""
+    rowwise = recipe.RowWise()
+    row_amax, col_amax = rowwise.amaxes(t)
+    scale, scale_t = rowwise.scales(row_amax, col_amax, dtype)
+    data, data_t = tc.cast_rows_with(t, scale, scale_t, dtype, interpret=interpret)
+    return data, scale, data_t, scale_t, jnp.max(row_amax)
+
+
 def test_interpret_rowwise_cast_matches_xla_cast(key):
     t = _outlier_rows(key, (2, 128, 256))
-    got = tc.cast_rows_both(t, E4M3, interpret=True)
+    got = _kernel_rows(t, E4M3, interpret=True)
     _assert_same_cast(got, _xla_rows(t, E4M3), exact=False)
     bad = t.at[1, 5, 7].set(jnp.nan)
-    _, scale, _, scale_t, amax = tc.cast_rows_both(bad, E4M3, interpret=True)
+    _, scale, _, scale_t, amax = _kernel_rows(bad, E4M3, interpret=True)
     assert not np.isfinite(float(amax))
     assert float(scale[1, 5, 0]) == 1.0 and float(scale_t[1, 7, 0]) == 1.0
     assert np.all(np.isfinite(_f32(scale))) and np.all(np.isfinite(_f32(scale_t)))
@@ -121,5 +130,11 @@ def test_interpret_rowwise_cast_matches_xla_cast(key):
 @gpu
 def test_rowwise_kernel_matches_xla_cast_on_gpu(key):
     t = _outlier_rows(key, (1, 1024, 768))
-    got = jax.jit(lambda t: tc.cast_rows_both(t, E4M3))(t)
+    got = jax.jit(lambda t: _kernel_rows(t, E4M3))(t)
     _assert_same_cast(got, jax.jit(lambda t: _xla_rows(t, E4M3))(t), exact=False)
+
+
+def test_rowwise_cast_with_bad_scales_names_shapes():
+    t = jnp.ones((1, 128, 256))
+    with pytest.raises(ValueError, match=r"scales \(1, 256, 1\) and \(1, 128, 1\) do not fit"):
+        tc.cast_rows_with(t, jnp.ones((1, 256, 1)), jnp.ones((1, 128, 1)), E4M3, interpret=True)

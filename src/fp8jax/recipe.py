@@ -244,15 +244,30 @@ class RowWise(_Tiled):
     ) -> Cast:
         """``t: [B, P, C]`` per row along C, and ``t^T: [B, C, P]`` per row along P."""
         del old_scale, history, weight, scale
+        row_amax, col_amax = self.amaxes(t)
+        scale, scale_t = self.scales(row_amax, col_amax, dtype)
+        data, data_t = self.cast_with(t, scale, scale_t, dtype)
+        return Cast(data, data_t, scale, jnp.max(row_amax), scale_t)
+
+    @staticmethod
+    def amaxes(t: Array) -> tuple[Array, Array]:
+        """Per-row ``[B, P]`` and per-column ``[B, C]`` amaxes of ``t [B, P, C]``. Over a
+        token split (`fp8jax.ops.rows`) the rows' are local and the columns' a ``pmax``."""
+        return q.tile_amax(t, axis=2), q.tile_amax(t, axis=1)
+
+    def scales(self, row_amax: Array, col_amax: Array, dtype) -> tuple[Array, Array]:
+        """The scales of ``t`` per row ``[B, P, 1]`` and of ``t^T`` per row ``[B, C, 1]``."""
+        return tuple(q.tile_scales(a, dtype, self.margin)[:, :, None] for a in (row_amax, col_amax))
+
+    @staticmethod
+    def cast_with(t: Array, scale: Array, scale_t: Array, dtype) -> tuple[Array, Array]:
+        """``(t [B, P, C], t^T)`` cast with the given row scales: one read of ``t`` in the
+        Pallas kernel (`fp8jax.kernels.tile_cast`) on Hopper, two XLA casts elsewhere."""
         from .kernels import tile_cast as _kernel
 
-        if _kernel.reason(t.shape, 128) is None:  # Hopper: one read for both layouts' cast
-            data, scale, data_t, scale_t, amax = _kernel.cast_rows_both(t, dtype, self.margin)
-            return Cast(data, data_t, scale, amax, scale_t)
-        _, p, c = t.shape
-        data, scale, amax = tile_cast(t, dtype, 1, c, self.margin)
-        data_t, scale_t, _ = tile_cast(jnp.swapaxes(t, 1, 2), dtype, 1, p, self.margin)
-        return Cast(data, data_t, scale, amax, scale_t)
+        if _kernel.reason(t.shape, 128) is None:
+            return _kernel.cast_rows_with(t, scale, scale_t, dtype)
+        return _cast_divided(t, scale, dtype), _cast_divided(jnp.swapaxes(t, 1, 2), scale_t, dtype)
 
     def gemm(
         self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool

@@ -134,23 +134,24 @@ def _rows_kernel(t_ref, row_scale_ref, col_scale_ref, q_ref, qt_ref):
     qt_ref[...] = jnp.clip(t / col_scale_ref[...], -limit, limit).astype(q_ref.dtype).T
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "margin", "block_size", "interpret"))
-def cast_rows_both(t, dtype, margin: float = 0.0, block_size: int = 128, interpret=False):
-    """The row-wise recipe's cast: ``t [B, P, C]`` per row along ``C`` and ``t^T [B, C, P]``
-    per row along ``P`` (a column of ``t``). The row and column amaxes are two XLA
-    reductions; the kernel then reads ``t`` once more and writes both layouts (XLA's path
-    reads it four times, once strided). Returns ``(data, scale [B, P, 1], data_t,
-    scale_t [B, C, 1], amax)``, the values of `fp8jax.recipe.RowWise`'s XLA path."""
+@functools.partial(jax.jit, static_argnames=("dtype", "block_size", "interpret"))
+def cast_rows_with(t, scale, scale_t, dtype, block_size: int = 128, interpret=False):
+    """The row-wise recipe's cast with its scales given: ``t [B, P, C]`` divided by
+    ``scale [B, P, 1]`` and ``t^T [B, C, P]`` by ``scale_t [B, C, 1]`` (one per column of
+    ``t``), both saturated to ``dtype``, in one read of ``t`` (XLA's path reads it twice,
+    once strided). Returns ``(data, data_t)``, the bits of `fp8jax.recipe.RowWise`'s XLA
+    path."""
     why = shape_reason(t.shape, block_size)
     if why is not None:
-        raise ValueError(f"tile_cast.cast_rows_both: {why}")
+        raise ValueError(f"tile_cast.cast_rows_with: {why}")
     bsz, p, c = t.shape
+    if scale.shape != (bsz, p, 1) or scale_t.shape != (bsz, c, 1):
+        raise ValueError(
+            f"tile_cast.cast_rows_with: scales {scale.shape} and {scale_t.shape} do not fit "
+            f"t {t.shape} ([B, P, 1] and [B, C, 1])"
+        )
     bs = block_size
-    row_amax = q.tile_amax(t, axis=2)  # [B, P]
-    col_amax = q.tile_amax(t, axis=1)  # [B, C]
-    scale = q.tile_scales(row_amax, dtype, margin)[:, :, None]
-    scale_t = q.tile_scales(col_amax, dtype, margin)[:, :, None]
-    data, data_t = pl.pallas_call(
+    return pl.pallas_call(
         _rows_kernel,
         grid=(bsz, p // bs, c // bs),
         in_specs=[
@@ -168,5 +169,4 @@ def cast_rows_both(t, dtype, margin: float = 0.0, block_size: int = 128, interpr
         ],
         interpret=interpret,
         **triton_params(interpret, NUM_WARPS[False]),
-    )(t, scale, jnp.swapaxes(scale_t, 1, 2))
-    return data, scale, data_t, scale_t, jnp.max(row_amax)
+    )(t, scale.astype(F32), jnp.swapaxes(scale_t, 1, 2).astype(F32))

@@ -57,7 +57,7 @@ class Spec(NamedTuple):
     # sharding with nothing to gather; None when nothing is recorded (found when compiling).
     w_shardings: tuple | None = None
     sequence: _sp.SequenceParallel | None = None  # Megatron sequence parallelism
-    # Block-wise recipe over several devices: the kernels' token split (`fp8jax.ops.rows`)
+    # Row- or block-wise recipe over several devices: the kernels' token split (`ops.rows`)
     rows: _split.RowSplit | None = None
 
 
@@ -149,20 +149,31 @@ def scale_inputs(config: Fp8Config, state) -> tuple[tuple, tuple, tuple]:
 
 
 def row_split(cfg: Fp8Config, ws) -> _split.RowSplit | None:
-    """The token split a block-wise layer's kernels run under on a mesh (`fp8jax.ops.rows`)."""
-    return _split.of_weight(ws) if cfg.recipe.kind == "blockwise" else None
+    """The token split a row- or block-wise layer's kernels run under on a mesh
+    (`fp8jax.ops.rows`)."""
+    return _split.of_weight(ws) if cfg.recipe.kind in ("rowwise", "blockwise") else None
 
 
 def _rows(spec: Spec, m: int) -> _split.RowSplit | None:
-    """``spec.rows`` where each device's share of ``m`` token rows holds whole tiles."""
-    rows = spec.rows
-    return rows if rows and m % (rows.count * spec.config.recipe.block_size) == 0 else None
+    """``spec.rows`` where each device's share of ``m`` token rows holds whole tiles (of
+    the block-wise recipe, or the row-wise cast kernel's 128-row squares)."""
+    rows, tile = spec.rows, getattr(spec.config.recipe, "block_size", 128)
+    return rows if rows and m % (rows.count * tile) == 0 else None
 
 
 def _cast_rows(rows, recipe, t3, dtype) -> Cast:
     """An activation or output gradient ``[B, M, K]`` in both layouts, per device on its
-    tokens (``rows``): data ``[B, M, K]`` with its ``1 x bs`` tile scales ``[B, M, K/bs]``,
-    the transposed copy ``[B, K, M]`` with ``[B, K, M/bs]``; the amax by pmax."""
+    tokens (``rows``). Block-wise: data ``[B, M, K]`` with its ``1 x bs`` tile scales
+    ``[B, M, K/bs]``, the transposed copy ``[B, K, M]`` with ``[B, K, M/bs]``, all local;
+    the amax by pmax. Row-wise: the transposed copy's scale per column of ``t`` spans every
+    device's tokens, so the column amaxes are one ``[B, K]`` pmax before the cast."""
+    if recipe.kind == "rowwise":
+        row_amax, col_amax = _split.on_rows(rows, recipe.amaxes, (t3,), (1,), (1, "max"))
+        scale, scale_t = recipe.scales(row_amax, col_amax, dtype)
+        amax = jnp.max(col_amax)  # the whole tensor's: no further collective
+        cast = lambda t, s, st: recipe.cast_with(t, s, st, dtype)  # noqa: E731
+        data, data_t = _split.on_rows(rows, cast, (t3, scale, scale_t), (1, 1, None), (1, 2))
+        return Cast(data, data_t, scale, amax, scale_t)
     cast = lambda t: recipe.quantize_both(t, None, None, dtype)  # noqa: E731
     dims = Cast(data=1, data_t=2, scale=1, amax="max", scale_t=2)
     return _split.on_rows(rows, cast, (t3,), (1,), dims)
@@ -176,7 +187,10 @@ def _gemm_rows(rows, recipe, a, sa, b, sb, out_dtype, fast: bool, wgrad: bool = 
     if rows is None:
         return recipe.gemm(a, sa, b, sb, out_dtype, fast)
     fn = lambda a, sa, b, sb: recipe.gemm(a, sa, b, sb, out_dtype, fast)  # noqa: E731
-    dims = ((2, 2, 2, 2), "sum") if wgrad else ((1, 1, None, None), 1)
+    # The wgrad's scales: per 1 x bs tile along the tokens (block-wise), or one per row of
+    # its operands, spanning all tokens (row-wise).
+    ts = 2 if recipe.kind == "blockwise" else None
+    dims = ((2, ts, 2, ts), "sum") if wgrad else ((1, 1, None, None), 1)
     return _split.on_rows(rows, fn, (a, sa, b, sb), *dims)
 
 

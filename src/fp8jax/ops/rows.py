@@ -7,8 +7,8 @@ programs). Most of what they do is local to a token row, though: casting an acti
 ``1 x 128`` tiles, a GEMM whose token dim is free, an elementwise activation. Where a layer
 knows its mesh (placed by `fp8jax.shard_model`: data parallel, FSDP), `on_rows` runs such a
 call under ``shard_map`` over the token split, and reduces what is not local: an amax by
-``pmax`` (every device then scales alike), a GEMM contracting the tokens (the wgrad) by
-``psum``.
+``pmax`` (every device then scales alike; the row-wise recipe's column amaxes, one per
+feature over all tokens, likewise), a GEMM contracting the tokens (the wgrad) by ``psum``.
 """
 
 from __future__ import annotations
