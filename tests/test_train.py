@@ -36,6 +36,11 @@ def test_compare_interleave_resume_and_ctrl_c_end_to_end(tmp_path):
     full = cli.main(args + ["--out", str(seq), "--record", str(record)])
     assert set(full) == {"bf16", "fp8"}
     args = args + ["--no-plot"]
+    # --resume of a finished run trains nothing and records nothing (records are of runs)
+    again = tmp_path / "again.jsonl"
+    assert set(cli.main(args + ["--out", str(seq), "--resume", "--record", str(again)])) == {
+        "bf16", "fp8"}  # fmt: skip
+    assert not again.exists() or not again.read_text().strip()
     inter_record = tmp_path / "inter.jsonl"
     inter = cli.main(args + ["--interleave", "2", "--out", str(tmp_path / "inter"),
                              "--record", str(inter_record)])

@@ -362,7 +362,10 @@ def _write_outputs(args, run, out: Path, meta: dict, new: dict, results: dict, t
     if args.record:
         args.record.parent.mkdir(parents=True, exist_ok=True)
         with open(args.record, "a") as f:
-            for rec in to_records(results, run, args.preset, meta, args.interleave):
+            # this process's runs only: a bf16 result read back from ``out`` was recorded by
+            # the command that trained it (its gap and speedup fields are relative anyway)
+            ran = {name: results[name] for name in new}
+            for rec in to_records(ran, run, args.preset, meta, args.interleave):
                 f.write(json.dumps(rec) + "\n")
     print("\n" + table)
     for name, r in results.items():
