@@ -98,3 +98,50 @@ def test_named_axis_sharding_matches_single_device():
         np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
     assert distributed.fp8_state_replicated(model)
     assert model.up.weight.array.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+
+
+Pos = hax.Axis("position", 32)
+
+
+def test_sequence_parallel_through_named_axes():
+    """Megatron sequence parallelism for a haliax model (`fp8jax.distributed.sequence_parallel`
+    on its ``hax.shard``-placed weights): tokens split over ``tensor`` between the layers
+    (``position`` over it, one sequence per batch shard), ``up`` all-gathers its FP8
+    input, ``down`` reduces its output to the tokens' split; training matches one device."""
+    x = hax.random.normal(jax.random.PRNGKey(1), (Batch.resize(4), Pos, Embed)) * 3.0
+    y = hax.random.normal(jax.random.PRNGKey(2), (Batch.resize(4), Pos, Embed))
+    ref_model, ref_losses, ref_grads = _train(_model(), x, y)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    tokens = {"batch": ("data", "fsdp"), "position": "tensor"}
+    with jax.set_mesh(mesh):
+        model = hax.shard(_model(), PARAMS, mesh=mesh)
+        model = distributed.sequence_parallel(model, mesh, ["up"], ["down"])
+        assert model.down.dot_general.weight_sharding.sequence.kind == "row"
+        xs, ys = (hax.shard(a, tokens, mesh=mesh) for a in (x, y))
+        lowered = step.lower(model, OPT.init(fp8jax.trainable(model)), xs, ys)
+        collectives = distributed.hlo_collectives(lowered)
+        model, losses, grads = _train(model, xs, ys)
+    fwd = [c for c in collectives if "transpose(" not in c.op_name]
+    # forward: up's input, each device's 16 tokens gathered to its sequence's 32, in FP8
+    tokens_in = [c for c in fwd if c.kind == "all-gather" and c.shape == "[1,32,64]"]
+    assert [c.dtype for c in tokens_in] == ["f8e4m3fn"], collectives
+    # down's output: partial sums reduced in float32 (a reduce-scatter on GPUs)
+    out = [c for c in fwd if c.kind == "all-reduce" and "dot_general" in c.op_name]
+    assert [(c.dtype, c.shape) for c in out] == [("f32", "[32,64]")], collectives
+    assert not [c for c in collectives if c.kind == "all-to-all"], collectives
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    for g, rg in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
+    ):
+        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
+    for a, b in zip(_state(model), _state(ref_model), strict=True):
+        np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
+    assert distributed.fp8_state_replicated(model)
+
+
+def test_sequence_parallel_bad_layers_named():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    with pytest.raises(ValueError, match=r"pattern 'mlp' matches no FP8 layer; layers are: up"):
+        distributed.sequence_parallel(_model(), mesh, ["mlp"], ["down"])
+    with pytest.raises(ValueError, match=r"layer 'up': its weight \(256, 64\) is not placed"):
+        distributed.sequence_parallel(_model(), mesh, ["up"], ["down"])

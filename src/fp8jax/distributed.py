@@ -10,17 +10,20 @@ stays bit-identical. `hlo_collectives` lists a step's collectives with their dty
 from __future__ import annotations
 
 import fnmatch
-import os
-import re
-import tempfile
 import warnings
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .collectives import (  # noqa: F401  (public here too)
+    Collective,
+    compile_with_collectives,
+    hlo_collectives,
+    parse_collectives,
+)
 from .convert import _path_str
 from .nn.linear import Linear
 from .ops.dot import WeightSharding
@@ -258,21 +261,103 @@ def _batch_axes(mesh: Mesh, batch_axes, tensor_axis: str) -> tuple[str, ...]:
     return batch
 
 
+def sequence_parallel(
+    model: Any,
+    mesh: Mesh,
+    column_parallel: Sequence[str],
+    row_parallel: Sequence[str],
+    tensor_axis: str = "tensor",
+    batch_axes: Sequence[str] | None = None,
+) -> Any:
+    """Megatron sequence parallelism for a model whose weights are already placed on
+    ``mesh`` (``jax.device_put``, ``hax.shard`` with an axis mapping, or `shard_model`):
+    each FP8 layer matching ``column_parallel`` all-gathers its FP8 input's tokens over
+    ``tensor_axis``, each matching ``row_parallel`` reduce-scatters its output
+    (`fp8jax.ops.sequence_parallel`). A layer is any module whose ``dot_general`` is an
+    `Fp8DotGeneral` (converted equinox and ``haliax.nn.Linear`` layers), named by its
+    attribute path (``"up"``, ``"blocks.mlp.fc1"``; fnmatch patterns). Between those
+    layers the activations' tokens must be split as `sequence_sharding` says.
+
+    Raises ``ValueError`` naming the layer when a pattern matches no layer, a layer is
+    both, or its weight is not placed on ``mesh`` split over ``tensor_axis``."""
+    _check_auto(mesh, "sequence_parallel")
+    if tensor_axis is None:
+        raise ValueError("sequence_parallel: tensor_axis must name a mesh axis.")
+    _axis_size(mesh, tensor_axis)
+    layers = dict(_fp8_layers(model))
+    kinds: dict[str, str] = {}
+    for kind, patterns in (("column", column_parallel), ("row", row_parallel)):
+        for p in patterns:
+            hits = [path for path in layers if _matches(path, [p])]
+            if not hits:
+                raise ValueError(
+                    f"sequence_parallel: {kind}_parallel pattern {p!r} matches no FP8 layer; "
+                    "layers are: " + ", ".join(layers)
+                )
+            for path in hits:
+                if kinds.setdefault(path, kind) != kind:
+                    raise ValueError(f"sequence_parallel: layer {path!r} is both column and row.")
+    batch = _batch_axes(mesh, batch_axes, tensor_axis)
+    return _record_sequence(model, mesh, kinds, batch, tensor_axis)
+
+
+def _fp8_layers(model: Any) -> list[tuple[str, Any]]:
+    """(path, layer) of every module holding an `Fp8DotGeneral` as its ``dot_general``."""
+    from .dot_general import Fp8DotGeneral
+
+    def is_layer(x):
+        return isinstance(getattr(x, "dot_general", None), Fp8DotGeneral) and hasattr(x, "weight")
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)
+    return [(_path_str(p), x) for p, x in flat if is_layer(x)]
+
+
+def _placed_sharding(path: str, layer, mesh: Mesh, tensor_axis: str) -> WeightSharding:
+    """The `WeightSharding` of a layer's placed weight (per layer: stack dims dropped),
+    gathered over the FSDP axes (`set_fsdp_axes`) as the unrecorded path would."""
+    from .ops import fsdp
+
+    weight = getattr(layer.weight, "array", layer.weight)  # a haliax NamedArray's array
+    sharding = getattr(weight, "sharding", None)
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    spec = spec + (None,) * (weight.ndim - len(spec))
+    if (
+        not isinstance(sharding, NamedSharding)
+        or sharding.mesh.shape != mesh.shape
+        or not any(tensor_axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
+    ):
+        raise ValueError(
+            f"sequence_parallel: layer {path!r}: its weight {tuple(weight.shape)} is not placed "
+            f"on the mesh split over {tensor_axis!r} (sharding: {sharding}); place it first "
+            "(shard_model, hax.shard, jax.device_put)."
+        )
+    stack = layer.dot_general.input_scale.ndim - 1
+    gather = tuple(a for a in fsdp.FSDP_AXES if a in mesh.shape)
+    return WeightSharding(mesh, spec[stack:], gather)
+
+
 def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> Any:
-    """Each tensor-parallel FP8 layer in ``kinds`` (path -> "column"/"row") moves its tokens
-    as Megatron's sequence parallelism does (`fp8jax.ops.sequence_parallel`)."""
+    """Each FP8 layer in ``kinds`` (path -> "column"/"row") moves its tokens as Megatron's
+    sequence parallelism does (`fp8jax.ops.sequence_parallel`)."""
     from .ops.sequence_parallel import SequenceParallel
 
-    def record(path, layer):
-        path = _path_str(path)
-        if not isinstance(layer, Linear) or path not in kinds:
-            return layer
-        ws = layer.dot_general.weight_sharding
-        sp = SequenceParallel(mesh, kinds[path], batch, tensor_axis)
-        op = _copy_with(layer.dot_general, "weight_sharding", ws._replace(sequence=sp))
-        return eqx.tree_at(lambda lin: lin.dot_general, layer, op)
+    layers = dict(_fp8_layers(model))
+    new = {}
+    for path, kind in kinds.items():
+        layer = layers.get(path)
+        if layer is None:  # not an FP8 layer (shard_model also places plain linears)
+            continue
+        op = layer.dot_general
+        ws = op.weight_sharding or _placed_sharding(path, layer, mesh, tensor_axis)
+        sp = SequenceParallel(mesh, kind, batch, tensor_axis)
+        new[id(layer)] = _copy_with(op, "weight_sharding", ws._replace(sequence=sp))
 
-    return jax.tree_util.tree_map_with_path(record, model, is_leaf=lambda x: isinstance(x, Linear))
+    def record(layer):
+        if id(layer) not in new:
+            return layer
+        return eqx.tree_at(lambda lay: lay.dot_general, layer, new[id(layer)])
+
+    return jax.tree_util.tree_map(record, model, is_leaf=lambda x: id(x) in new)
 
 
 def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, NamedSharding]:
@@ -378,69 +463,3 @@ def fp8_state_replicated(model: Any) -> bool:
             if parts.setdefault(str(s.index), data.tobytes()) != data.tobytes():
                 return False
     return True
-
-
-class Collective(NamedTuple):
-    """One collective of a partitioned program."""
-
-    kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute
-    dtype: str  # element type(s) it moves, e.g. "f8e4m3fn" or "f32,f32"
-    shape: str  # result shape(s) as HLO writes them
-    op_name: str  # the JAX op it came from (metadata), "" if none
-
-
-_COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT )?%?[\w.-]+ = (.*?) "
-    r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-)
-
-
-def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Collectives in HLO text, with the dtypes they move."""
-    out = []
-    for line in hlo_text.splitlines():
-        m = _COLLECTIVE.search(line)
-        if not m:
-            continue
-        shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-        name = re.search(r'op_name="([^"]*)"', line)
-        out.append(
-            Collective(
-                m.group(2),
-                ",".join(d for d, _ in shapes),
-                ",".join(f"[{s}]" for _, s in shapes),
-                name.group(1) if name else "",
-            )
-        )
-    return out
-
-
-def hlo_collectives(lowered: Any) -> list[Collective]:
-    """The collectives of a lowered program (``jax.jit(f).lower(...)`` or equinox's) as
-    XLA's SPMD partitioner made them: their dtypes before a backend's own rewrites (the
-    CPU backend carries FP8 collectives as f16; GPUs move FP8)."""
-    return compile_with_collectives(lowered)[1]
-
-
-def compile_with_collectives(lowered: Any) -> tuple[Any, list[Collective]]:
-    """``lowered`` compiled, and its collectives as `hlo_collectives` lists them (one
-    compilation for both)."""
-    lowered = getattr(lowered, "lowered", lowered)
-    with tempfile.TemporaryDirectory() as d:
-        # A persistent-cache hit would skip the passes and write no dump. JAX leaves the
-        # dump options out of the cache key but not xla_dump_emitter_re (dumps only): a
-        # pattern naming this call's directory makes the key new.
-        options = {"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        options["xla_dump_emitter_re"] = "fp8jax-no-emitter-" + os.path.basename(d)
-        try:
-            compiled = lowered.compile(compiler_options=options)
-        except Exception as e:  # an XLA without the option: compile as before
-            if "xla_dump_emitter_re" not in str(e):
-                raise
-            del options["xla_dump_emitter_re"]
-            compiled = lowered.compile(compiler_options=options)
-        names = sorted(n for n in os.listdir(d) if "after_spmd-partitioning" in n)
-        if not names:  # one device: nothing to partition
-            return compiled, parse_collectives(compiled.as_text())
-        with open(os.path.join(d, names[-1])) as f:
-            return compiled, parse_collectives(f.read())
