@@ -145,3 +145,13 @@ def test_sequence_parallel_bad_layers_named():
         distributed.sequence_parallel(_model(), mesh, ["mlp"], ["down"])
     with pytest.raises(ValueError, match=r"layer 'up': its weight \(256, 64\) is not placed"):
         distributed.sequence_parallel(_model(), mesh, ["up"], ["down"])
+    with pytest.raises(ValueError, match="sequence_parallel: mesh has no axis 'model'"):
+        distributed.sequence_parallel(_model(), mesh, ["up"], ["down"], tensor_axis="model")
+    with jax.set_mesh(mesh):
+        placed = hax.shard(_model(), PARAMS, mesh=mesh)
+    # swapped: down's weight splits its inputs (mlp over tensor): row-parallel, not column
+    with pytest.raises(ValueError, match=r"column-parallel layer 'down': its weight's output "):
+        distributed.sequence_parallel(placed, mesh, ["down"], ["up"])
+    other = Mesh(np.array(jax.devices()[:8])[::-1].reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    with pytest.raises(ValueError, match="is not placed on this mesh"):
+        distributed.sequence_parallel(placed, other, ["up"], ["down"])

@@ -31,13 +31,11 @@ from .ops.expert_parallel import ExpertSharding
 from .state import OverwriteWithGradient
 
 
-def _axis_size(mesh: Mesh, axis: str | None) -> int:
+def _axis_size(mesh: Mesh, axis: str | None, fn: str = "shard_model") -> int:
     if axis is None:
         return 1
     if axis not in mesh.shape:
-        raise ValueError(
-            f"shard_model: mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}."
-        )
+        raise ValueError(f"{fn}: mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}.")
     return mesh.shape[axis]
 
 
@@ -250,14 +248,14 @@ def sequence_sharding(
     return NamedSharding(mesh, activation_spec(mesh, tuple(shape), batch, tensor_axis))
 
 
-def _batch_axes(mesh: Mesh, batch_axes, tensor_axis: str) -> tuple[str, ...]:
+def _batch_axes(mesh: Mesh, batch_axes, tensor_axis: str, fn="shard_model") -> tuple[str, ...]:
     if batch_axes is None:
         return tuple(a for a in mesh.axis_names if a != tensor_axis)
     batch = tuple(batch_axes)
     for a in batch:
-        _axis_size(mesh, a)
+        _axis_size(mesh, a, fn)
     if tensor_axis in batch:
-        raise ValueError(f"shard_model: batch_axes {batch} must not hold the tensor axis.")
+        raise ValueError(f"{fn}: batch_axes {batch} must not hold the tensor axis.")
     return batch
 
 
@@ -276,14 +274,19 @@ def sequence_parallel(
     (`fp8jax.ops.sequence_parallel`). A layer is any module whose ``dot_general`` is an
     `Fp8DotGeneral` (converted equinox and ``haliax.nn.Linear`` layers), named by its
     attribute path (``"up"``, ``"blocks.mlp.fc1"``; fnmatch patterns). Between those
-    layers the activations' tokens must be split as `sequence_sharding` says.
+    layers the activations' tokens must be split as `sequence_sharding` says (with the
+    same ``batch_axes``; default here, as in `shard_model`: every mesh axis but
+    ``tensor_axis``). A layer needs a ``weight`` attribute; a weight without a recorded
+    sharding is gathered over the FSDP axes `set_fsdp_axes` names at this call.
 
     Raises ``ValueError`` naming the layer when a pattern matches no layer, a layer is
-    both, or its weight is not placed on ``mesh`` split over ``tensor_axis``."""
-    _check_auto(mesh, "sequence_parallel")
+    both, or its weight is not placed on ``mesh`` with the tensor axis on its output dims
+    (column) or input dims (row)."""
+    fn = "sequence_parallel"
+    _check_auto(mesh, fn)
     if tensor_axis is None:
-        raise ValueError("sequence_parallel: tensor_axis must name a mesh axis.")
-    _axis_size(mesh, tensor_axis)
+        raise ValueError(f"{fn}: tensor_axis must name a mesh axis.")
+    _axis_size(mesh, tensor_axis, fn)
     layers = dict(_fp8_layers(model))
     kinds: dict[str, str] = {}
     for kind, patterns in (("column", column_parallel), ("row", row_parallel)):
@@ -297,7 +300,9 @@ def sequence_parallel(
             for path in hits:
                 if kinds.setdefault(path, kind) != kind:
                     raise ValueError(f"sequence_parallel: layer {path!r} is both column and row.")
-    batch = _batch_axes(mesh, batch_axes, tensor_axis)
+    batch = _batch_axes(mesh, batch_axes, tensor_axis, fn)
+    for path, kind in kinds.items():
+        _check_split(path, layers[path], kind, mesh, tensor_axis)
     return _record_sequence(model, mesh, kinds, batch, tensor_axis)
 
 
@@ -312,28 +317,63 @@ def _fp8_layers(model: Any) -> list[tuple[str, Any]]:
     return [(_path_str(p), x) for p, x in flat if is_layer(x)]
 
 
-def _placed_sharding(path: str, layer, mesh: Mesh, tensor_axis: str) -> WeightSharding:
-    """The `WeightSharding` of a layer's placed weight (per layer: stack dims dropped),
-    gathered over the FSDP axes (`set_fsdp_axes`) as the unrecorded path would."""
-    from .ops import fsdp
-
+def _placed(path: str, layer, mesh: Mesh) -> tuple[tuple, int]:
+    """A layer's weight PartitionSpec entries per layer (stack dims dropped) and the number
+    of stack dims, checked to be placed on ``mesh`` itself."""
     weight = getattr(layer.weight, "array", layer.weight)  # a haliax NamedArray's array
     sharding = getattr(weight, "sharding", None)
-    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-    spec = spec + (None,) * (weight.ndim - len(spec))
-    if (
-        not isinstance(sharding, NamedSharding)
-        or sharding.mesh.shape != mesh.shape
-        or not any(tensor_axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
-    ):
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
         raise ValueError(
             f"sequence_parallel: layer {path!r}: its weight {tuple(weight.shape)} is not placed "
-            f"on the mesh split over {tensor_axis!r} (sharding: {sharding}); place it first "
+            f"on this mesh (sharding: {sharding}); place it first on the same Mesh "
             "(shard_model, hax.shard, jax.device_put)."
         )
+    spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
     stack = layer.dot_general.input_scale.ndim - 1
-    gather = tuple(a for a in fsdp.FSDP_AXES if a in mesh.shape)
-    return WeightSharding(mesh, spec[stack:], gather)
+    return spec[stack:], stack
+
+
+def _out_in_dims(layer, stack: int, ndim: int) -> tuple[list[int], list[int]]:
+    """Which per-layer weight dims are outputs and which inputs: a haliax layer names them
+    (``Out``, ``In``); fp8jax's and equinox's weights are ``[out, in]``."""
+    axes = getattr(layer.weight, "axes", None)
+    if axes is None or not hasattr(layer, "Out"):
+        return [ndim - 2], [ndim - 1]
+    outs = {a.name for a in (layer.Out if isinstance(layer.Out, tuple) else (layer.Out,))}
+    names = [a.name for a in axes][stack:]
+    return [i for i, n in enumerate(names) if n in outs], [
+        i for i, n in enumerate(names) if n not in outs
+    ]
+
+
+def _check_split(path: str, layer, kind: str, mesh: Mesh, tensor_axis: str) -> None:
+    """The layer's weight has the tensor axis on its output dims (column) or input dims
+    (row): else XLA would move the weight at every step, or the layer is not split."""
+    spec, stack = _placed(path, layer, mesh)
+    outs, ins = _out_in_dims(layer, stack, len(spec))
+
+    def split(dims):
+        return any(
+            tensor_axis in (e if isinstance(e, tuple) else (e,))
+            for e in map(spec.__getitem__, dims)
+        )
+
+    if not split(outs if kind == "column" else ins):
+        where = "output" if kind == "column" else "input"
+        raise ValueError(
+            f"sequence_parallel: {kind}-parallel layer {path!r}: its weight's {where} dims are "
+            f"not split over {tensor_axis!r} (per-layer spec {spec}); a {kind}-parallel layer "
+            f"splits its {where} features."
+        )
+
+
+def _placed_sharding(path: str, layer, mesh: Mesh) -> WeightSharding:
+    """The `WeightSharding` of a layer's placed weight, gathered over the FSDP axes
+    (`set_fsdp_axes`) as the unrecorded path would."""
+    from .ops import fsdp
+
+    spec, _ = _placed(path, layer, mesh)
+    return WeightSharding(mesh, spec, tuple(a for a in fsdp.FSDP_AXES if a in mesh.shape))
 
 
 def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> Any:
@@ -348,7 +388,7 @@ def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> 
         if layer is None:  # not an FP8 layer (shard_model also places plain linears)
             continue
         op = layer.dot_general
-        ws = op.weight_sharding or _placed_sharding(path, layer, mesh, tensor_axis)
+        ws = op.weight_sharding or _placed_sharding(path, layer, mesh)
         sp = SequenceParallel(mesh, kind, batch, tensor_axis)
         new[id(layer)] = _copy_with(op, "weight_sharding", ws._replace(sequence=sp))
 
