@@ -142,7 +142,9 @@ class Fp8DotGeneral(Fp8GemmState):
         if pad:
             x3 = jnp.pad(x3, ((0, 0), (0, pad), (0, 0)))
         ws = self.weight_sharding
-        w_shardings = ws and _dot.w3_shardings(ws, rb, rf, rc, rhs_k_first)
+        w_shardings = None  # FSDP, unrecorded: found when compiling (`fp8jax.ops.fsdp`)
+        if ws is not None and ws.spec is not None:
+            w_shardings = _dot.w3_shardings(ws, rb, rf, rc, rhs_k_first)
         spec = _dot.Spec(
             cfg,
             np.dtype(out_dtype),

@@ -16,14 +16,18 @@ The GEMMs are fp8jax's (real FP8, K-major), not flax's.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from jax.sharding import Mesh
 
 from .. import checks
 from ..config import Fp8Config
 from ..dot_general import Fp8DotGeneral, fp8_einsum
+from ..ops.dot import WeightSharding
+from ..ops.sequence_parallel import SequenceParallel
 
 # flax's Fp8DotGeneralBase.setup order.
 FLAX_STATE = (
@@ -36,8 +40,9 @@ FLAX_STATE = (
 )
 
 
-def _op(module: nn.Module, config: Fp8Config) -> Fp8DotGeneral:
-    """An `Fp8DotGeneral` over ``module``'s flax variables (made on first use)."""
+def _op(module: nn.Module, config: Fp8Config, sequence=None) -> Fp8DotGeneral:
+    """An `Fp8DotGeneral` over ``module``'s flax variables (made on first use);
+    ``sequence``: its `fp8jax.ops.sequence_parallel.SequenceParallel` role, if any."""
     template = Fp8DotGeneral(config)
     state = {
         name: module.variable(
@@ -47,13 +52,19 @@ def _op(module: nn.Module, config: Fp8Config) -> Fp8DotGeneral:
     }
     # Not a flax variable: a fresh zero each call, its "gradient" dropped.
     state["nonfinite_count"] = jnp.zeros((1,), jnp.float32)
-    return Fp8DotGeneral.from_state(template.config, state)
+    op = Fp8DotGeneral.from_state(template.config, state)
+    if sequence is not None:  # the weight's own sharding stays the partitioner's (spec None)
+        ws = WeightSharding(sequence.mesh, None, (), sequence)
+        object.__setattr__(op, "weight_sharding", ws)
+    return op
 
 
 class Fp8DotGeneralOp(nn.Module):
-    """A linen module with ``jax.lax.dot_general``'s signature running `Fp8DotGeneral`."""
+    """A linen module with ``jax.lax.dot_general``'s signature running `Fp8DotGeneral`.
+    ``sequence``: Megatron sequence parallelism (`fp8_dot_general_cls`'s ``sequence_parallel``)."""
 
     config: Fp8Config = Fp8Config()
+    sequence: SequenceParallel | None = None
 
     def __post_init__(self):
         checks.config("Fp8DotGeneralOp", self.config)
@@ -61,7 +72,7 @@ class Fp8DotGeneralOp(nn.Module):
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        return _op(self, self.config)(
+        return _op(self, self.config, self.sequence)(
             lhs,
             rhs,
             dimension_numbers,
@@ -101,6 +112,39 @@ class Fp8Einsum(nn.Module):
         return fp8_einsum(_op(self, self.config), eqn, lhs, rhs, precision, preferred_element_type)
 
 
-def fp8_dot_general_cls(config: Fp8Config | None = None):
-    """What to pass as ``dot_general_cls`` to ``nn.Dense`` / ``nn.DenseGeneral``."""
-    return functools.partial(Fp8DotGeneralOp, config=checks.config("fp8_dot_general_cls", config))
+def fp8_dot_general_cls(
+    config: Fp8Config | None = None,
+    *,
+    sequence_parallel: str | None = None,
+    mesh: Mesh | None = None,
+    tensor_axis: str = "tensor",
+    batch_axes: Sequence[str] | None = None,
+):
+    """What to pass as ``dot_general_cls`` to ``nn.Dense`` / ``nn.DenseGeneral``.
+
+    ``sequence_parallel="column"`` or ``"row"`` (with ``mesh``): the layer is that half of a
+    Megatron tensor-parallel pair with sequence parallelism (`fp8jax.ops.sequence_parallel`):
+    a column-parallel layer (kernel split over ``tensor_axis`` along its outputs) all-gathers
+    its FP8 input's tokens, a row-parallel one (split along its inputs) reduce-scatters its
+    output. Between the pair the tokens are split as
+    `fp8jax.distributed.sequence_sharding` says (same ``batch_axes``; default: every mesh
+    axis but ``tensor_axis``)."""
+    name = "fp8_dot_general_cls"
+    config = checks.config(name, config)
+    if sequence_parallel is None:
+        return functools.partial(Fp8DotGeneralOp, config=config)
+    if sequence_parallel not in ("column", "row"):
+        raise ValueError(
+            f"{name}: sequence_parallel must be 'column', 'row' or None, got {sequence_parallel!r}."
+        )
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"{name}: sequence_parallel needs mesh=, a jax.sharding.Mesh; got {mesh!r}."
+        )
+    from .. import distributed
+
+    distributed._check_auto(mesh, name)
+    distributed._axis_size(mesh, tensor_axis, name)
+    batch = distributed._batch_axes(mesh, batch_axes, tensor_axis, name)
+    sp = SequenceParallel(mesh, sequence_parallel, batch, tensor_axis)
+    return functools.partial(Fp8DotGeneralOp, config=config, sequence=sp)

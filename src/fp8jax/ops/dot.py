@@ -67,7 +67,7 @@ class WeightSharding(NamedTuple):
     `fp8jax.distributed`; hashable, so it can be a static field."""
 
     mesh: jax.sharding.Mesh
-    spec: tuple  # PartitionSpec entries of the rhs, one per dim
+    spec: tuple | None  # PartitionSpec entries of the rhs, one per dim; None: not recorded
     gather: tuple[str, ...]
     sequence: _sp.SequenceParallel | None = None  # tokens split over the tensor axis around it
 
