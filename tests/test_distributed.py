@@ -86,6 +86,18 @@ def _state(model):
     return [np.asarray(a) for _, s in fp8jax.fp8_state(model) for a in s.state()]
 
 
+def check_sequence_moves(collectives, tokens: str, out: str):
+    """A sequence-parallel pair's forward: the column layer's input gathered in FP8 (its
+    tokens, shape ``tokens``), the row layer's output partial sums reduced in float32
+    (``out``; the partitioner's all-reduce, a reduce-scatter on GPUs), no all-to-all."""
+    fwd = [c for c in collectives if "transpose(" not in c.op_name]
+    gathered = [c for c in fwd if c.kind == "all-gather" and c.shape == tokens]
+    assert [c.dtype for c in gathered] == ["f8e4m3fn"], collectives
+    sums = [c for c in fwd if c.kind == "all-reduce" and "dot_general" in c.op_name]
+    assert [(c.dtype, c.shape) for c in sums] == [("f32", out)], collectives
+    assert not [c for c in collectives if c.kind == "all-to-all"], collectives
+
+
 def check_matches(run, reference):
     """A sharded run ``(model, losses, grads)`` against the single-device one: losses,
     gradients and FP8 state within the tolerances above, the state replicated bit-identically."""

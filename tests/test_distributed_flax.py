@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import Fp8Config, distributed
+from test_distributed import check_sequence_moves
 
 nn = pytest.importorskip("flax.linen")
 from flax.training import train_state  # noqa: E402
@@ -80,14 +81,8 @@ def test_flax_sequence_parallel_matches_single_device():
     model = Block(mesh=MESH)
     state, losses, step = _train(model, placed, xs, ys)
     collectives = distributed.hlo_collectives(step.lower(state, xs, ys))
-    fwd = [c for c in collectives if "transpose(" not in c.op_name]
-    # forward: Dense_0's input, each device's 16 tokens gathered to its sequence's 32, in FP8
-    gathered = [c for c in fwd if c.kind == "all-gather" and c.shape == "[1,32,64]"]
-    assert [c.dtype for c in gathered] == ["f8e4m3fn"], collectives
-    # Dense_1's output: partial sums reduced in float32 (a reduce-scatter on GPUs)
-    out = [c for c in fwd if c.kind == "all-reduce" and "dot_general" in c.op_name]
-    assert [(c.dtype, c.shape) for c in out] == [("f32", "[32,64]")], collectives
-    assert not [c for c in collectives if c.kind == "all-to-all"], collectives
+    # Dense_0's input: each device's 16 tokens gathered to its sequence's 32; Dense_1's output
+    check_sequence_moves(collectives, "[1,32,64]", "[32,64]")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for a, b in zip(
         jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(ref_state.params),

@@ -13,7 +13,14 @@ from jax.sharding import Mesh
 
 import fp8jax
 from fp8jax import distributed
-from test_distributed import GRAD_OF_MAX, LOSS_RTOL, STATE_RTOL, STEPS
+from test_distributed import (
+    GRAD_OF_MAX,
+    LOSS_RTOL,
+    STATE_RTOL,
+    STEPS,
+    check_matches,
+    check_sequence_moves,
+)
 
 hax = pytest.importorskip("haliax")
 hnn = pytest.importorskip("haliax.nn")
@@ -121,22 +128,9 @@ def test_sequence_parallel_through_named_axes():
         lowered = step.lower(model, OPT.init(fp8jax.trainable(model)), xs, ys)
         collectives = distributed.hlo_collectives(lowered)
         model, losses, grads = _train(model, xs, ys)
-    fwd = [c for c in collectives if "transpose(" not in c.op_name]
-    # forward: up's input, each device's 16 tokens gathered to its sequence's 32, in FP8
-    tokens_in = [c for c in fwd if c.kind == "all-gather" and c.shape == "[1,32,64]"]
-    assert [c.dtype for c in tokens_in] == ["f8e4m3fn"], collectives
-    # down's output: partial sums reduced in float32 (a reduce-scatter on GPUs)
-    out = [c for c in fwd if c.kind == "all-reduce" and "dot_general" in c.op_name]
-    assert [(c.dtype, c.shape) for c in out] == [("f32", "[32,64]")], collectives
-    assert not [c for c in collectives if c.kind == "all-to-all"], collectives
-    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    for g, rg in zip(
-        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True
-    ):
-        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
-    for a, b in zip(_state(model), _state(ref_model), strict=True):
-        np.testing.assert_allclose(a, b, rtol=STATE_RTOL)
-    assert distributed.fp8_state_replicated(model)
+    # up's input: each device's 16 tokens gathered to its sequence's 32; down's output
+    check_sequence_moves(collectives, "[1,32,64]", "[32,64]")
+    check_matches((model, losses, grads), (ref_model, ref_losses, ref_grads))
 
 
 def test_sequence_parallel_bad_layers_named():
