@@ -5,7 +5,6 @@ all-gathers move FP8 (skipped without haliax)."""
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
