@@ -27,6 +27,7 @@ CFG = Fp8Config(selective=False, amax_history_length=4)
     (dict(amax_history_length=2.0), r"amax_history_length=2\.0.*int >= 1"),
     (dict(amax_history_length="16"), r"amax_history_length='16'"),
     (dict(amax_history_length=True), r"amax_history_length=True"),
+    (dict(amax_history_length=10**10), r"amax_history_length=10000000000.*\[1, 65536\]"),
     (dict(alignment=0), r"alignment=0"),
     (dict(min_tokens=-1), r"min_tokens=-1.*int >= 0"),
     (dict(min_features=1.5), r"min_features=1\.5"),
@@ -513,3 +514,88 @@ def test_flax_einsum_rejects_eqn_and_kernel(key):
     with pytest.raises(TypeError, match=r"Fp8Einsum: lhs must be an array, got NoneType"):
         einsum.init(key, "ab,bc->ac", None, w)
     assert einsum.apply(einsum.init(key, "ab,bc->ac", x, w), "ab,bc->ac", x, w).shape == (16, 16)
+
+
+# --- found by this session's audit --------------------------------------------------------
+def test_empty_inputs_name_their_shape():
+    key = jax.random.PRNGKey(0)
+    layer = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 64, key=key), CFG)
+    with pytest.raises(ValueError, match=r"x has shape \(0, 32\), with no elements"):
+        layer(jnp.ones((0, 32)))
+    with pytest.raises(ValueError, match=r"vmapped over an axis of size 0"):
+        jax.vmap(layer)(jnp.ones((0, 32)))
+    mlp = fp8jax.nn.FusedMLP(32, 64, config=CFG, key=key)
+    with pytest.raises(ValueError, match=r"FusedMLP: x has shape \(0, 32\)"):
+        mlp(jnp.ones((0, 32)))
+    moe = fp8jax.nn.MoE(32, 64, num_experts=4, top_k=2, config=CFG, key=key)
+    with pytest.raises(ValueError, match=r"MoE: x has shape \(0, 32\)"):
+        moe(jnp.ones((0, 32)))
+
+
+def test_nan_weight_is_counted_not_recorded_as_the_finite_max():
+    """A NaN in a per-tensor layer's weight is a non-finite step on every backend (XLA's
+    vectorized CPU max drops NaN at this size): counted, kept out of the history."""
+    layer = fp8jax.fp8_linear_layers(eqx.nn.Linear(256, 256, key=jax.random.PRNGKey(0)), CFG)
+    layer = eqx.tree_at(lambda m: m.weight, layer, layer.weight.at[1, 2].set(jnp.nan))
+    x = jax.random.normal(jax.random.PRNGKey(1), (512, 256))
+    loss = lambda m: jnp.sum(jnp.nan_to_num(jax.vmap(m)(x)))  # noqa: E731
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(layer)
+    op = fp8jax.apply_updates(layer, None, fp8jax.partition_for_grad_overwrite(grads)[0])
+    op = op.dot_general
+    assert float(op.nonfinite_count[0]) == 1.0
+    assert float(op.kernel_amax_history[0]) == 0.0  # the step's weight amax was not recorded
+    assert np.all(np.isfinite(np.asarray(op.kernel_scale)))
+
+
+def test_dot_general_bad_call_options():
+    op = fp8jax.Fp8DotGeneral(CFG)
+    x, w = jnp.ones((16, 32)), jnp.ones((64, 32))
+    dims = (((1,), (1,)), ((), ()))
+    with pytest.raises(TypeError, match="preferred_element_type must be a float dtype.*int32"):
+        op(x, w, dims, preferred_element_type=jnp.int32)
+    with pytest.raises(ValueError, match="precision='nope' is not allowed"):
+        op(x, w, dims, precision="nope")
+    for bad in ((-1,), 3, (2.0,)):
+        with pytest.raises(ValueError, match=r"stack_shape=.* expected a tuple of ints >= 1"):
+            fp8jax.Fp8DotGeneral(CFG, stack_shape=bad)
+    stacked = fp8jax.Fp8DotGeneral(CFG, stack_shape=(3,))
+    with pytest.raises(ValueError, match=r"stack shape \(3,\): a stacked layer"):
+        stacked(x, jnp.ones((3, 64, 32)), dims)
+
+
+def test_optimizer_helpers_with_none():
+    model = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0)), CFG)
+    grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(jnp.ones((16, 32)))))(model)
+    with pytest.raises(ValueError, match="opt_state is None; create it with"):
+        fp8jax.optax_step(optax.sgd(0.1), model, grads, None)
+    with pytest.raises(ValueError, match="accumulate_grads: grads is None"):
+        fp8jax.accumulate_grads(grads, None)
+
+
+def test_same_named_classes_are_told_apart():
+    """Gradients of the unconverted model: both are a class named Linear."""
+    plain = eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0))
+    model = fp8jax.fp8_linear_layers(plain, CFG)
+    grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(jnp.ones((16, 32)))))(plain)
+    opt = optax.sgd(0.1)
+    with pytest.raises(ValueError, match=r"fp8jax\.nn\.linear\.Linear.*equinox"):
+        fp8jax.optax_step(opt, model, grads, opt.init(fp8jax.trainable(model)))
+
+
+def test_distributed_names_and_meshes():
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
+    model = fp8jax.fp8_linear_layers([eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0))], CFG)
+    with pytest.raises(TypeError, match=r"column_parallel must be a list of names, e.g. \['0'\]"):
+        fp8jax.shard_model(model, mesh, tensor_axis="tensor", column_parallel="0")
+    with pytest.raises(ValueError, match="fsdp_axis and tensor_axis are both 'fsdp'"):
+        fp8jax.shard_model(model, mesh, "fsdp", "fsdp")
+    with pytest.raises(TypeError, match="fsdp_axes must be a list of names"):
+        fp8jax.record_fsdp(model, "fsdp")
+    with pytest.raises(TypeError, match="sequence_sharding: mesh must be a jax.sharding.Mesh"):
+        fp8jax.distributed.sequence_sharding(None, (2, 8, 32))
+    with pytest.raises(ValueError, match="sequence_sharding: mesh has no axis 'model'"):
+        fp8jax.distributed.sequence_sharding(mesh, (2, 8, 32), ["fsdp"], tensor_axis="model")
+    with pytest.raises(TypeError, match="sequence_parallel: mesh must be a jax.sharding.Mesh"):
+        fp8jax.distributed.sequence_parallel(model, None, ["0"], [])

@@ -21,6 +21,11 @@ def float_array(owner: str, name: str, x) -> Array:
             f"{owner}: {name} must be float16/bfloat16/float32, got dtype {x.dtype} "
             f"with shape {x.shape}."
         )
+    if x.size == 0:
+        raise ValueError(
+            f"{owner}: {name} has shape {x.shape}, with no elements; FP8 scales come from "
+            "an amax, which an empty array does not have."
+        )
     return x
 
 

@@ -16,6 +16,8 @@ from .recipe import RECIPES, BlockWise, PerTensor, RowWise
 
 Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
 
+MAX_HISTORY = 1 << 16  # amax history entries kept per tensor (flax and TE use 1024 or less)
+
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
@@ -143,6 +145,8 @@ class Fp8Config:
             if value < low:
                 bad(name, value, f"an int >= {low}")
             object.__setattr__(self, name, int(value))
+        if self.amax_history_length > MAX_HISTORY:  # one float per step per tensor and layer
+            bad("amax_history_length", self.amax_history_length, f"an int in [1, {MAX_HISTORY}]")
         margin = self.margin
         if not isinstance(margin, numbers.Real) or isinstance(margin, (bool, np.bool_)):
             bad("margin", margin, "a number in [0, 8]")

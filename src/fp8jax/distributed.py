@@ -9,7 +9,6 @@ stays bit-identical. `hlo_collectives` lists a step's collectives with their dty
 
 from __future__ import annotations
 
-import fnmatch
 import warnings
 from typing import Any, Sequence
 
@@ -18,6 +17,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import sequence as _sequence
+from ._placement import _axis_size, _check_auto, _check_mesh, _copy_with, _matches, _names
 from .collectives import (  # noqa: F401  (public here too)
     Collective,
     compile_with_collectives,
@@ -28,31 +29,8 @@ from .convert import _path_str
 from .nn.linear import Linear
 from .ops.dot import WeightSharding
 from .ops.expert_parallel import ExpertSharding
+from .sequence import _batch_axes, _record_sequence
 from .state import OverwriteWithGradient
-
-
-def _axis_size(mesh: Mesh, axis: str | None, fn: str = "shard_model") -> int:
-    if axis is None:
-        return 1
-    if axis not in mesh.shape:
-        raise ValueError(f"{fn}: mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}.")
-    return mesh.shape[axis]
-
-
-def _check_auto(mesh: Mesh, fn: str) -> None:
-    """GSPMD (Auto) axes only: explicit-sharding meshes (`jax.make_mesh`'s default) need
-    other constraints (`jax.sharding.reshard`), not written yet."""
-    types = getattr(mesh, "axis_types", ())
-    if any("Auto" not in str(t) for t in types):
-        raise ValueError(
-            f"{fn}: mesh axes must be Auto (GSPMD), got {tuple(map(str, types))}; build the "
-            "mesh with jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) "
-            "* len(names)) or jax.sharding.Mesh(devices, names)."
-        )
-
-
-def _matches(path: str, patterns: Sequence[str]) -> bool:
-    return any(path == p or fnmatch.fnmatchcase(path, p) for p in patterns)
 
 
 def _layers(model: Any) -> list[tuple[str, Any]]:
@@ -131,12 +109,16 @@ def shard_model(
     Raises ``ValueError`` naming the layer, the dim and the axis when an axis size does
     not divide the dim it shards, or when a pattern matches no layer.
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"shard_model: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
-        )
-    _check_auto(mesh, "shard_model")
+    _check_mesh("shard_model", mesh)
+    column_parallel = _names("shard_model", "column_parallel", column_parallel)
+    row_parallel = _names("shard_model", "row_parallel", row_parallel)
+    batch_axes = _names("shard_model", "batch_axes", batch_axes, allow_none=True)
     _axis_size(mesh, fsdp_axis)
+    if fsdp_axis is not None and fsdp_axis == tensor_axis:
+        raise ValueError(
+            f"shard_model: fsdp_axis and tensor_axis are both {fsdp_axis!r}; a weight dim is "
+            "split over FSDP or tensor parallelism, each on its own mesh axis."
+        )
     if (column_parallel or row_parallel) and tensor_axis is None:
         raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
     if sequence_parallel and not (column_parallel or row_parallel):
@@ -229,177 +211,6 @@ def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) ->
             )
 
 
-def sequence_sharding(
-    mesh: Mesh,
-    shape: Sequence[int],
-    batch_axes: Sequence[str] = ("data", "fsdp"),
-    tensor_axis: str = "tensor",
-) -> NamedSharding:
-    """The sharding of a ``[batch, seq, ...]`` activation between sequence-parallel layers
-    (``shard_model(..., sequence_parallel=True)``): its tokens split as those layers split
-    their rows. Put it on the residual stream with ``jax.lax.with_sharding_constraint``.
-    With one sequence per batch shard that is the sequence dim over ``tensor_axis``
-    (Megatron's split); with several, the batch dim over the batch axes and the tensor
-    axis. Raises ``ValueError`` naming the shape and axis when neither divides."""
-    from .ops.sequence_parallel import activation_spec
-
-    batch = _batch_axes(mesh, batch_axes, tensor_axis)
-    _axis_size(mesh, tensor_axis)
-    return NamedSharding(mesh, activation_spec(mesh, tuple(shape), batch, tensor_axis))
-
-
-def _batch_axes(mesh: Mesh, batch_axes, tensor_axis: str, fn="shard_model") -> tuple[str, ...]:
-    if batch_axes is None:
-        return tuple(a for a in mesh.axis_names if a != tensor_axis)
-    batch = tuple(batch_axes)
-    for a in batch:
-        _axis_size(mesh, a, fn)
-    if tensor_axis in batch:
-        raise ValueError(f"{fn}: batch_axes {batch} must not hold the tensor axis.")
-    return batch
-
-
-def sequence_parallel(
-    model: Any,
-    mesh: Mesh,
-    column_parallel: Sequence[str],
-    row_parallel: Sequence[str],
-    tensor_axis: str = "tensor",
-    batch_axes: Sequence[str] | None = None,
-) -> Any:
-    """Megatron sequence parallelism for a model whose weights are already placed on
-    ``mesh`` (``jax.device_put``, ``hax.shard`` with an axis mapping, or `shard_model`):
-    each FP8 layer matching ``column_parallel`` all-gathers its FP8 input's tokens over
-    ``tensor_axis``, each matching ``row_parallel`` reduce-scatters its output
-    (`fp8jax.ops.sequence_parallel`). A layer is any module whose ``dot_general`` is an
-    `Fp8DotGeneral` (converted equinox and ``haliax.nn.Linear`` layers), named by its
-    attribute path (``"up"``, ``"blocks.mlp.fc1"``; fnmatch patterns). Between those
-    layers the activations' tokens must be split as `sequence_sharding` says (with the
-    same ``batch_axes``; default here, as in `shard_model`: every mesh axis but
-    ``tensor_axis``). A layer needs a ``weight`` attribute; a weight without a recorded
-    sharding is gathered over the FSDP axes `set_fsdp_axes` names at this call.
-
-    Raises ``ValueError`` naming the layer when a pattern matches no layer, a layer is
-    both, or its weight is not placed on ``mesh`` with the tensor axis on its output dims
-    (column) or input dims (row)."""
-    fn = "sequence_parallel"
-    _check_auto(mesh, fn)
-    if tensor_axis is None:
-        raise ValueError(f"{fn}: tensor_axis must name a mesh axis.")
-    _axis_size(mesh, tensor_axis, fn)
-    layers = dict(_fp8_layers(model))
-    kinds: dict[str, str] = {}
-    for kind, patterns in (("column", column_parallel), ("row", row_parallel)):
-        for p in patterns:
-            hits = [path for path in layers if _matches(path, [p])]
-            if not hits:
-                raise ValueError(
-                    f"sequence_parallel: {kind}_parallel pattern {p!r} matches no FP8 layer; "
-                    "layers are: " + ", ".join(layers)
-                )
-            for path in hits:
-                if kinds.setdefault(path, kind) != kind:
-                    raise ValueError(f"sequence_parallel: layer {path!r} is both column and row.")
-    batch = _batch_axes(mesh, batch_axes, tensor_axis, fn)
-    for path, kind in kinds.items():
-        _check_split(path, layers[path], kind, mesh, tensor_axis)
-    return _record_sequence(model, mesh, kinds, batch, tensor_axis)
-
-
-def _fp8_layers(model: Any) -> list[tuple[str, Any]]:
-    """(path, layer) of every module holding an `Fp8DotGeneral` as its ``dot_general``."""
-    from .dot_general import Fp8DotGeneral
-
-    def is_layer(x):
-        return isinstance(getattr(x, "dot_general", None), Fp8DotGeneral) and hasattr(x, "weight")
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)
-    return [(_path_str(p), x) for p, x in flat if is_layer(x)]
-
-
-def _placed(path: str, layer, mesh: Mesh) -> tuple[tuple, int]:
-    """A layer's weight PartitionSpec entries per layer (stack dims dropped) and the number
-    of stack dims, checked to be placed on ``mesh`` itself."""
-    weight = getattr(layer.weight, "array", layer.weight)  # a haliax NamedArray's array
-    sharding = getattr(weight, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
-        raise ValueError(
-            f"sequence_parallel: layer {path!r}: its weight {tuple(weight.shape)} is not placed "
-            f"on this mesh (sharding: {sharding}); place it first on the same Mesh "
-            "(shard_model, hax.shard, jax.device_put)."
-        )
-    spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
-    stack = layer.dot_general.input_scale.ndim - 1
-    return spec[stack:], stack
-
-
-def _out_in_dims(layer, stack: int, ndim: int) -> tuple[list[int], list[int]]:
-    """Which per-layer weight dims are outputs and which inputs: a haliax layer names them
-    (``Out``, ``In``); fp8jax's and equinox's weights are ``[out, in]``."""
-    axes = getattr(layer.weight, "axes", None)
-    if axes is None or not hasattr(layer, "Out"):
-        return [ndim - 2], [ndim - 1]
-    outs = {a.name for a in (layer.Out if isinstance(layer.Out, tuple) else (layer.Out,))}
-    names = [a.name for a in axes][stack:]
-    return [i for i, n in enumerate(names) if n in outs], [
-        i for i, n in enumerate(names) if n not in outs
-    ]
-
-
-def _check_split(path: str, layer, kind: str, mesh: Mesh, tensor_axis: str) -> None:
-    """The layer's weight has the tensor axis on its output dims (column) or input dims
-    (row): else XLA would move the weight at every step, or the layer is not split."""
-    spec, stack = _placed(path, layer, mesh)
-    outs, ins = _out_in_dims(layer, stack, len(spec))
-
-    def split(dims):
-        return any(
-            tensor_axis in (e if isinstance(e, tuple) else (e,))
-            for e in map(spec.__getitem__, dims)
-        )
-
-    if not split(outs if kind == "column" else ins):
-        where = "output" if kind == "column" else "input"
-        raise ValueError(
-            f"sequence_parallel: {kind}-parallel layer {path!r}: its weight's {where} dims are "
-            f"not split over {tensor_axis!r} (per-layer spec {spec}); a {kind}-parallel layer "
-            f"splits its {where} features."
-        )
-
-
-def _placed_sharding(path: str, layer, mesh: Mesh) -> WeightSharding:
-    """The `WeightSharding` of a layer's placed weight, gathered over the FSDP axes
-    (`set_fsdp_axes`) as the unrecorded path would."""
-    from .ops import fsdp
-
-    spec, _ = _placed(path, layer, mesh)
-    return WeightSharding(mesh, spec, tuple(a for a in fsdp.FSDP_AXES if a in mesh.shape))
-
-
-def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> Any:
-    """Each FP8 layer in ``kinds`` (path -> "column"/"row") moves its tokens as Megatron's
-    sequence parallelism does (`fp8jax.ops.sequence_parallel`)."""
-    from .ops.sequence_parallel import SequenceParallel
-
-    layers = dict(_fp8_layers(model))
-    new = {}
-    for path, kind in kinds.items():
-        layer = layers.get(path)
-        if layer is None:  # not an FP8 layer (shard_model also places plain linears)
-            continue
-        op = layer.dot_general
-        ws = op.weight_sharding or _placed_sharding(path, layer, mesh)
-        sp = SequenceParallel(mesh, kind, batch, tensor_axis)
-        new[id(layer)] = _copy_with(op, "weight_sharding", ws._replace(sequence=sp))
-
-    def record(layer):
-        if id(layer) not in new:
-            return layer
-        return eqx.tree_at(lambda lay: lay.dot_general, layer, new[id(layer)])
-
-    return jax.tree_util.tree_map(record, model, is_leaf=lambda x: id(x) in new)
-
-
 def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, NamedSharding]:
     """Each `GroupedLinear` weight ``[*stack, E, in, out]`` sharded over ``axis`` along E."""
     from .nn.grouped import GroupedLinear
@@ -426,15 +237,6 @@ def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, Na
     if not out:
         raise ValueError("shard_model: expert_axis is set but the model has no GroupedLinear.")
     return out
-
-
-def _copy_with(module: Any, name: str, value: Any) -> Any:
-    """A shallow copy of an equinox module with one (static) field set."""
-    new = object.__new__(type(module))
-    for key, v in vars(module).items():
-        object.__setattr__(new, key, v)
-    object.__setattr__(new, name, value)
-    return new
 
 
 def _record_experts(model: Any, experts: ExpertSharding) -> Any:
@@ -466,7 +268,7 @@ def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
     over any of ``fsdp_axes`` then casts its shard to FP8 and all-gathers the FP8
     copy (forward and backward) and reduce-scatters its gradient. Layers whose weight
     is not a placed `NamedSharding` are left as they are."""
-    fsdp_axes = tuple(fsdp_axes)
+    fsdp_axes = _names("record_fsdp", "fsdp_axes", fsdp_axes)
 
     def record(layer):
         if not isinstance(layer, Linear):
@@ -503,3 +305,8 @@ def fp8_state_replicated(model: Any) -> bool:
             if parts.setdefault(str(s.index), data.tobytes()) != data.tobytes():
                 return False
     return True
+
+
+# Public here too.
+sequence_parallel = _sequence.sequence_parallel
+sequence_sharding = _sequence.sequence_sharding

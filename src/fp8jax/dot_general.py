@@ -49,6 +49,14 @@ class Fp8DotGeneral(Fp8GemmState):
 
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
         config = resolve_config(config)
+        if not isinstance(stack_shape, (tuple, list)) or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1
+            for d in stack_shape
+        ):
+            raise ValueError(
+                f"Fp8DotGeneral: stack_shape={stack_shape!r} is not allowed; expected a tuple "
+                "of ints >= 1 (the leading dims of a stacked layer's weight), e.g. () or (4,)."
+            )
         for name, value in _init_state(config, tuple(stack_shape)).items():
             setattr(self, name, value)
         self.config = config
@@ -88,14 +96,14 @@ class Fp8DotGeneral(Fp8GemmState):
                 "Fp8DotGeneral: out_sharding is not supported; shard the operands."
             )
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        _fsdp.check_auto_axes("Fp8DotGeneral", lhs=lhs, rhs=rhs)
-        out_dtype = _check_operands(lhs, rhs, dimension_numbers, preferred_element_type)
         if self.input_scale.ndim != 1:
             raise ValueError(
                 f"Fp8DotGeneral state has stack shape {self.input_scale.shape[:-1]}: "
                 "a stacked layer "
                 "must be run one slice at a time (jax.lax.scan over the stack or eqx.filter_vmap)."
             )
+        _fsdp.check_auto_axes("Fp8DotGeneral", lhs=lhs, rhs=rhs)
+        out_dtype = _check_operands(lhs, rhs, dimension_numbers, preferred_element_type, precision)
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc, lb, rb = map(lambda d: tuple(int(i) for i in d), (lc, rc, lb, rb))
         lf = tuple(i for i in range(lhs.ndim) if i not in lc and i not in lb)
@@ -173,7 +181,7 @@ def fp8_einsum(op: Fp8DotGeneral, eqn: str, lhs, rhs, precision=None, preferred_
     )
 
 
-def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):
+def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type, precision=None):
     """Validate dtypes and shapes early, naming the offending operand; return the output dtype."""
     for name, arr in (("lhs", lhs), ("rhs", rhs)):
         checks.float_array("Fp8DotGeneral", name, arr)
@@ -185,14 +193,32 @@ def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type):
             "(lhs_batch, rhs_batch)), "
             f"got {dimension_numbers!r}"
         ) from None
+    if preferred_element_type is not None and not jnp.issubdtype(
+        preferred_element_type, jnp.floating
+    ):
+        raise TypeError(
+            "Fp8DotGeneral: preferred_element_type must be a float dtype (an FP8 GEMM's output "
+            f"is dequantized), got {jnp.dtype(preferred_element_type)}."
+        )
     try:
         out = jax.eval_shape(
             lambda a, b: jax.lax.dot_general(
-                a, b, dimension_numbers, preferred_element_type=preferred_element_type
+                a,
+                b,
+                dimension_numbers,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
             ),
             jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
             jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
         )
+    except ValueError as e:
+        if "Precision" not in str(e):
+            raise
+        first = str(e).splitlines()[0]
+        raise ValueError(
+            f"Fp8DotGeneral: precision={precision!r} is not allowed: {first}"
+        ) from None
     except TypeError as e:
         raise ValueError(
             f"Fp8DotGeneral: shapes lhs {lhs.shape} and rhs {rhs.shape} do not fit "

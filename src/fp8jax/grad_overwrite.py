@@ -40,7 +40,10 @@ def _first_mismatch(ref: Any, tree: Any, path=()) -> tuple[str, str, str] | None
         return None
     if ref_leaf or tree_leaf or ref_def != tree_def:
         if type(ref) is not type(tree):
-            return where, f"type {type(ref).__name__}", f"type {type(tree).__name__}"
+            names = [type(x).__name__ for x in (ref, tree)]
+            if names[0] == names[1]:  # two classes of one name: say which modules
+                names = [f"{type(x).__module__}.{type(x).__qualname__}" for x in (ref, tree)]
+            return where, f"type {names[0]}", f"type {names[1]}"
         return (where,) + _node_diff(ref, tree)
     for (key, r), (_, t) in zip(ref_kids, kids, strict=True):
         found = _first_mismatch(r, t, path + tuple(key))
@@ -159,6 +162,10 @@ def optax_step(optimizer: optax.GradientTransformation, model: Any, grads: Any, 
         )
     if grads is None:
         raise ValueError("optax_step: grads is None; expected the gradients of the model.")
+    if opt_state is None:
+        raise ValueError(
+            "optax_step: opt_state is None; create it with optimizer.init(fp8jax.trainable(model))."
+        )
     _check_like("optax_step", "gradients", model, grads)
     if any(_is_overwrite(x) for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_overwrite)):
         raise ValueError(
@@ -186,6 +193,8 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     whole batch). ``accumulated=None`` starts a new accumulation."""
     if accumulated is None:
         return grads
+    if grads is None:
+        raise ValueError("accumulate_grads: grads is None; expected this micro-batch's gradients.")
     _check_like(
         "accumulate_grads", "gradients", accumulated, grads, ref_name="accumulated gradients"
     )

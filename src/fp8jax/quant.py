@@ -33,8 +33,9 @@ def quantize(x: Array, scale: Float[Array, "1"], dtype) -> Array:
 
 
 def amax(x: Array) -> Float[Array, ""]:
-    """max |x| as float32 (NaN if x holds a NaN)."""
-    return jnp.max(jnp.abs(x)).astype(F32)
+    """max |x| as float32; inf if ``x`` holds a NaN (`tile_amax`: some backends' max drops
+    NaN, and a NaN step must be counted, not recorded as the finite max)."""
+    return tile_amax(x)
 
 
 def tile_amax(x: Array, axis=None) -> Array:

@@ -141,10 +141,11 @@ def fp8_dot_general_cls(
         raise ValueError(
             f"{name}: sequence_parallel needs mesh=, a jax.sharding.Mesh; got {mesh!r}."
         )
-    from .. import distributed
+    from .. import _placement, sequence
 
-    distributed._check_auto(mesh, name)
-    distributed._axis_size(mesh, tensor_axis, name)
-    batch = distributed._batch_axes(mesh, batch_axes, tensor_axis, name)
+    _placement._check_auto(mesh, name)
+    _placement._axis_size(mesh, tensor_axis, name)
+    batch_axes = _placement._names(name, "batch_axes", batch_axes, allow_none=True)
+    batch = sequence._batch_axes(mesh, batch_axes, tensor_axis, name)
     sp = SequenceParallel(mesh, sequence_parallel, batch, tensor_axis)
     return functools.partial(Fp8DotGeneralOp, config=config, sequence=sp)

@@ -340,6 +340,11 @@ def fwd_fn(spec: Spec):
     @fn.def_vmap
     def rule(axis_size, in_batched, x3, w3, state):
         xb, wb, sb = in_batched
+        if axis_size == 0:
+            raise ValueError(
+                f"Fp8DotGeneral: vmapped over an axis of size 0 (each example's input "
+                f"{tuple(x3.shape[1:])}): no rows, so no amax for the FP8 scales."
+            )
         if not xb or wb or any(jax.tree_util.tree_leaves(sb)):
             return _fallback_vmap(impl, in_batched, (x3, w3, state))
         y, (xr, *others) = fn(_merge(x3, axis_size), w3, state)
