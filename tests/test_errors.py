@@ -121,6 +121,11 @@ def test_linear_rejects_features(key, args, match):
 def test_linear_rejects_int_dtype_and_bad_config(key):
     with pytest.raises(TypeError, match=r"dtype=int32 .*floating dtype"):
         fp8jax.nn.Linear(32, 16, dtype=jnp.int32, key=key)
+    with pytest.raises(TypeError, match=r"dtype=float8_e4m3fn .*floating dtype"):
+        fp8jax.nn.Linear(32, 16, dtype=jnp.float8_e4m3fn, key=key)
+    with pytest.raises(TypeError, match=r"use_bias='no' is not allowed; expected True or False"):
+        fp8jax.nn.Linear(32, 16, use_bias="no", key=key)
+    assert fp8jax.nn.Linear(np.int64(32), 16, key=key).in_features == 32  # numpy ints are ints
     with pytest.raises(TypeError, match=r"config must be an fp8jax.Fp8Config, got dict"):
         fp8jax.nn.Linear(32, 16, config={"scaling": "current"}, key=key)
 

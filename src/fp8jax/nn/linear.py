@@ -5,6 +5,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from .. import checks
@@ -37,15 +38,20 @@ class Linear(eqx.Module):
         *,
         key: PRNGKeyArray,
     ):
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"fp8jax.nn.Linear: {name}={value!r} is not allowed; expected an int >= 1."
-                )
-        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        owner = "fp8jax.nn.Linear"
+        in_features = checks.count(owner, "in_features", in_features)
+        out_features = checks.count(owner, "out_features", out_features)
+        if not isinstance(use_bias, (bool, np.bool_)):
             raise TypeError(
-                f"fp8jax.nn.Linear: dtype={jnp.dtype(dtype)} is not allowed; "
-                "expected a floating dtype (bfloat16, float16 or float32)."
+                f"{owner}: use_bias={use_bias!r} is not allowed; expected True or False."
+            )
+        use_bias = bool(use_bias)
+        if dtype is not None and (
+            not jnp.issubdtype(jnp.dtype(dtype), jnp.floating) or jnp.dtype(dtype).itemsize < 2
+        ):
+            raise TypeError(
+                f"{owner}: dtype={jnp.dtype(dtype)} is not allowed; "
+                "expected a floating dtype (bfloat16, float16 or float32) for the weights."
             )
         base = eqx.nn.Linear(in_features, out_features, use_bias, dtype=dtype, key=key)
         self.weight, self.bias = base.weight, base.bias
