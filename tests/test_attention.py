@@ -1,6 +1,8 @@
 """FP8 attention: numerics of the reference backend against float32, state updates,
 modules, vmap, errors. (The cuDNN backend is checked on the GPU in test_gpu.py.)"""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -247,3 +249,50 @@ def test_cudnn_backward_chunking_plan():
     assert backward_chunks(3, 16, 16) == (1, 16)  # chunks divide the batch
     assert backward_chunks(1, 64, 8) == (1, 4)  # heads split along whole GQA groups (4 x 8 query heads)
     assert backward_chunks(1, 8, 1) == (1, 1)
+
+
+def test_bad_rotary_settings_raise_at_construction(key):
+    for base in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"MultiHeadAttention: rope_base must be a finite number > 0, got"):
+            MultiHeadAttention(64, 4, rope_base=base, key=key)
+    with pytest.raises(ValueError, match="MultiHeadAttention: rotary .* even head_dim, got head_dim=15"):
+        MultiHeadAttention(60, 4, head_dim=15, key=key)
+    MultiHeadAttention(60, 4, head_dim=15, use_rotary=False, rope_base=0, key=key)  # no rotary: unused
+
+
+def test_rotary_checks_rank_positions_and_base(key):
+    x = normal(key, (2, 16, 3, 8))
+    with pytest.raises(ValueError, match=r"positions must have shape \(16,\).*\(2, 16, 3, 8\).*\(5,\)"):
+        fp8jax.nn.rotary(x, positions=jnp.arange(5))
+    with pytest.raises(ValueError, match=r"rotary expects x of shape \[\.\.\., T, heads, head_dim\], got \(8,\)"):
+        fp8jax.nn.rotary(jnp.ones(8))
+    with pytest.raises(ValueError, match="rotary: rope_base must be a finite number > 0, got -1"):
+        fp8jax.nn.rotary(x, -1)
+    np.testing.assert_array_equal(fp8jax.nn.rotary(x, positions=np.arange(16)), fp8jax.nn.rotary(x))
+
+
+def test_sequence_lengths_array_likes_and_range(key):
+    mha = MultiHeadAttention(32, 2, mode="bf16", key=key)
+    x = normal(key, (2, 16, 32))
+    want = mha(x, query_seq_lengths=jnp.array([16, 16]), key_value_seq_lengths=jnp.array([16, 9]))
+    np.testing.assert_array_equal(mha(x, query_seq_lengths=[16, 16], key_value_seq_lengths=(16, 9)), want)
+    with pytest.raises(ValueError, match=r"query_seq_lengths must be in \[0, 16\].*\[100, -3\] out of range"):
+        mha(x, query_seq_lengths=[100, -3])
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must be in \[0, 16\].*\[17\] out of range"):
+        mha(x, key_value_seq_lengths=[17, 16])
+    with pytest.raises(TypeError, match="query_seq_lengths must be an int array of shape"):
+        mha(x, query_seq_lengths="16")
+    q, k, v, _ = _qkv(key, t=16)  # the FP8 reference backend too
+    with pytest.raises(ValueError, match=r"query_seq_lengths must be in \[0, 16\]"):
+        dot_product_attention(q, k, v, Fp8AttentionState(), backend="reference", query_seq_lengths=[16, 17])
+    # Under jit the values are traced: only their shape and dtype are checked.
+    f = jax.jit(lambda lengths: mha(x, key_value_seq_lengths=lengths))
+    np.testing.assert_allclose(f(jnp.array([16, 9])), mha(x, key_value_seq_lengths=[16, 9]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"must be an int array of shape \(2,\)"):
+        f(jnp.array([16, 9, 1]))
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 64), (0, 16, 64)])
+def test_empty_input_raises(key, shape):
+    with pytest.raises(ValueError, match=re.escape(f"MultiHeadAttention: x has shape {shape}, with no elements")):
+        MultiHeadAttention(64, 4, key=key)(jnp.ones(shape))

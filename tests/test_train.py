@@ -257,3 +257,65 @@ def test_8b_preset_is_llama3_8b_shaped():
     model = cli.PRESETS["8b"]["model"]
     assert (model.dim, model.layers, model.ffn, model.heads, model.kv_heads) == (4096, 32, 14336, 32, 8)
     assert model.non_embedding_params() == pytest.approx(6.98e9, rel=1e-3)
+
+
+# --steps 1, no compile cache: cheap (and no side effects) should a check be missing and it train.
+QUICK = SMALL + ["--steps", "1", "--eval-every", "1", "--no-plot", "--no-tensorboard", "--no-compile-cache"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh", "data=3"], "--mesh 'data=3': the axis sizes multiply to 3"),
+    (["--mesh", "foo=1"], "--mesh 'foo=1': unknown axis 'foo'"),
+    (["--mesh", ""], "--mesh '': expected AXIS=SIZE"),
+    (["--data", "/nonexistent/corpus.txt"], "--data /nonexistent/corpus.txt: no such file or directory"),
+    (["--interleave", "-1"], "--interleave -1: K must be > 0"),
+    (["--heads", "3"], "--heads 3 --kv-heads 1 --ffn 64 --seq 32: dim (64) must divide by heads (3)"),
+    (["--warmup", "5", "--steps", "2"], "--warmup 5 is larger than --steps 2"),
+])
+def test_bad_option_values_are_usage_errors(tmp_path, monkeypatch, capsys, args, message):
+    """On the command line (`main` reading sys.argv, as ``python -m fp8jax.train`` and the console
+    script do) a bad option value is argparse's usage error: its message on stderr, exit status 2,
+    and --out not created. Called with a list of arguments, `main` raises ValueError instead."""
+    import re
+    import sys
+
+    out = tmp_path / "out"
+    argv = QUICK + ["--out", str(out), *args]
+    monkeypatch.setattr(sys, "argv", ["fp8jax-train", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "fp8jax-train: error: " in err and message in err, err
+    assert not out.exists()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cli.main(argv)
+    assert not out.exists()
+
+
+def test_out_that_cannot_be_created_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    import sys
+
+    (tmp_path / "file").write_text("not a directory")
+    out = tmp_path / "file" / "out"
+    with pytest.raises(ValueError, match=f"--out {out}: cannot create the output directory"):
+        cli.main(QUICK + ["--out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["fp8jax-train", *QUICK, "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_python_m_fp8jax_train_bad_option_exits_2_without_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(cli.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "fp8jax.train", "--mesh", "foo=1", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "fp8jax-train: error: --mesh 'foo=1': unknown axis 'foo'" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "o").exists()

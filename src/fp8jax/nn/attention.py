@@ -145,13 +145,35 @@ def _check_inputs(query, key, value, mode, backend, lengths):
         raise ValueError(
             f"query heads ({n}) must be a multiple of key/value heads ({key.shape[2]}) for GQA"
         )
-    for name, x in lengths.items():
-        if x is None:
-            continue
-        if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(
-                f"{name} must be an int array of shape ({b},), got {x.dtype}{list(x.shape)}"
-            )
+    checked = {}
+    for (name, x), most in zip(lengths.items(), (query.shape[1], key.shape[1])):
+        checked[name] = None if x is None else _check_lengths(name, x, b, most)
+    return checked
+
+
+def _check_lengths(name: str, x, b: int, most: int):
+    """``x`` as an int array ``(b,)``; concrete (not traced) values in ``[0, most]``."""
+    try:
+        x = jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be an int array of shape ({b},), got {type(x).__name__} {x!r}"
+        ) from None
+    if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(
+            f"{name} must be an int array of shape ({b},), got {x.dtype}{list(x.shape)}"
+        )
+    try:  # concrete values only (under jit they are traced: shape and dtype checked above)
+        values = np.asarray(x)
+    except jax.errors.JAXTypeError:
+        return x
+    bad = values[(values < 0) | (values > most)]
+    if bad.size:
+        raise ValueError(
+            f"{name} must be in [0, {most}] (the sequence length), got {values.tolist()}: "
+            f"{bad.tolist()} out of range"
+        )
+    return x
 
 
 _WARNED: set[str] = set()
@@ -210,7 +232,8 @@ def dot_product_attention(
         "query_seq_lengths": query_seq_lengths,
         "key_value_seq_lengths": key_value_seq_lengths,
     }
-    _check_inputs(query, key, value, mode, backend, lengths)
+    lengths = _check_inputs(query, key, value, mode, backend, lengths)
+    query_seq_lengths, key_value_seq_lengths = lengths.values()
     if mode == "bf16":
         on_gpu = jax.devices()[0].platform == "gpu"
         fast = on_gpu and backend != "reference" and query.dtype in (jnp.bfloat16, jnp.float16)
@@ -314,15 +337,24 @@ class DotProductAttention(eqx.Module):
 def rotary(
     x: Float[Array, "*B T N H"], base: float = 10000.0, positions=None
 ) -> Float[Array, "*B T N H"]:
-    """Rotary position embedding (GPT-NeoX half-split convention) over the T axis."""
+    """Rotary position embedding (GPT-NeoX half-split convention) over the T axis;
+    ``positions`` (default ``0 .. T-1``) has shape ``(T,)``."""
+    x = jnp.asarray(x)
+    if x.ndim < 3:
+        raise ValueError(f"rotary expects x of shape [..., T, heads, head_dim], got {x.shape}")
     *_, t, _, h = x.shape
     if h % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {h}")
-    positions = (
-        jnp.arange(t, dtype=jnp.float32)
-        if positions is None
-        else jnp.asarray(positions, jnp.float32)
-    )
+    _check_rope_base("rotary", base)
+    if positions is None:
+        positions = jnp.arange(t, dtype=jnp.float32)
+    else:
+        positions = jnp.asarray(positions, jnp.float32)
+        if positions.shape != (t,):
+            raise ValueError(
+                f"rotary: positions must have shape ({t},), one per step of x's sequence axis "
+                f"(x has shape {x.shape}), got positions of shape {positions.shape}"
+            )
     inv = 1.0 / (base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     angles = positions[:, None] * inv[None, :]  # [T, H/2]
     cos = jnp.cos(angles)[:, None, None, :]  # [T, 1, 1, H/2]: over heads and both halves
@@ -334,6 +366,15 @@ def rotary(
     halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, h // 2)
     out = halves * cos + jnp.flip(halves, axis=-2) * signed_sin
     return out.reshape(x.shape).astype(x.dtype)
+
+
+def _check_rope_base(owner: str, base):
+    if isinstance(base, jax.Array):  # traced or on a device: not checked
+        return base
+    ok = isinstance(base, (int, float, np.integer, np.floating)) and not isinstance(base, bool)
+    if not (ok and 0 < base < float("inf")):
+        raise ValueError(f"{owner}: rope_base must be a finite number > 0, got {base!r}.")
+    return float(base)
 
 
 class MultiHeadAttention(eqx.Module):
@@ -395,6 +436,14 @@ class MultiHeadAttention(eqx.Module):
                     f"({num_heads}), or pass head_dim"
                 )
             head_dim = dim // num_heads
+        if use_rotary:
+            rope_base = _check_rope_base("MultiHeadAttention", rope_base)
+            if head_dim % 2:
+                raise ValueError(
+                    f"MultiHeadAttention: rotary embedding (use_rotary=True) needs an even "
+                    f"head_dim, got head_dim={head_dim}; pass an even head_dim or "
+                    "use_rotary=False."
+                )
         kqkv, kout = jax.random.split(key)
         qkv_features = (num_heads + 2 * num_kv_heads) * head_dim
         if mode == "fp8_mha":
@@ -430,6 +479,11 @@ class MultiHeadAttention(eqx.Module):
             raise ValueError(
                 f"MultiHeadAttention expects inputs of shape (..., T, "
                 f"{self.qkv.in_features}), got {x.shape}"
+            )
+        if x.size == 0:
+            raise ValueError(
+                f"MultiHeadAttention: x has shape {x.shape}, with no elements (a zero-size "
+                "sequence or batch)"
             )
         lead, t = x.shape[:-2], x.shape[-2]
         xb = x.reshape((-1, t, x.shape[-1]))

@@ -68,6 +68,11 @@ __all__ = [
 RECORD_COMMAND = "fp8jax-train"
 
 
+class UsageError(ValueError):
+    """A bad option value, found before anything is written: `main` raises it to callers in
+    Python; on the command line it is a usage error (message on stderr, exit status 2)."""
+
+
 def _at_least(low: int):
     """An argparse type: an int >= ``low`` (argparse names the option in its error)."""
 
@@ -89,6 +94,10 @@ def _positive(text: str) -> float:
 
 
 def parse_args(argv):
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fp8jax-train",
         description=__doc__.split("\n\n")[0],
@@ -210,7 +219,7 @@ def parse_args(argv):
     add("--no-plot", action="store_true")
     add("--no-tensorboard", action="store_true", help="no TensorBoard event files (tb/<precision>)")
     add("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    return p
 
 
 def run_config(args) -> RunConfig:
@@ -246,7 +255,44 @@ def _mesh(args):
     device is visible and no --mesh is given."""
     if args.mesh is None and jax.device_count() == 1:
         return None
-    return make_mesh(parse_mesh(args.mesh or f"data={jax.device_count()}"))
+    text = f"data={jax.device_count()}" if args.mesh is None else args.mesh
+    return make_mesh(_usage(parse_mesh, text))
+
+
+def _usage(fn, *args, prefix: str = "", **kwargs):
+    """``fn(*args, **kwargs)``, its ValueError raised again as a `UsageError` (``prefix`` +
+    its message)."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as e:
+        raise UsageError(prefix + str(e)) from None
+
+
+def _check_options(args) -> RunConfig:
+    """The run's config, and the checks that need no devices, before JAX's backend starts."""
+    sizes = ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k")
+    given = " ".join(
+        f"--{k.replace('_', '-')} {getattr(args, k)}" for k in sizes if getattr(args, k) is not None
+    )
+    run = _usage(run_config, args, prefix=f"--preset {args.preset} {given}".strip() + ": ")
+    if args.interleave < 0:
+        raise UsageError(f"--interleave {args.interleave}: K must be > 0 (0: off)")
+    if args.interleave and not _compare(args):
+        raise UsageError(
+            f"--interleave {args.interleave} needs both precisions (--compare, not "
+            f"--precision {args.precision})"
+        )
+    if args.warmup is not None and args.warmup > run.steps:
+        raise UsageError(f"--warmup {args.warmup} is larger than --steps {run.steps}")
+    if args.mesh is not None and not args.mesh.strip():
+        raise UsageError(f"--mesh {args.mesh!r}: expected AXIS=SIZE,... (e.g. data=2,fsdp=4)")
+    if args.data is not None and not Path(args.data).expanduser().exists():
+        raise UsageError(f"--data {args.data}: no such file or directory")
+    return run
+
+
+def _compare(args) -> bool:
+    return not args.precision or args.compare
 
 
 def _todo(args, precisions, out, run) -> tuple[dict[str, dict], list[str], dict[str, bool]]:
@@ -274,29 +320,40 @@ def _todo(args, precisions, out, run) -> tuple[dict[str, dict], list[str], dict[
 
 
 def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> dict[str, dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Train as the command line says. ``argv`` None (``fp8jax-train``, ``python -m
+    fp8jax.train``): ``sys.argv``, and a bad option value is a usage error (exit status 2);
+    with a list of arguments a bad value raises `UsageError` (a ValueError) instead."""
+    if argv is not None:
+        return _main(list(argv), interrupt_at)
+    parser = _parser()
+    try:
+        return _main(sys.argv[1:], interrupt_at)
+    except UsageError as e:
+        parser.error(str(e))
+
+
+def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     args = parse_args(argv)
-    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    run = _check_options(args)
+    _usage(initialize_distributed, args.coordinator, args.num_processes, args.process_id)
     if args.xla_triton_gemm:  # undo what importing fp8jax set, while the backend has not started
         flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "")
         os.environ["XLA_FLAGS"] = " ".join(flags.split())
     if not args.no_compile_cache:
         compilation.enable_compilation_cache(args.compile_cache)
-    run = run_config(args)
-    precisions = [args.precision] if (args.precision and not args.compare) else ["bf16", "fp8"]
-    if args.interleave < 0 or (args.interleave and len(precisions) < 2):
-        raise ValueError(
-            f"--interleave {args.interleave}: needs K > 0 and both precisions (--compare, not "
-            f"--precision {args.precision})"
-        )
+    precisions = ["bf16", "fp8"] if _compare(args) else [args.precision]
     mesh = _mesh(args)
     if args.sequence_parallel:
-        check_sequence_parallel(run, mesh)
+        _usage(check_sequence_parallel, run, mesh)
     mesh_text = ",".join(f"{a}={n}" for a, n in mesh.shape.items()) if mesh is not None else ""
     out = args.out or Path("runs") / args.preset
     main_process = jax.process_index() == 0
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+    corpus = _usage(load_corpus, args.data, max_bytes=args.max_bytes)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = e.strerror or e
+        raise UsageError(f"--out {out}: cannot create the output directory: {why}") from None
     device = jax.devices()[0]
     meta = dict(
         device=device.device_kind,
@@ -383,10 +440,11 @@ def _write_outputs(args, run, out: Path, meta: dict, new: dict, results: dict, t
 
 def console_main() -> int:
     """``fp8jax-train``'s entry point. `main` returns its results for callers in Python, which
-    a console script would hand to ``sys.exit`` (printing them and exiting with status 1)."""
+    a console script would hand to ``sys.exit`` (printing them and exiting with status 1).
+    A bad option value exits with status 2 (argparse's usage error)."""
     main()
     return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(console_main())
