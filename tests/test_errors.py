@@ -604,3 +604,16 @@ def test_distributed_names_and_meshes():
         fp8jax.distributed.sequence_sharding(mesh, (2, 8, 32), ["fsdp"], tensor_axis="model")
     with pytest.raises(TypeError, match="sequence_parallel: mesh must be a jax.sharding.Mesh"):
         fp8jax.distributed.sequence_parallel(model, None, ["0"], [])
+
+
+def test_apply_updates_with_its_arguments_swapped():
+    model = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0)), CFG)
+    grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(jnp.ones((16, 32)))))(model)
+    overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+    with pytest.raises(ValueError, match=r"the order is apply_updates\(model, updates, overw"):
+        fp8jax.apply_updates(model, overwrites, grads)
+    with pytest.raises(ValueError, match=r"the updates hold FP8 state"):
+        fp8jax.apply_updates(model, model, None)
+    with pytest.raises(ValueError, match=r"the overwrites hold parameter updates"):
+        fp8jax.apply_updates(model, None, grads)
+    fp8jax.apply_updates(model, grads, overwrites)  # the right order still works

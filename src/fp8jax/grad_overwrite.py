@@ -126,6 +126,13 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
     return jax.tree_util.tree_unflatten(treedef, merged)
 
 
+_SWAPPED = (
+    "apply_updates: the {what}; the order is apply_updates(model, updates, overwrites), with "
+    "(overwrites, grads) = fp8jax.partition_for_grad_overwrite(grads) and the updates from "
+    "the optimizer applied to the grads."
+)
+
+
 def apply_updates(model: Any, updates: Any, overwrites: Any) -> Any:
     """Apply optimizer ``updates`` to the parameters and write ``overwrites`` (new FP8
     state from `partition_for_grad_overwrite`) into the state. Either may be ``None``."""
@@ -138,7 +145,11 @@ def apply_updates(model: Any, updates: Any, overwrites: Any) -> Any:
 
     def apply(leaf, update, overwrite):
         if _is_overwrite(leaf):
+            if any(x is not None for x in jax.tree_util.tree_leaves(update)):
+                raise ValueError(_SWAPPED.format(what="updates hold FP8 state"))
             return leaf if overwrite is None else _merge_state(leaf, overwrite)
+        if overwrite is not None:
+            raise ValueError(_SWAPPED.format(what="overwrites hold parameter updates"))
         if update is None:
             return leaf
         return eqx.apply_updates(leaf, update)
