@@ -52,6 +52,24 @@ def _matches(path: str, patterns: Sequence[str]) -> bool:
     return any(path == p or fnmatch.fnmatchcase(path, p) for p in patterns)
 
 
+def _kinds(fn: str, paths, column_parallel, row_parallel, noun: str) -> dict[str, str]:
+    """path -> "column" / "row" of the layers the Megatron patterns match; a ValueError
+    naming a pattern that matches no layer (a ``noun``), or a layer both match."""
+    kinds: dict[str, str] = {}
+    for kind, patterns in (("column", column_parallel), ("row", row_parallel)):
+        for p in patterns:
+            hits = [path for path in paths if _matches(path, [p])]
+            if not hits:
+                raise ValueError(
+                    f"{fn}: {kind}_parallel pattern {p!r} matches no {noun}; layers are: "
+                    + ", ".join(paths)
+                )
+            for path in hits:
+                if kinds.setdefault(path, kind) != kind:
+                    raise ValueError(f"{fn}: layer {path!r} is both column- and row-parallel.")
+    return kinds
+
+
 def _copy_with(module: Any, name: str, value: Any) -> Any:
     """A shallow copy of an equinox module with one (static) field set."""
     new = object.__new__(type(module))

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import sequence as _sequence
-from ._placement import _axis_size, _check_auto, _check_mesh, _copy_with, _matches, _names
+from ._placement import _axis_size, _check_auto, _check_mesh, _copy_with, _kinds, _matches, _names
 from .collectives import (  # noqa: F401  (public here too)
     Collective,
     compile_with_collectives,
@@ -129,22 +129,12 @@ def shard_model(
     _axis_size(mesh, tensor_axis)
     _axis_size(mesh, expert_axis)
     layers = _layers(model)
-    for what, patterns in (("column_parallel", column_parallel), ("row_parallel", row_parallel)):
-        for p in patterns:
-            if not any(_matches(path, [p]) for path, _ in layers):
-                raise ValueError(
-                    f"shard_model: {what} pattern {p!r} matches no linear layer; layers are: "
-                    + ", ".join(path for path, _ in layers)
-                )
+    paths = [path for path, _ in layers]
+    kinds = _kinds("shard_model", paths, column_parallel, row_parallel, "linear layer")
     _check_gated_splits(model, mesh, tensor_axis, column_parallel)
     placements: dict[int, NamedSharding] = _expert_placements(model, mesh, expert_axis)
-    kinds: dict[str, str] = {}  # path -> "column" / "row" of the tensor-parallel layers
     for path, layer in layers:
-        col, row = _matches(path, column_parallel), _matches(path, row_parallel)
-        if col and row:
-            raise ValueError(f"shard_model: layer {path!r} is both column- and row-parallel.")
-        if col or row:
-            kinds[path] = "column" if col else "row"
+        col = kinds.get(path) == "column"
         w = layer.weight
         spec = _weight_spec(
             path,

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from ._placement import _axis_size, _check_mesh, _copy_with, _matches, _names
+from ._placement import _axis_size, _check_mesh, _copy_with, _kinds, _names
 from .convert import _path_str
 from .ops.dot import WeightSharding
 
@@ -29,11 +29,18 @@ def sequence_sharding(
     axis. Raises ``ValueError`` naming the shape and axis when neither divides."""
     from .ops.sequence_parallel import activation_spec
 
-    fn = "sequence_sharding"
-    _check_mesh(fn, mesh)
-    batch = _batch_axes(mesh, _names(fn, "batch_axes", batch_axes), tensor_axis, fn)
-    _axis_size(mesh, tensor_axis, fn)
+    batch = _sequence_axes("sequence_sharding", mesh, tensor_axis, batch_axes)
     return NamedSharding(mesh, activation_spec(mesh, tuple(shape), batch, tensor_axis))
+
+
+def _sequence_axes(fn: str, mesh, tensor_axis, batch_axes) -> tuple[str, ...]:
+    """The batch axes of a sequence-parallel token split on ``mesh``, checked: an Auto
+    mesh holding ``tensor_axis`` and ``batch_axes`` (names; default every other axis)."""
+    _check_mesh(fn, mesh)
+    if tensor_axis is None:
+        raise ValueError(f"{fn}: tensor_axis must name a mesh axis.")
+    _axis_size(mesh, tensor_axis, fn)
+    return _batch_axes(mesh, _names(fn, "batch_axes", batch_axes, allow_none=True), tensor_axis, fn)
 
 
 def _batch_axes(mesh: Mesh, batch_axes, tensor_axis: str, fn="shard_model") -> tuple[str, ...]:
@@ -71,27 +78,11 @@ def sequence_parallel(
     both, or its weight is not placed on ``mesh`` with the tensor axis on its output dims
     (column) or input dims (row)."""
     fn = "sequence_parallel"
-    _check_mesh(fn, mesh)
+    batch = _sequence_axes(fn, mesh, tensor_axis, batch_axes)
     column_parallel = _names(fn, "column_parallel", column_parallel)
     row_parallel = _names(fn, "row_parallel", row_parallel)
-    batch_axes = _names(fn, "batch_axes", batch_axes, allow_none=True)
-    if tensor_axis is None:
-        raise ValueError(f"{fn}: tensor_axis must name a mesh axis.")
-    _axis_size(mesh, tensor_axis, fn)
     layers = dict(_fp8_layers(model))
-    kinds: dict[str, str] = {}
-    for kind, patterns in (("column", column_parallel), ("row", row_parallel)):
-        for p in patterns:
-            hits = [path for path in layers if _matches(path, [p])]
-            if not hits:
-                raise ValueError(
-                    f"sequence_parallel: {kind}_parallel pattern {p!r} matches no FP8 layer; "
-                    "layers are: " + ", ".join(layers)
-                )
-            for path in hits:
-                if kinds.setdefault(path, kind) != kind:
-                    raise ValueError(f"sequence_parallel: layer {path!r} is both column and row.")
-    batch = _batch_axes(mesh, batch_axes, tensor_axis, fn)
+    kinds = _kinds(fn, list(layers), column_parallel, row_parallel, "FP8 layer")
     for path, kind in kinds.items():
         _check_split(path, layers[path], kind, mesh, tensor_axis)
     return _record_sequence(model, mesh, kinds, batch, tensor_axis)

@@ -141,11 +141,8 @@ def fp8_dot_general_cls(
         raise ValueError(
             f"{name}: sequence_parallel needs mesh=, a jax.sharding.Mesh; got {mesh!r}."
         )
-    from .. import _placement, sequence
+    from ..sequence import _sequence_axes
 
-    _placement._check_auto(mesh, name)
-    _placement._axis_size(mesh, tensor_axis, name)
-    batch_axes = _placement._names(name, "batch_axes", batch_axes, allow_none=True)
-    batch = sequence._batch_axes(mesh, batch_axes, tensor_axis, name)
+    batch = _sequence_axes(name, mesh, tensor_axis, batch_axes)
     sp = SequenceParallel(mesh, sequence_parallel, batch, tensor_axis)
     return functools.partial(Fp8DotGeneralOp, config=config, sequence=sp)
