@@ -371,10 +371,7 @@ def rotary(
 def _check_rope_base(owner: str, base):
     if isinstance(base, jax.Array):  # traced or on a device: not checked
         return base
-    ok = isinstance(base, (int, float, np.integer, np.floating)) and not isinstance(base, bool)
-    if not (ok and 0 < base < float("inf")):
-        raise ValueError(f"{owner}: rope_base must be a finite number > 0, got {base!r}.")
-    return float(base)
+    return checks.positive_number(owner, "rope_base", base)
 
 
 class MultiHeadAttention(eqx.Module):
