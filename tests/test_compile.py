@@ -84,17 +84,11 @@ def test_cache_dir_errors_name_the_path(tmp_path):
 
 
 @gpu
-@pytest.mark.xfail(
-    reason="issue 21's 1.5x goal is not met: on the H100 (2026-11-25, seventh session) the "
-    "two-block FP8 step compiles in 1.74 s against bf16's 1.04 s (medians of 3, neither with a "
-    "persistent cache; 1.67x): XLA's fusion and codegen of the FP8 step's extra kernels (casts, "
-    "amaxes, state updates) and 0.1 s more lowering",
-    strict=False,
-)
 def test_fp8_step_compiles_within_1_5x_bf16_with_default_flags():
     """Issue 21's two-block step as a user writes it (plain ``eqx.filter_jit``, no fp8jax
-    flag call): the FP8 step's compile time is at most 1.5x the bf16 step's. Medians of
-    three fresh processes each, plus 0.2 s."""
+    flag call): the FP8 step's compile time is at most 1.5x the bf16 step's (medians of
+    three fresh processes each). The Pallas cast kernel (the default) brought it there:
+    1.05 s against bf16's 0.82 s on an H200 (2026-11-26); 1.49 s with XLA's casts."""
     import statistics
 
     from benchmarks.compile import two_block
@@ -108,7 +102,7 @@ def test_fp8_step_compiles_within_1_5x_bf16_with_default_flags():
             runs.append(rows[variant]["compile_s"])
         seconds[variant] = statistics.median(runs)
     assert rows["fp8"]["fp8_gemms"] == rows["fp8"]["gemms"] > 0, rows
-    assert seconds["fp8"] <= 1.5 * seconds["bf16"] + 0.2, seconds
+    assert seconds["fp8"] <= 1.5 * seconds["bf16"], seconds
 
 
 def test_compile_benchmark_runs_on_cpu():

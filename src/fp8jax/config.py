@@ -58,10 +58,13 @@ class Fp8Config:
         was 12x the promoted one's (2.9e-2 vs 2.4e-3 relative), for 5-8% less GEMM
         time.
       cast_kernel: write each tensor's two FP8 layouts and its amax in one Pallas
-        Triton pass (Hopper; elsewhere, or for shapes it cannot tile, XLA's cast
-        and transpose). On H100 it took 2.5% off an isolated linear train step,
-        but it is a custom call XLA cannot fuse the tensor's producer into (a norm
-        or an activation), so it is off by default: measure it in your model.
+        Triton pass (Hopper; elsewhere, on a mesh, or for shapes it cannot tile,
+        XLA's cast and transpose). On by default: on an H200 (2026-11-26) it made the
+        linear train step 6-8% faster and the two-block quickstart step 11% faster
+        (21.5 vs 24.1 ms, a gelu between the layers) and cut that step's compile from
+        1.49 to 1.05 s (XLA compiles fewer cast/transpose/reduction fusions). It is a
+        custom call, so XLA cannot fuse the tensor's producer (a norm, an activation)
+        into it; ``False`` gives XLA's fused casts back.
 
     Selection (used by `fp8_linear_layers`):
       targets: ``None`` (every linear); a regex string, which must match the whole
@@ -92,7 +95,7 @@ class Fp8Config:
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     margin: float = 0.0
     fast_accumulation: Literal["forward", "all", "none"] = "forward"
-    cast_kernel: bool = False
+    cast_kernel: bool = True
     targets: Targets = None
     selective: bool = True
     alignment: int = 16

@@ -5,6 +5,7 @@ Scales are *dequantization* factors: ``real ~= fp8_value * scale``.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
@@ -27,14 +28,27 @@ def saturate(x: Array, inv_scale, dtype) -> Array:
     return lax.clamp(F32(-limit), scaled, F32(limit)).astype(dtype)
 
 
+def saturate_in_kernel(x: Array, inv_scale, dtype) -> Array:
+    """`saturate` inside a Pallas Triton kernel: Triton's clamp gives the bound for a NaN
+    (XLA's keeps the NaN), which would turn a NaN input into finite FP8 values that no later
+    step could tell apart; the select keeps it NaN, so both paths write the same bits."""
+    scaled = x.astype(F32) * inv_scale
+    clamped = lax.clamp(F32(-fp8_max(dtype)), scaled, F32(fp8_max(dtype)))
+    return lax.select(lax.ne(scaled, scaled), scaled, clamped).astype(dtype)
+
+
 def quantize(x: Array, scale: Float[Array, "1"], dtype) -> Array:
     """Cast ``x / scale`` to ``dtype`` with saturation (no inf from overflow)."""
     return saturate(x, (1.0 / scale.astype(F32)).reshape(()), dtype)
 
 
 def amax(x: Array) -> Float[Array, ""]:
-    """max |x| as float32; inf if ``x`` holds a NaN (`tile_amax`: some backends' max drops
-    NaN, and a NaN step must be counted, not recorded as the finite max)."""
+    """max |x| as float32, non-finite if ``x`` holds a NaN (a NaN step must be counted, not
+    recorded as the finite max). XLA's GPU max propagates NaN: there it is the plain
+    reduction, which XLA fuses with the tensor's producer and cast. Other backends' max may
+    drop NaN (the CPU's vectorized one does), so they map NaN to inf first (`tile_amax`)."""
+    if jax.default_backend() == "gpu":
+        return lax.reduce_max(lax.abs(x.astype(F32)), tuple(range(x.ndim)))
     return tile_amax(x)
 
 

@@ -81,7 +81,7 @@ def triton_params(interpret: bool, num_warps: int) -> dict:
 def _kernel(t_ref, inv_scale_ref, q_ref, qt_ref, amax_ref):
     t = t_ref[...]
     amax_ref[...] = q.tile_amax(t).reshape(1, 1)
-    quantized = q.saturate(t, inv_scale_ref[0], q_ref.dtype)
+    quantized = q.saturate_in_kernel(t, inv_scale_ref[0], q_ref.dtype)
     q_ref[...] = quantized
     qt_ref[...] = quantized.T
 

@@ -153,7 +153,7 @@ def _fwd_kernel(h_ref, scalars_ref, aq_ref, *out_refs, block, activation):
     up = h_ref[:, block:].astype(F32) * h_scale
     a = _glu(activation, gate, up)
     amax_ref[...] = q.tile_amax(a).reshape(1, 1)
-    aq = q.saturate(a, inv_a_scale, aq_ref.dtype)
+    aq = q.saturate_in_kernel(a, inv_a_scale, aq_ref.dtype)
     aq_ref[...] = aq
     if at_ref:
         at_ref[0][...] = aq.T
@@ -170,13 +170,13 @@ def _bwd_kernel(
     )
     gate = h_ref[:, :block].astype(F32) * h_scale
     up = h_ref[:, block:].astype(F32) * h_scale
-    at_ref[...] = q.saturate(
+    at_ref[...] = q.saturate_in_kernel(
         _glu(activation, gate, up), inv_a_scale, at_ref.dtype
     ).T  # fc2's wgrad operand
     d_gate, d_up = _glu_grad(activation, gate, up, da_ref[...].astype(F32) * da_scale)
     amax_ref[...] = jnp.maximum(q.tile_amax(d_gate), q.tile_amax(d_up)).reshape(1, 1)
-    gq = q.saturate(d_gate, inv_dh_scale, dh_ref.dtype)
-    uq = q.saturate(d_up, inv_dh_scale, dh_ref.dtype)
+    gq = q.saturate_in_kernel(d_gate, inv_dh_scale, dh_ref.dtype)
+    uq = q.saturate_in_kernel(d_up, inv_dh_scale, dh_ref.dtype)
     dh_ref[:, :block] = gq
     dh_ref[:, block:] = uq
     dht_ref[0] = gq.T  # the transposed copy: gate rows, then up rows, of this feature block

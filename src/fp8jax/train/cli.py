@@ -153,8 +153,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--cast-kernel",
-        action="store_true",
-        help="FP8 casts through the one-pass Pallas cast + transpose + amax kernel (Hopper)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FP8 casts through the one-pass Pallas cast + transpose + amax kernel (Hopper; "
+        "the default; --no-cast-kernel: XLA's fused casts)",
     )
     add(
         "--scan-unroll",

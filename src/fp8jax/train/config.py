@@ -90,7 +90,7 @@ class RunConfig:
     scaling: str = "delayed"
     recipe: str = "tensor"  # Fp8Config.recipe: "tensor", "rowwise" or "blockwise"
     fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
-    cast_kernel: bool = False  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
+    cast_kernel: bool = True  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
     sequence_parallel: bool = False  # Megatron sequence parallelism over the mesh's tensor axis
 
