@@ -214,11 +214,13 @@ def test_scan_over_stacked_layers(key):
     first = new.input_amax_history[:, 0]
     assert float(first[0]) == float(jnp.max(jnp.abs(x)))
     assert np.all(np.asarray(first[1:]) <= 3.0)  # later layers see tanh(.) * 3
-    # equals running the layers one by one
+    # equals running the layers one by one (to float32 rounding: the scanned step and the
+    # op-by-op loop are two programs, whose tanh came out 2 ulps apart at XLA's CPU
+    # optimization level 0, the CI setting in conftest.py)
     h = x
     for i in range(3):
         layer = jax.tree_util.tree_map(lambda a, i=i: a[i], model.layers)
-        np.testing.assert_array_equal(first[i], jnp.max(jnp.abs(h)))
+        np.testing.assert_allclose(first[i], jnp.max(jnp.abs(h)), rtol=1e-6)
         h = jnp.tanh(layer(h)) * 3.0
 
 
