@@ -287,7 +287,9 @@ def test_sequence_lengths_array_likes_and_range(key):
         dot_product_attention(q, k, v, Fp8AttentionState(), backend="reference", query_seq_lengths=[16, 17])
     # Under jit the values are traced: only their shape and dtype are checked.
     f = jax.jit(lambda lengths: mha(x, key_value_seq_lengths=lengths))
-    np.testing.assert_allclose(f(jnp.array([16, 9])), mha(x, key_value_seq_lengths=[16, 9]), rtol=1e-5, atol=1e-6)
+    with jax.default_matmul_precision("highest"):  # a GPU runs float32 dots in TF32 otherwise
+        np.testing.assert_allclose(f(jnp.array([16, 9])), mha(x, key_value_seq_lengths=[16, 9]), rtol=1e-5,
+                                   atol=1e-6)
     with pytest.raises(ValueError, match=r"must be an int array of shape \(2,\)"):
         f(jnp.array([16, 9, 1]))
 
