@@ -99,6 +99,11 @@ def test_kernel_matches_xla_cast_on_gpu(key, weight, power_of_two):
     got = jax.jit(lambda t: tc.cast_both(t, E4M3, 128, power_of_two=power_of_two, weight=weight))(t)
     want = jax.jit(lambda t: _xla_cast(t, E4M3, power_of_two, weight))(t)
     _assert_same_cast(got, want, exact=power_of_two)
+    # A NaN stays NaN in both layouts, as in XLA's cast (Triton's clamp alone gives the bound)
+    bad = t.at[0, 5, 7].set(jnp.nan)
+    data, _, data_t, _, amax = tc.cast_both(bad, E4M3, 128, power_of_two=power_of_two, weight=weight)
+    assert np.isnan(_f32(data)[0, 5, 7]) and np.isnan(_f32(data_t)[0, 7, 5])
+    assert not np.isfinite(float(amax))
 
 
 def _xla_rows(t, dtype):
@@ -132,6 +137,8 @@ def test_rowwise_kernel_matches_xla_cast_on_gpu(key):
     t = _outlier_rows(key, (1, 1024, 768))
     got = jax.jit(lambda t: _kernel_rows(t, E4M3))(t)
     _assert_same_cast(got, jax.jit(lambda t: _xla_rows(t, E4M3))(t), exact=False)
+    data, _, data_t, _, _ = _kernel_rows(t.at[0, 5, 7].set(jnp.nan), E4M3)
+    assert np.isnan(_f32(data)[0, 5, 7]) and np.isnan(_f32(data_t)[0, 7, 5])
 
 
 def test_rowwise_cast_with_bad_scales_names_shapes():

@@ -29,11 +29,17 @@ def saturate(x: Array, inv_scale, dtype) -> Array:
 
 
 def saturate_in_kernel(x: Array, inv_scale, dtype) -> Array:
-    """`saturate` inside a Pallas Triton kernel: Triton's clamp gives the bound for a NaN
-    (XLA's keeps the NaN), which would turn a NaN input into finite FP8 values that no later
-    step could tell apart; the select keeps it NaN, so both paths write the same bits."""
-    scaled = x.astype(F32) * inv_scale
-    clamped = lax.clamp(F32(-fp8_max(dtype)), scaled, F32(fp8_max(dtype)))
+    """`saturate` inside a Pallas Triton kernel (see `clamp_in_kernel`)."""
+    return clamp_in_kernel(x.astype(F32) * inv_scale, dtype)
+
+
+def clamp_in_kernel(scaled: Array, dtype) -> Array:
+    """Float32 ``scaled`` clamped to ``dtype``'s range and cast, inside a Pallas Triton
+    kernel: Triton's clamp gives the bound for a NaN (XLA's keeps the NaN), which would turn
+    a NaN input into finite FP8 values that no later step could tell apart; the select keeps
+    it NaN, as XLA's path does."""
+    limit = fp8_max(dtype)
+    clamped = lax.clamp(F32(-limit), scaled, F32(limit))  # F32(-x): Pallas lowers these
     return lax.select(lax.ne(scaled, scaled), scaled, clamped).astype(dtype)
 
 

@@ -53,10 +53,9 @@ def _kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, amax_ref, *, margin, power_of_t
     col_amax = q.tile_amax(t, axis=0)  # [bs]: the tiles along P
     block_amax = jnp.max(row_amax)
     amax_ref[...] = block_amax.reshape(1, 1)
-    limit = q.fp8_max(q_ref.dtype)
     if weight:  # one scale for the square, both layouts are the same values
         scale = q.tile_scales(block_amax, q_ref.dtype, margin, power_of_two)
-        data = jnp.clip(t / scale, -limit, limit).astype(q_ref.dtype)
+        data = q.clamp_in_kernel(t / scale, q_ref.dtype)
         q_ref[...] = data
         qt_ref[...] = data.T
         s_ref[...] = scale.reshape(1, 1)
@@ -64,8 +63,8 @@ def _kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, amax_ref, *, margin, power_of_t
         return
     row_scale = q.tile_scales(row_amax, q_ref.dtype, margin, power_of_two)
     col_scale = q.tile_scales(col_amax, q_ref.dtype, margin, power_of_two)
-    q_ref[...] = jnp.clip(t / row_scale[:, None], -limit, limit).astype(q_ref.dtype)
-    qt_ref[...] = jnp.clip(t / col_scale[None, :], -limit, limit).astype(q_ref.dtype).T
+    q_ref[...] = q.clamp_in_kernel(t / row_scale[:, None], q_ref.dtype)
+    qt_ref[...] = q.clamp_in_kernel(t / col_scale[None, :], q_ref.dtype).T
     s_ref[...] = row_scale[:, None]
     st_ref[...] = col_scale[:, None]
 
@@ -129,9 +128,8 @@ def cast_both(
 
 def _rows_kernel(t_ref, row_scale_ref, col_scale_ref, q_ref, qt_ref):
     t = t_ref[...].astype(F32)
-    limit = q.fp8_max(q_ref.dtype)
-    q_ref[...] = jnp.clip(t / row_scale_ref[...], -limit, limit).astype(q_ref.dtype)
-    qt_ref[...] = jnp.clip(t / col_scale_ref[...], -limit, limit).astype(q_ref.dtype).T
+    q_ref[...] = q.clamp_in_kernel(t / row_scale_ref[...], q_ref.dtype)
+    qt_ref[...] = q.clamp_in_kernel(t / col_scale_ref[...], q_ref.dtype).T
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "block_size", "interpret"))
