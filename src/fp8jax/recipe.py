@@ -63,7 +63,7 @@ class PerTensor:
     delayed: bool = True
     algo: str = "max"  # over the history: "max" or "most_recent"
     margin: float = 0.0
-    cast_kernel: bool = False
+    cast_kernel: bool = True  # the one-pass Pallas cast where it runs (`Fp8Config.cast_kernel`)
     kind = "tensor"  # the `Fp8Config.recipe` name (a class attribute, not a field)
 
     @property
