@@ -3,7 +3,7 @@ GPU.
 
     python -m benchmarks.linear_tuning --set f32_gemm_out=1 cast_transposed=0 \
         --shapes 16384,4096,14336
-    python -m benchmarks.linear_tuning --variant fp8jax-delayed-castkernel --dump hlo/
+    python -m benchmarks.linear_tuning --variant fp8jax-delayed-xlacast --dump hlo/
 
 Run one process per setting (JAX caches traces); prints ms, speedup over bf16 from the
 same process, and the kernels XLA launches.
