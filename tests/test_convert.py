@@ -83,6 +83,14 @@ def test_targets_matching_nothing_raise(key):
         fp8jax.fp8_linear_layers(Block(key), fp8jax.Fp8Config(targets="decoder.*"))
 
 
+def test_targets_entry_matching_nothing_warns(key):
+    """A list entry that selects no layer (a typo) is named, the other entries still apply."""
+    cfg = fp8jax.Fp8Config(selective=False, targets=["attn.query_proj", "attn.qeury_proj"])
+    with pytest.warns(UserWarning, match=r"targets entries \['attn.qeury_proj'\] match no linear layer"):
+        _, report = fp8jax.fp8_linear_layers(Block(key), cfg, return_report=True)
+    assert set(report.converted) == {"attn.query_proj"}
+
+
 def test_model_without_linear_raises(key):
     with pytest.raises(ValueError, match="no linear layer"):
         fp8jax.fp8_linear_layers(eqx.nn.Conv2d(3, 8, 3, key=key))

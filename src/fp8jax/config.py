@@ -74,7 +74,8 @@ class Fp8Config:
         apply too: a string may match a prefix of the path (``re.match``, so
         ``"layers.0"`` is an MLP's first layer) and a list entry may equal the last
         path component (``["up_proj"]``; inside ``hnn.Stacked`` the path is
-        ``"blocks.stacked.up_proj"``). See `matches`.
+        ``"blocks.stacked.up_proj"``). See `matches`. `fp8_linear_layers` raises if
+        the targets select no layer, and warns naming a list entry that selects none.
       selective: skip layers where FP8 cannot pay off (size thresholds below).
         ``False`` converts every layer whose dims allow FP8 at all.
       alignment: every FP8 GEMM dim must be a multiple of this (Hopper: 16).

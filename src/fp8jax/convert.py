@@ -227,6 +227,13 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             f"fp8_linear_layers: targets={config.targets!r} match no linear layer; layers are: "
             + ", ".join(d.path for d in decisions)
         )
+    unmatched = _unmatched_entries(config, [(_path_str(p), layer) for p, layer in found])
+    if unmatched:  # a typo in one entry of a list would otherwise leave its layers in bf16
+        warnings.warn(
+            f"fp8_linear_layers: targets entries {unmatched} match no linear layer; layers "
+            "are: " + ", ".join(d.path for d in decisions),
+            stacklevel=2,
+        )
     if replace_where:
         ids = {id(layer): i for i, layer in enumerate(replace_where)}
         model = jax.tree_util.tree_map(
@@ -238,6 +245,20 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             f"fp8_linear_layers converted no layer; every one was skipped:\n{report}", stacklevel=2
         )
     return (model, report) if return_report else model
+
+
+def _unmatched_entries(config: Fp8Config, layers: list[tuple[str, Any]]) -> list[str]:
+    """The entries of a list ``config.targets`` that select none of ``layers`` (``(path,
+    module)`` pairs), by `Fp8Config.matches`' rules; [] for other kinds of targets."""
+    targets = config.targets
+    if targets is None or isinstance(targets, str) or callable(targets):
+        return []
+    unmatched = []
+    for entry in targets:
+        one = dataclasses.replace(config, targets=(entry,))
+        if not any(one.matches(path, layer) for path, layer in layers):
+            unmatched.append(entry)
+    return unmatched
 
 
 def fp8_state(model: Any) -> list[tuple[str, OverwriteWithGradient]]:
