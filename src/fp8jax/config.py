@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import numbers
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
@@ -16,6 +17,12 @@ from .recipe import RECIPES, BlockWise, PerTensor, RowWise
 
 Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
 
+# Fields only the block-wise recipe reads, with their defaults.
+BLOCKWISE_ONLY = (
+    ("block_size", 128),
+    ("power_of_two_scales", False),
+    ("blockwise_backend", "auto"),
+)
 MAX_HISTORY = 1 << 16  # amax history entries kept per tensor (flax and TE use 1024 or less)
 
 
@@ -165,6 +172,18 @@ class Fp8Config:
         if kind not in RECIPES:
             bad("recipe", self.recipe, " or ".join(repr(r) for r in RECIPES))
         object.__setattr__(self, "recipe", self._build_recipe(kind))
+        if kind != "blockwise":  # set by hand, they would do nothing: say so
+            unused = [
+                f"{name}={getattr(self, name)!r}"
+                for name, default in BLOCKWISE_ONLY
+                if getattr(self, name) != default
+            ]
+            if unused:
+                warnings.warn(
+                    f"Fp8Config: {', '.join(unused)} apply to recipe='blockwise' only; "
+                    f"recipe={kind!r} ignores them.",
+                    stacklevel=3,
+                )
 
     def _build_recipe(self, kind: str):
         """The recipe object of ``kind``, from this config's fields."""
