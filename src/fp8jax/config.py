@@ -286,10 +286,16 @@ class Fp8Config:
         if isinstance(self.targets, str):
             found = re.match if haliax else re.fullmatch
             return found(self.targets, path) is not None
-        last = path.rsplit(".", 1)[-1]
-        return any(
-            path == p or re.fullmatch(p, path) or (haliax and last == p) for p in self.targets
-        )
+        return any(self.entry_matches(p, path, module) for p in self.targets)
+
+    @staticmethod
+    def entry_matches(entry: str, path: str, module: Any) -> bool:
+        """Whether one entry of a list ``targets`` selects the layer at ``path``: equal to
+        the whole path, a regex matching all of it, or (haliax layers) its last component."""
+        if path == entry or re.fullmatch(entry, path):
+            return True
+        haliax = type(module).__module__.startswith("haliax")
+        return haliax and path.rsplit(".", 1)[-1] == entry
 
 
 def resolve_config(config: "Fp8Config | None") -> Fp8Config:

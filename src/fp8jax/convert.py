@@ -177,8 +177,8 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
         )
     decisions, replace_where, replace_with = [], [], []
     matched_targets = False
-    for path, layer in found:
-        name = _path_str(path)
+    named = [(_path_str(path), layer) for path, layer in found]
+    for name, layer in named:
         if isinstance(layer, Linear):
             stack = tuple(layer.weight.shape[:-2])
             matched_targets |= config.matches(name, layer)
@@ -227,7 +227,7 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             f"fp8_linear_layers: targets={config.targets!r} match no linear layer; layers are: "
             + ", ".join(d.path for d in decisions)
         )
-    unmatched = _unmatched_entries(config, [(_path_str(p), layer) for p, layer in found])
+    unmatched = _unmatched_entries(config, named)
     if unmatched:  # a typo in one entry of a list would otherwise leave its layers in bf16
         warnings.warn(
             f"fp8_linear_layers: targets entries {unmatched} match no linear layer; layers "
@@ -253,12 +253,11 @@ def _unmatched_entries(config: Fp8Config, layers: list[tuple[str, Any]]) -> list
     targets = config.targets
     if targets is None or isinstance(targets, str) or callable(targets):
         return []
-    unmatched = []
-    for entry in targets:
-        one = dataclasses.replace(config, targets=(entry,))
-        if not any(one.matches(path, layer) for path, layer in layers):
-            unmatched.append(entry)
-    return unmatched
+    return [
+        entry
+        for entry in targets
+        if not any(config.entry_matches(entry, path, layer) for path, layer in layers)
+    ]
 
 
 def fp8_state(model: Any) -> list[tuple[str, OverwriteWithGradient]]:
