@@ -13,10 +13,14 @@ unless it turns one on: writing the cache (and XLA's per-fusion autotuning cache
 turns on with it) costs a first start time that bf16 would not pay.
 
 Models: ``two-block`` (issue 21's user model: two 4096 -> 14336 -> 4096 gelu MLP blocks,
-16384 tokens, adamw through ``fp8jax.optax_step``, a plain ``eqx.filter_jit`` step) and
-``1b-trainer`` (``fp8jax-train --preset 1b``'s step, its own ``compile_s``).
+16384 tokens, adamw through ``fp8jax.optax_step``, a plain ``eqx.filter_jit`` step),
+``1b-trainer`` (``fp8jax-train --preset 1b``'s step, its own ``compile_s``: notebook 02),
+and each other notebook's step as it is written there, at its GPU sizes (``quickstart``,
+``fused-mlp``, ``mha``, ``moe``, ``sharded``, ``recipe-tensor|rowwise|blockwise``;
+``notebooks`` names them all). The bf16 step is the same code without the conversion.
 
-    python -m benchmarks.compile                      # both models, records on a GPU
+    python -m benchmarks.compile                      # two-block and 1b-trainer, records
+    python -m benchmarks.compile --models notebooks   # every notebook's step
     python -m benchmarks.compile --flags triton       # XLA's default autotuning kept (slow)
     python -m benchmarks.compile --quick              # CPU smoke run, writes nothing
 
@@ -42,44 +46,140 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compile.jsonl"
 VARIANTS = ("bf16", "fp8", "fp8-cached")
 
-# One process: build the model, lower + compile its step, time a few steps, print JSON.
-PROGRAM = """
+# One process: build one model's step, lower + compile it, time a few steps, print JSON.
+# Each model is a notebook's (or the README's) FP8 step as a user writes it, beside the
+# same step in bf16 (``fp8`` False); ``quick`` picks CPU-sized shapes.
+HEADER = """
 import json, statistics, sys, time
 import jax, jax.numpy as jnp, equinox as eqx, optax, fp8jax
-precision, dim, hidden, tokens, cache = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+name, precision, quick, cache = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 if cache != "-":
     fp8jax.enable_compilation_cache(cache)
+fp8 = precision == "fp8"
 keys = jax.random.split(jax.random.PRNGKey(0), 4)
-model = [eqx.nn.Linear(i, o, key=k, dtype=jnp.bfloat16)
+bf16 = jnp.bfloat16
+
+def adam_step(opt, loss_fn):
+    @eqx.filter_jit
+    def step(model, opt_state, *data):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, *data)
+        model, opt_state = fp8jax.optax_step(opt, model, grads, opt_state)
+        return model, opt_state, loss
+    return step
+"""
+
+MODELS = {
+    # issue 21's user model: two 4096 -> 14336 -> 4096 gelu blocks, 16384 tokens, adamw
+    "two-block": """
+dim, hidden, tokens = (64, 128, 64) if quick else (4096, 14336, 16384)
+model = [eqx.nn.Linear(i, o, key=k, dtype=bf16)
          for (i, o), k in zip([(dim, hidden), (hidden, dim)] * 2, keys)]
-if precision == "fp8":
+if fp8:
     model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(selective=False))
 opt = optax.adamw(1e-4)
-opt_state = opt.init(fp8jax.trainable(model))
 
 def loss_fn(model, x):
     for up, down in (model[:2], model[2:]):
         x = x + jax.vmap(down)(jax.nn.gelu(jax.vmap(up)(x)))
     return jnp.mean(x.astype(jnp.float32) ** 2)
 
-@eqx.filter_jit
-def step(model, opt_state, x):
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
-    model, opt_state = fp8jax.optax_step(opt, model, grads, opt_state)
-    return model, opt_state, loss
+step = adam_step(opt, loss_fn)
+args = (model, opt.init(fp8jax.trainable(model)),
+        jax.random.normal(keys[3], (tokens, dim), bf16))
+""",
+    # notebooks/01_quickstart.ipynb (and the README's quickstart)
+    "quickstart": """
+width, tokens = (64, 256) if quick else (4096, 8192)
+model = eqx.nn.MLP(width, width, width_size=width, depth=2, key=keys[0])
+model = jax.tree_util.tree_map(lambda a: a.astype(bf16) if eqx.is_inexact_array(a) else a, model)
+if fp8:
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(selective=not quick))
+opt = optax.adam(1e-3)
+x = jax.random.normal(keys[1], (tokens, width), bf16)
+loss_fn = lambda m, x, y: jnp.mean((jax.vmap(m)(x).astype(jnp.float32) - y) ** 2)
+step = adam_step(opt, loss_fn)
+args = (model, opt.init(fp8jax.trainable(model)), x, jnp.sin(x))
+""",
+    # notebooks/04_fused_mlp.ipynb: FusedMLP's gradient (bf16: the unfused bf16 block)
+    "fused-mlp": """
+from fp8jax.nn import FusedMLP
+hidden, ffn, tokens = (64, 128, 256) if quick else (4096, 14336, 8192)
+model = FusedMLP(hidden, ffn, activation="swiglu", norm="rmsnorm", residual=True,
+                 config=fp8jax.Fp8Config(selective=not quick), fp8=fp8, fused=fp8,
+                 dtype=bf16, key=keys[0])
+step = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2)))
+args = (model, jax.random.normal(keys[1], (tokens, hidden), bf16))
+""",
+    # notebooks/05_attention.ipynb: MultiHeadAttention's train step (fp8_mha against bf16)
+    "mha": """
+from fp8jax.nn import MultiHeadAttention
+batch, seq, heads, kv_heads, head_dim = (2, 128, 4, 2, 32) if quick else (4, 8192, 16, 8, 128)
+dim = heads * head_dim
+model = MultiHeadAttention(dim, heads, num_kv_heads=kv_heads, mode="fp8_mha" if fp8 else "bf16",
+                           backend="reference" if quick else "auto",
+                           config=fp8jax.Fp8Config(selective=not quick), dtype=bf16, key=keys[0])
+opt = optax.adam(1e-3)
+loss_fn = lambda m, x, t: jnp.mean((m(x) - t).astype(jnp.float32) ** 2)
+step = adam_step(opt, loss_fn)
+args = (model, opt.init(fp8jax.trainable(model)),
+        jax.random.normal(keys[1], (batch, seq, dim), bf16),
+        jax.random.normal(keys[2], (batch, seq, dim), bf16))
+""",
+    # notebooks/06_moe.ipynb: the MoE train step (grouped FP8 experts against bf16)
+    "moe": """
+from fp8jax.nn import MoE
+hidden, ffn, tokens = (64, 128, 256) if quick else (1024, 2048, 8192)
+model = MoE(hidden, ffn, 8, key=keys[0], top_k=2, activation="swiglu", dtype=bf16, fp8=fp8)
+opt = optax.adam(3e-3)
 
-x = jax.random.normal(jax.random.PRNGKey(1), (tokens, dim), jnp.bfloat16)
+def loss_fn(m, x, t):
+    y, info = m(x)
+    return jnp.mean((y - t).astype(jnp.float32) ** 2) + 1e-2 * info.load_balancing_loss
+
+step = adam_step(opt, loss_fn)
+x = jax.random.normal(keys[1], (tokens, hidden), bf16)
+args = (model, opt.init(fp8jax.trainable(model)), x, jnp.tanh(x))
+""",
+    # notebooks/07_sharded.ipynb: the small gelu MLP on a mesh of every local device
+    "sharded": """
+dim, hidden, batch = 64, 256, 128
+model = eqx.nn.MLP(dim, dim, width_size=hidden, depth=2, activation=jax.nn.gelu, key=keys[0])
+if fp8:
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(selective=False))
+n = jax.device_count()
+mesh = jax.make_mesh((1, n), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+model = fp8jax.shard_model(model, mesh)
+x = jax.random.normal(keys[1], (batch, dim)) * 3.0
+opt = optax.adam(1e-2)
+step = adam_step(opt, lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2))
+args = (model, opt.init(fp8jax.trainable(model)), x, jnp.sin(x))
+""",
+}
+# notebooks/08_recipes.ipynb: one linear's train step per recipe (8192^3)
+RECIPE = """
+M, K, N = (256, 256, 128) if quick else (8192, 8192, 8192)
+model = eqx.nn.Linear(K, N, use_bias=False, dtype=bf16, key=keys[0])
+if fp8:
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=RECIPE, selective=False))
+apply = lambda m, x: jax.vmap(m)(x) if isinstance(m, eqx.nn.Linear) else m(x)
+loss = lambda m, x, g: jnp.sum(apply(m, x).astype(jnp.float32) * g)
+step = eqx.filter_jit(jax.value_and_grad(loss, argnums=(0, 1)))
+args = (model, jax.random.normal(keys[1], (M, K), bf16), jax.random.normal(keys[2], (M, N), bf16))
+"""
+for _recipe in ("tensor", "rowwise", "blockwise"):
+    MODELS[f"recipe-{_recipe}"] = f"RECIPE = {_recipe!r}\n" + RECIPE
+
+TAIL = """
 start = time.perf_counter()
-lowered = step.lower(model, opt_state, x)
+lowered = step.lower(*args)
 lower_s = time.perf_counter() - start
 compiled = lowered.compile()
 compile_s = time.perf_counter() - start
 report = fp8jax.fp8_gemm_report(compiled)
 times = []
-for _ in range(12):
+for _ in range(3 if quick else 12):
     t0 = time.perf_counter()
-    model, opt_state, loss = step(model, opt_state, x)
-    loss.block_until_ready()
+    jax.block_until_ready(step(*args))
     times.append(time.perf_counter() - t0)
 print(json.dumps(dict(compile_s=compile_s, lower_s=lower_s,
                       step_ms=1e3 * statistics.median(times[2:]),
@@ -104,16 +204,12 @@ def _run(cmd: list[str], flags: str, timeout: int) -> subprocess.CompletedProces
     return out
 
 
-def two_block(variant: str, sizes: tuple[int, int, int], cache: str, flags: str) -> dict:
+def user_step(model: str, variant: str, cache: str, flags: str, quick: bool) -> dict:
+    """``model``'s step (`MODELS`) compiled in a fresh process."""
     precision = "bf16" if variant == "bf16" else "fp8"
-    cmd = [
-        sys.executable,
-        "-c",
-        PROGRAM,
-        precision,
-        *map(str, sizes),
-        cache if variant.startswith("fp8-cache") else "-",
-    ]
+    program = HEADER + MODELS[model] + TAIL
+    cached = cache if variant.startswith("fp8-cache") else "-"
+    cmd = [sys.executable, "-c", program, model, precision, "1" if quick else "0", cached]
     return json.loads(_run(cmd, flags, timeout=900).stdout.strip().splitlines()[-1])
 
 
@@ -162,7 +258,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--models",
         nargs="+",
         default=["two-block", "1b-trainer"],
-        choices=["two-block", "1b-trainer"],
+        choices=[*MODELS, "1b-trainer", "notebooks"],
+        help="notebooks: every notebook's step (quickstart, fused-mlp, mha, moe, sharded, "
+        "recipe-*; 1b-trainer is notebook 02's)",
     )
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument(
@@ -175,7 +273,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--quick", action="store_true", help="tiny CPU-sized run, writes nothing")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    sizes = (64, 128, 64) if args.quick else (4096, 14336, 16384)
+    if "notebooks" in args.models:
+        at = args.models.index("notebooks")
+        notebooks = [m for m in MODELS if m != "two-block"] + ["1b-trainer"]
+        args.models[at : at + 1] = [m for m in notebooks if m not in args.models]
     rows = []
     with tempfile.TemporaryDirectory() as cache_root:
         for model in args.models:
@@ -185,9 +286,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for variant in args.variants:
                     todo = ["fp8-cache-fill", variant] if variant == "fp8-cached" else [variant]
                     got = [
-                        two_block(v, sizes, cache, args.flags)
-                        if model == "two-block"
-                        else trainer(v, cache, args.flags, args.quick)
+                        trainer(v, cache, args.flags, args.quick)
+                        if model == "1b-trainer"
+                        else user_step(model, v, cache, args.flags, args.quick)
                         for v in todo
                     ]
                     row = dict(got[-1], fill_s=got[0]["compile_s"]) if len(got) > 1 else got[0]
@@ -204,14 +305,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append(row)
                 extra = f", step {row['step_ms']:.2f} ms" if "step_ms" in row else ""
                 print(
-                    f"{model:<11} {variant:<11} compile {row['compile_s']:7.2f} s (median of "
+                    f"{model:<16} {variant:<11} compile {row['compile_s']:7.2f} s (median of "
                     f"{len(got)}), FP8 GEMMs {row.get('fp8_gemms')}/{row.get('gemms')}{extra}",
                     flush=True,
                 )
         for model in args.models:
             got = {r["variant"]: r["compile_s"] for r in rows if r["model"] == model}
             if "bf16" in got and "fp8" in got:
-                print(f"{model:<11} fp8 / bf16 compile: {got['fp8'] / got['bf16']:.2f}x")
+                print(f"{model:<16} fp8 / bf16 compile: {got['fp8'] / got['bf16']:.2f}x")
     if not args.quick:
         _write(rows, args, argv)
     return rows

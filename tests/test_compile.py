@@ -91,14 +91,14 @@ def test_fp8_step_compiles_within_1_5x_bf16_with_default_flags():
     1.05 s against bf16's 0.82 s on an H200 (2026-11-26); 1.49 s with XLA's casts."""
     import statistics
 
-    from benchmarks.compile import two_block
+    from benchmarks.compile import user_step
 
     seconds, rows = {}, {}
     for variant in ("bf16", "fp8"):
         runs = []
         for _ in range(3):
             with tempfile.TemporaryDirectory() as cache:  # empty: a first start each time
-                rows[variant] = two_block(variant, (4096, 14336, 16384), cache, "default")
+                rows[variant] = user_step("two-block", variant, cache, "default", quick=False)
             runs.append(rows[variant]["compile_s"])
         seconds[variant] = statistics.median(runs)
     assert rows["fp8"]["fp8_gemms"] == rows["fp8"]["gemms"] > 0, rows
@@ -113,3 +113,15 @@ def test_compile_benchmark_runs_on_cpu():
     rows = bench.main(["--quick", "--models", "two-block", "--repeats", "1"])
     assert [r["variant"] for r in rows] == list(bench.VARIANTS)
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in rows)
+
+
+def test_every_notebook_step_of_the_compile_benchmark_runs_on_cpu():
+    """Each notebook's step in the harness (`benchmarks.compile.MODELS`) builds, compiles and
+    steps at its tiny CPU sizes, with every GEMM converted (the reference FP8 path)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import compile as bench
+
+    models = [m for m in bench.MODELS if m != "two-block"]
+    rows = bench.main(["--quick", "--models", *models, "--repeats", "1", "--variants", "fp8"])
+    assert [r["model"] for r in rows] == models
+    assert all(r["compile_s"] > 0 and r["step_ms"] > 0 and r["gemms"] > 0 for r in rows)

@@ -224,6 +224,16 @@ def test_scan_over_stacked_layers(key):
         h = jnp.tanh(layer(h)) * 3.0
 
 
+
+def test_each_layers_new_state_sits_behind_an_optimization_barrier(key):
+    """The compile-time fix of `fp8jax.state.proposal` (issue 21): every proposal of the
+    stacked layers' backward goes through an optimization barrier, so XLA cannot fuse one
+    layer's state math into the kernel that stacks all layers' new state."""
+    model = fp8jax.fp8_linear_layers(Stack(key), CFG)
+    x = normal(key, (16, 32))
+    jaxpr = str(jax.make_jaxpr(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))(model, x))
+    assert "optimization_barrier" in jaxpr
+
 # --- f. data parallel ------------------------------------------------------------------------
 def test_data_parallel_amax_is_global(key):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -252,7 +252,14 @@ def values(state: tuple) -> tuple:
 
 
 def proposal(new_state: tuple) -> tuple:
-    """An op's new float32 state as the `MAX_GRAD` cotangent of its state argument."""
+    """An op's new float32 state as the `MAX_GRAD` cotangent of its state argument.
+
+    Behind an optimization barrier: in a model whose layers are stacked and unrolled, each
+    layer's state math would otherwise be fused (and duplicated) into the few kernels that
+    stack every layer's new state, and XLA's fusion passes slow down on those large
+    kernels. The barrier keeps one layer's math in that layer's kernels: the 1b trainer's
+    FP8 step compiles in about 25% less time and runs as fast (benchmarks/RESULTS.md)."""
+    new_state = lax.optimization_barrier(tuple(jnp.asarray(s, F32) for s in new_state))
     return tuple(lax.convert_element_type(jnp.asarray(s, F32), MAX_GRAD) for s in new_state)
 
 
