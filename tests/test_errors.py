@@ -235,6 +235,26 @@ def test_optax_step_rejects_wrong_opt_state_and_optimizer(key, setup):
         fp8jax.optax_step(model, opt, grads, state)  # arguments swapped
 
 
+def test_apply_updates_keeps_old_state_where_overwrites_are_not_finite(setup):
+    """Overwrites that carry Inf/NaN (state that went through arithmetic, a corrupted
+    checkpoint) never reach a scale or a history: those elements keep their old values,
+    the finite ones are written."""
+    model, grads, _, _ = setup
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    clean = fp8jax.apply_updates(model, None, overwrites).a.dot_general
+    bad = eqx.tree_at(lambda o: (o.a.dot_general.input_scale,
+                                 o.a.dot_general.input_amax_history),
+                      overwrites, (jnp.full((1,), jnp.inf),
+                                   overwrites.a.dot_general.input_amax_history.at[0].set(jnp.nan)))
+    new = fp8jax.apply_updates(model, None, bad).a.dot_general
+    old = model.a.dot_general
+    np.testing.assert_array_equal(new.input_scale, old.input_scale)
+    np.testing.assert_array_equal(new.input_amax_history[0], old.input_amax_history[0])
+    np.testing.assert_array_equal(new.input_amax_history[1:], clean.input_amax_history[1:])
+    np.testing.assert_array_equal(new.kernel_scale, clean.kernel_scale)
+    assert float(clean.input_amax_history[0]) > 0  # the step did record an amax
+
+
 def test_apply_updates_and_accumulate_reject_another_model(key, setup):
     model, grads, opt, state = setup
     one = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=key), CFG)

@@ -204,6 +204,10 @@ def test_selection_policy_and_errors():
     assert again.skipped == {"a": "not in targets"} and again.layers[1].reason == "already FP8"
     with pytest.raises(ValueError, match="match no layer"):
         fp8nnx.fp8_linear_layers(Wide(nnx.Rngs(0)), fp8jax.Fp8Config(targets="nope"))
+    typo = fp8jax.Fp8Config(selective=False, targets=["b", "aa"])  # one entry selects nothing
+    with pytest.warns(UserWarning, match=r"targets entries \['aa'\] match no layer"):
+        _, report = fp8nnx.fp8_linear_layers(Wide(nnx.Rngs(0)), typo, return_report=True)
+    assert report.converted == ["b"]  # the other entries still apply
     with pytest.raises(TypeError, match="flax.nnx.Module"):
         fp8nnx.fp8_linear_layers(eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0)))
 

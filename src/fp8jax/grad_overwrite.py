@@ -110,7 +110,9 @@ def trainable(model: Any) -> Any:
 
 def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> OverwriteWithGradient:
     """Take the new state of every (stacked) layer that ran this step; keep the old
-    state of layers that did not (their "gradient" is all zeros: scale 0 is never valid)."""
+    state of layers that did not (their "gradient" is all zeros: scale 0 is never valid).
+    A non-finite new value (overwrites that went through arithmetic, a corrupted
+    checkpoint) keeps the old one: NaN/Inf never reach a scale or a history."""
     old_leaves, treedef = jax.tree_util.tree_flatten(old)
     new_leaves = jax.tree_util.tree_leaves(new)
     if len(old_leaves) != len(new_leaves):
@@ -119,6 +121,8 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
     merged = []
     for o, n in zip(old_leaves, new_leaves, strict=True):
         n = jnp.asarray(n).astype(jnp.asarray(o).dtype)
+        if jnp.issubdtype(n.dtype, jnp.inexact):
+            n = jnp.where(jnp.isfinite(n), n, o)
         if ran is not None:
             stack = ran.ndim - 1
             n = jnp.where(ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack)), n, o)

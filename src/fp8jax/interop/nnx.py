@@ -36,7 +36,7 @@ from flax import nnx
 
 from .. import checks
 from ..config import Fp8Config
-from ..convert import ConversionReport, LayerDecision, _decide
+from ..convert import ConversionReport, LayerDecision, _decide, _unmatched_entries
 from ..dot_general import Fp8DotGeneral, fp8_einsum
 from ..state import STATE_FIELDS
 
@@ -247,6 +247,14 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
         raise ValueError(
             f"fp8jax.nnx.fp8_linear_layers: targets={config.targets!r} match no layer; "
             "layers are: " + ", ".join(d.path for d in decisions)
+        )
+    named = [(_path_str(path), layer) for path, layer in found]
+    unmatched = _unmatched_entries(config, named)
+    if unmatched:  # a typo in one entry of a list would otherwise leave its layers in bf16
+        warnings.warn(
+            f"fp8jax.nnx.fp8_linear_layers: targets entries {unmatched} match no layer; "
+            "layers are: " + ", ".join(d.path for d in decisions),
+            stacklevel=2,
         )
     for layer, stack in to_convert:
         _set_op(layer, stack, config)
