@@ -52,7 +52,8 @@ VARIANTS = ("bf16", "fp8", "fp8-cached")
 HEADER = """
 import json, statistics, sys, time
 import jax, jax.numpy as jnp, equinox as eqx, optax, fp8jax
-name, precision, quick, cache = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+name, precision, quick, cache = globals().get("ARGV", sys.argv)[1:5]
+quick = quick == "1"
 if cache != "-":
     fp8jax.enable_compilation_cache(cache)
 fp8 = precision == "fp8"
@@ -211,6 +212,20 @@ def user_step(model: str, variant: str, cache: str, flags: str, quick: bool) -> 
     cached = cache if variant.startswith("fp8-cache") else "-"
     cmd = [sys.executable, "-c", program, model, precision, "1" if quick else "0", cached]
     return json.loads(_run(cmd, flags, timeout=900).stdout.strip().splitlines()[-1])
+
+
+def run_here(model: str, variant: str = "fp8", quick: bool = True) -> dict:
+    """``model``'s step run in this process (tests: no fresh process per model); the
+    numbers are not a first compile's."""
+    import contextlib
+    import io
+
+    precision = "bf16" if variant == "bf16" else "fp8"
+    argv = ["-", model, precision, "1" if quick else "0", "-"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(HEADER + MODELS[model] + TAIL, {"ARGV": argv, "__name__": "__compile_step__"})
+    return json.loads(printed.getvalue().strip().splitlines()[-1])
 
 
 def trainer(variant: str, cache: str, flags: str, quick: bool) -> dict:
