@@ -81,6 +81,11 @@ def test_cache_dir_errors_name_the_path(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="cannot create"):
         fp8jax.enable_compilation_cache(blocker / "sub")
+    with pytest.raises(TypeError, match=r"enable_compilation_cache: path=5 is not allowed"):
+        fp8jax.enable_compilation_cache(5)
+    for bad in (-1, float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match=r"min_compile_s=.* is not allowed"):
+            fp8jax.enable_compilation_cache(tmp_path, min_compile_s=bad)
 
 
 @gpu

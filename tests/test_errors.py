@@ -268,6 +268,9 @@ def test_apply_updates_and_accumulate_reject_another_model(key, setup):
         fp8jax.accumulate_grads(grads, _grads(one))
     with pytest.raises(TypeError, match=r"scale_grads: factor='0.5'"):
         fp8jax.scale_grads(grads, "0.5")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"scale_grads: factor=.* expected a finite number"):
+            fp8jax.scale_grads(grads, bad)
 
 
 def test_good_steps_still_pass(setup):

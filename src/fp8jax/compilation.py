@@ -15,6 +15,7 @@ already run something when fp8jax is imported, the flag cannot act: fp8jax warns
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -73,6 +74,20 @@ def enable_compilation_cache(
     ``min_compile_s`` to compile. Call before the first compile; returns the directory."""
     import jax
 
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"enable_compilation_cache: path={path!r} is not allowed; expected a directory "
+            "(str or os.PathLike) or None."
+        )
+    if isinstance(min_compile_s, bool) or not (
+        isinstance(min_compile_s, (int, float))
+        and math.isfinite(min_compile_s)
+        and min_compile_s >= 0
+    ):
+        raise ValueError(
+            f"enable_compilation_cache: min_compile_s={min_compile_s!r} is not allowed; "
+            "expected a number of seconds >= 0."
+        )
     directory = Path(path or os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ The gradient of every array inside an `OverwriteWithGradient` module (such as
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import equinox as eqx
@@ -233,6 +234,11 @@ def scale_grads(grads: Any, factor: float) -> Any:
         isinstance(factor, (int, float)) or hasattr(factor, "dtype")
     ):
         raise TypeError(f"scale_grads: factor={factor!r} is not allowed; expected a number.")
+    if isinstance(factor, (int, float)) and not math.isfinite(factor):
+        raise ValueError(
+            f"scale_grads: factor={factor!r} is not allowed; expected a finite number "
+            "(it would make every gradient non-finite)."
+        )
     overwrites, true_grads = partition_for_grad_overwrite(grads)
     true_grads = jax.tree_util.tree_map(lambda g: g * factor, true_grads)
     return eqx.combine(overwrites, true_grads, is_leaf=_is_overwrite)
