@@ -226,9 +226,10 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
             "fp8jax.nnx.fp8_linear_layers: no nnx.Linear, nnx.LinearGeneral or nnx.Einsum "
             f"found in {type(model).__name__}."
         )
-    decisions, to_convert, matched = [], [], False
+    decisions, to_convert, named, matched = [], [], [], False
     for path, layer in sorted(found, key=lambda item: tuple(map(str, item[0]))):
         name = _path_str(path)
+        named.append((name, layer))
         kind, in_f, out_f, stack, why_not = _layer_info(layer)
         if isinstance(_current_op(layer), _OPS):
             matched |= config.matches(name, layer)
@@ -248,7 +249,6 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
             f"fp8jax.nnx.fp8_linear_layers: targets={config.targets!r} match no layer; "
             "layers are: " + ", ".join(d.path for d in decisions)
         )
-    named = [(_path_str(path), layer) for path, layer in found]
     unmatched = _unmatched_entries(config, named)
     if unmatched:  # a typo in one entry of a list would otherwise leave its layers in bf16
         warnings.warn(
