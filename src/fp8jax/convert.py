@@ -227,13 +227,7 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             f"fp8_linear_layers: targets={config.targets!r} match no linear layer; layers are: "
             + ", ".join(d.path for d in decisions)
         )
-    unmatched = _unmatched_entries(config, named)
-    if unmatched:  # a typo in one entry of a list would otherwise leave its layers in bf16
-        warnings.warn(
-            f"fp8_linear_layers: targets entries {unmatched} match no linear layer; layers "
-            "are: " + ", ".join(d.path for d in decisions),
-            stacklevel=2,
-        )
+    _warn_unmatched_entries("fp8_linear_layers", "linear layer", config, named)
     if replace_where:
         ids = {id(layer): i for i, layer in enumerate(replace_where)}
         model = jax.tree_util.tree_map(
@@ -247,17 +241,24 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     return (model, report) if return_report else model
 
 
-def _unmatched_entries(config: Fp8Config, layers: list[tuple[str, Any]]) -> list[str]:
-    """The entries of a list ``config.targets`` that select none of ``layers`` (``(path,
-    module)`` pairs), by `Fp8Config.matches`' rules; [] for other kinds of targets."""
+def _warn_unmatched_entries(owner: str, kind: str, config: Fp8Config, layers) -> None:
+    """Warn naming the entries of a list ``config.targets`` that select none of ``layers``
+    (``(path, module)`` pairs, by `Fp8Config.entry_matches`): a typo in one entry would
+    otherwise leave its layers in bf16 silently. Nothing for other kinds of targets."""
     targets = config.targets
     if targets is None or isinstance(targets, str) or callable(targets):
-        return []
-    return [
+        return
+    unmatched = [
         entry
         for entry in targets
         if not any(config.entry_matches(entry, path, layer) for path, layer in layers)
     ]
+    if unmatched:
+        warnings.warn(
+            f"{owner}: targets entries {unmatched} match no {kind}; layers are: "
+            + ", ".join(path for path, _ in layers),
+            stacklevel=3,
+        )
 
 
 def fp8_state(model: Any) -> list[tuple[str, OverwriteWithGradient]]:

@@ -36,7 +36,7 @@ from flax import nnx
 
 from .. import checks
 from ..config import Fp8Config
-from ..convert import ConversionReport, LayerDecision, _decide, _unmatched_entries
+from ..convert import ConversionReport, LayerDecision, _decide, _warn_unmatched_entries
 from ..dot_general import Fp8DotGeneral, fp8_einsum
 from ..state import STATE_FIELDS
 
@@ -249,13 +249,7 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
             f"fp8jax.nnx.fp8_linear_layers: targets={config.targets!r} match no layer; "
             "layers are: " + ", ".join(d.path for d in decisions)
         )
-    unmatched = _unmatched_entries(config, named)
-    if unmatched:  # a typo in one entry of a list would otherwise leave its layers in bf16
-        warnings.warn(
-            f"fp8jax.nnx.fp8_linear_layers: targets entries {unmatched} match no layer; "
-            "layers are: " + ", ".join(d.path for d in decisions),
-            stacklevel=2,
-        )
+    _warn_unmatched_entries("fp8jax.nnx.fp8_linear_layers", "layer", config, named)
     for layer, stack in to_convert:
         _set_op(layer, stack, config)
     report = ConversionReport(decisions)
