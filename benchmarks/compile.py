@@ -206,12 +206,18 @@ def _run(cmd: list[str], flags: str, timeout: int) -> subprocess.CompletedProces
     return out
 
 
+def _program_args(model: str, variant: str, quick: bool, cache: str) -> tuple[str, list[str]]:
+    """``model``'s program (`HEADER` + its `MODELS` entry + `TAIL`) and the arguments it
+    reads: model, precision, quick, cache directory (``-``: none)."""
+    precision = "bf16" if variant == "bf16" else "fp8"
+    cached = cache if variant.startswith("fp8-cache") else "-"
+    return HEADER + MODELS[model] + TAIL, [model, precision, "1" if quick else "0", cached]
+
+
 def user_step(model: str, variant: str, cache: str, flags: str, quick: bool) -> dict:
     """``model``'s step (`MODELS`) compiled in a fresh process."""
-    precision = "bf16" if variant == "bf16" else "fp8"
-    program = HEADER + MODELS[model] + TAIL
-    cached = cache if variant.startswith("fp8-cache") else "-"
-    cmd = [sys.executable, "-c", program, model, precision, "1" if quick else "0", cached]
+    program, args = _program_args(model, variant, quick, cache)
+    cmd = [sys.executable, "-c", program, *args]
     return json.loads(_run(cmd, flags, timeout=900).stdout.strip().splitlines()[-1])
 
 
@@ -221,11 +227,10 @@ def run_here(model: str, variant: str = "fp8", quick: bool = True) -> dict:
     import contextlib
     import io
 
-    precision = "bf16" if variant == "bf16" else "fp8"
-    argv = ["-", model, precision, "1" if quick else "0", "-"]
+    program, args = _program_args(model, variant, quick, "-")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(HEADER + MODELS[model] + TAIL, {"ARGV": argv, "__name__": "__compile_step__"})
+        exec(program, {"ARGV": ["-", *args], "__name__": "__compile_step__"})
     return json.loads(printed.getvalue().strip().splitlines()[-1])
 
 

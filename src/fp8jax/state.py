@@ -224,31 +224,27 @@ def _entered(leaf):
     return None
 
 
-def _convert(leaves: list) -> list:
-    """`MAX_GRAD` values of float32-able ``leaves``, one `_to_max_grad` call per trace they
-    live in, recorded in `_ENTERED` (so every later use of a leaf shares its value)."""
-    groups: dict[int, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(id(getattr(leaf, "_trace", None)), []).append(i)
-    values: list = [None] * len(leaves)
-    for members in groups.values():
-        group = [leaves[i] for i in members]
+def _convert(leaves: list) -> dict[int, jax.Array]:
+    """``id(leaf) -> MAX_GRAD value`` for float32-able ``leaves``: one `_to_max_grad` call
+    per trace they live in, recorded in `_ENTERED` (so every later use shares the value)."""
+    groups: dict[int, list] = {}
+    for leaf in leaves:
+        groups.setdefault(id(getattr(leaf, "_trace", None)), []).append(leaf)
+    converted = {}
+    for group in groups.values():
         if not isinstance(group[0], core.Tracer):
-            converted = _to_max_grad(tuple(jnp.asarray(leaf, F32) for leaf in group))
+            values = _to_max_grad(tuple(jnp.asarray(leaf, F32) for leaf in group))
         else:
             with core.set_current_trace(group[0]._trace):
-                converted = _to_max_grad(
-                    tuple(leaf.astype(F32) if leaf.dtype != F32 else leaf for leaf in group)
-                )
-            for leaf, value in zip(group, converted, strict=True):
+                values = _to_max_grad(tuple(leaf.astype(F32) for leaf in group))
+            for leaf, value in zip(group, values, strict=True):
                 key = id(leaf)
                 _ENTERED[key] = (
                     weakref.ref(leaf, lambda _, key=key, entered=_ENTERED: entered.pop(key, None)),
                     value,
                 )
-        for i, value in zip(members, converted, strict=True):
-            values[i] = value
-    return values
+        converted.update(zip(map(id, group), values))
+    return converted
 
 
 def _enter_leaves(leaves) -> list:
@@ -256,7 +252,7 @@ def _enter_leaves(leaves) -> list:
     call (a leaf listed twice once: its uses then combine by max)."""
     values = [_entered(leaf) for leaf in leaves]
     new = {id(leaf): leaf for leaf, value in zip(leaves, values) if value is None}
-    converted = dict(zip(new, _convert(list(new.values())), strict=True))
+    converted = _convert(list(new.values()))
     return [converted[id(leaf)] if value is None else value for leaf, value in zip(leaves, values)]
 
 
