@@ -29,6 +29,10 @@ from . import grouped_gemm as _gg
 
 pl, plgpu = _gg.pl, _gg.plgpu
 BLOCK = _mg.BLOCK_K  # 128: the recipe's tile, the group alignment, the promotion chunk
+# `grouped_wgrad` with 4 pipeline stages, where the dense kernels keep 3: at 8 experts of
+# 4096 rows (32768 x 4096 x 14336, H200) 927 TFLOP/s against 786 with 3 (2: 815, 5: 794);
+# at 64 experts 584 against 578 (benchmarks/RESULTS.md, 2026-11-26 eleventh session).
+WGRAD_CONFIG = _mg.Config(max_concurrent_steps=4)
 
 
 def reason(m: int, k: int, n: int, dtype, out_dtype) -> str:
@@ -81,7 +85,7 @@ def grouped_wgrad(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, 
             f"{b_t.shape}, b_scale {b_scale.shape} do not fit [K, M], [K, M/128], [N, M], "
             "[N, M/128]"
         )
-    config = _mg.Config()
+    config = WGRAD_CONFIG
     bm, bn, bk, wgs = config.tile_m, config.tile_n, BLOCK, config.math_warpgroups
     cta_m = config.cta_tile_m
     grid_m, grid_n = k // cta_m, n // bn
