@@ -28,7 +28,11 @@ and each other notebook's step as it is written there, at its GPU sizes (``quick
 ``fp8-cached`` with its own cache; every run is in the record's ``compile_s_runs``).
 ``lower_s`` (every model but ``1b-trainer``) is the tracing and lowering part of it (Python:
 in small steps most of FP8's extra time). ``step_ms`` is one step after compiling, the
-median of 10, to show the GEMMs run as fast either way.
+median of 10, to show the GEMMs run as fast either way. ``fusions`` and
+``hlo_instructions`` count the compiled module's fusions and instructions: the same from
+run to run, where compile times of one program vary by 10-30% between fresh processes.
+``1b-step`` is ``1b-trainer``'s step compiled from abstract shapes in one process
+(no weights, data or steps).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ VARIANTS = ("bf16", "fp8", "fp8-cached")
 # Each model is a notebook's (or the README's) FP8 step as a user writes it, beside the
 # same step in bf16 (``fp8`` False); ``quick`` picks CPU-sized shapes.
 HEADER = """
-import json, statistics, sys, time
+import json, re, statistics, sys, time
 import jax, jax.numpy as jnp, equinox as eqx, optax, fp8jax
 name, precision, quick, cache = globals().get("ARGV", sys.argv)[1:5]
 quick = quick == "1"
@@ -157,6 +161,23 @@ step = adam_step(opt, lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2))
 args = (model, opt.init(fp8jax.trainable(model)), x, jnp.sin(x))
 """,
 }
+# The 1b trainer's step (notebook 02) compiled in this process from abstract shapes: no
+# weights, data or steps, so it takes a fraction of ``1b-trainer``'s time; with the HLO counts
+# of every record, a quick check of what a change does to the compiled program.
+MODELS["1b-step"] = """
+from fp8jax.train import config as train_config
+from fp8jax.train.loop import make_train_step
+run = train_config.RunConfig(**train_config.PRESETS["tiny" if quick else "1b"])
+is_leaf = lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+model = eqx.filter_eval_shape(train_config.build_model, run, precision)
+params, static = eqx.partition(model, is_leaf)
+opt = train_config.make_optimizer(run)
+opt_state = jax.eval_shape(lambda p: opt.init(fp8jax.trainable(eqx.combine(p, static))), params)
+step = jax.jit(make_train_step(opt, static), donate_argnums=(0, 1))
+args = (params, opt_state, jax.ShapeDtypeStruct((run.batch, run.model.seq + 1), jnp.int32))
+runnable = False  # abstract arguments: compiled, not run
+"""
+
 # notebooks/08_recipes.ipynb: one linear's train step per recipe (8192^3)
 RECIPE = """
 M, K, N = (256, 256, 128) if quick else (8192, 8192, 8192)
@@ -178,13 +199,16 @@ lower_s = time.perf_counter() - start
 compiled = lowered.compile()
 compile_s = time.perf_counter() - start
 report = fp8jax.fp8_gemm_report(compiled)
+hlo = (getattr(compiled, "compiled", None) or compiled).as_text()
 times = []
-for _ in range(3 if quick else 12):
+for _ in range((3 if quick else 12) if globals().get("runnable", True) else 0):
     t0 = time.perf_counter()
     jax.block_until_ready(step(*args))
     times.append(time.perf_counter() - t0)
 print(json.dumps(dict(compile_s=compile_s, lower_s=lower_s,
-                      step_ms=1e3 * statistics.median(times[2:]),
+                      step_ms=1e3 * statistics.median(times[2:]) if times else None,
+                      fusions=len(re.findall(r"^\\s*(?:ROOT )?\\S+ = \\S+ fusion\\(", hlo, re.M)),
+                      hlo_instructions=len(re.findall(r"^\\s*(?:ROOT )?\\S+ = ", hlo, re.M)),
                       fp8_gemms=sum(g.is_fp8 for g in report.gemms), gemms=len(report.gemms),
                       device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
                       jax=jax.__version__)))
@@ -296,7 +320,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if "notebooks" in args.models:
         at = args.models.index("notebooks")
-        notebooks = [m for m in MODELS if m != "two-block"] + ["1b-trainer"]
+        notebooks = [m for m in MODELS if m not in ("two-block", "1b-step")] + ["1b-trainer"]
         args.models[at : at + 1] = [m for m in notebooks if m not in args.models]
     rows = []
     with tempfile.TemporaryDirectory() as cache_root:
@@ -322,11 +346,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if "fill_s" in row:
                     row["fill_s"] = statistics.median(r["fill_s"] for r in got)
                 for key in ("step_ms", "lower_s"):
-                    if key in row:
+                    if row.get(key) is not None:
                         row[key] = statistics.median(r[key] for r in got)
                 rows.append(row)
                 extra = f", lowering {row['lower_s']:.2f} s" if "lower_s" in row else ""
-                extra += f", step {row['step_ms']:.2f} ms" if "step_ms" in row else ""
+                extra += f", step {row['step_ms']:.2f} ms" if row.get("step_ms") else ""
+                if "fusions" in row:
+                    extra += f", {row['fusions']} fusions / {row['hlo_instructions']} HLO"
                 print(
                     f"{model:<16} {variant:<11} compile {row['compile_s']:7.2f} s (median of "
                     f"{len(got)}), FP8 GEMMs {row.get('fp8_gemms')}/{row.get('gemms')}{extra}",
@@ -363,10 +389,13 @@ def _write(rows: list[dict], args, argv) -> None:
             )
             if "fill_s" in r:
                 rec["fill_s"] = round(r["fill_s"], 2)
-            if "step_ms" in r:
+            if r.get("step_ms") is not None:
                 rec["ms"] = round(r["step_ms"], 3)
             if "lower_s" in r:
                 rec["lower_s"] = round(r["lower_s"], 3)
+            for key in ("fusions", "hlo_instructions"):  # of the compiled (optimized) module
+                if key in r:
+                    rec[key] = r[key]
             f.write(json.dumps(rec) + "\n")
 
 

@@ -62,6 +62,20 @@ def _init_sharded(optimizer, trainable_params, mesh: Mesh):
     return jax.jit(optimizer.init, out_shardings=out)(trainable_params)
 
 
+def make_train_step(optimizer, static):
+    """``(params, opt_state, batch) -> (params, opt_state, loss)``: one optimizer step of
+    the language model whose non-array part is ``static`` (what `Trainer` jits; the compile
+    benchmark lowers it from abstract shapes)."""
+
+    def train_step(params, opt_state, batch):
+        model = eqx.combine(params, static)
+        loss, grads = eqx.filter_value_and_grad(lm_loss)(model, batch)
+        model, opt_state = optax_step(optimizer, model, grads, opt_state)
+        return eqx.filter(model, eqx.is_array), opt_state, loss
+
+    return train_step
+
+
 class Trainer:
     """Jitted train and eval steps for one model/optimizer (compiled once; the compiled
     step also gives the memory analysis). With a ``mesh``, the model is placed on it
@@ -74,12 +88,7 @@ class Trainer:
         model = self._place(model)
         self.static = static = eqx.partition(model, eqx.is_array)[1]
         self.load(model)
-
-        def train_step(params, opt_state, batch):
-            model = eqx.combine(params, static)
-            loss, grads = eqx.filter_value_and_grad(lm_loss)(model, batch)
-            model, opt_state = optax_step(optimizer, model, grads, opt_state)
-            return eqx.filter(model, eqx.is_array), opt_state, loss
+        train_step = make_train_step(optimizer, static)
 
         def eval_step(params, batch):
             return lm_loss(eqx.combine(params, static), batch, with_aux=False)
