@@ -107,3 +107,55 @@ def test_new_config_fields_are_validated():
         fp8jax.Fp8Config(fast_accumulation="sometimes")
     with pytest.raises(ValueError, match="cast_kernel"):
         fp8jax.Fp8Config(cast_kernel="yes")
+
+
+def test_combined_max_reduces_scalars_and_tile_maxima_together(key):
+    """`q.combined_max`: one ``[n]`` of per-argument maxima, whatever each one's size;
+    a NaN or Inf stays non-finite."""
+    tiles = jnp.abs(normal(key, (4, 8), jnp.float32))
+    scalar, row = jnp.float32(3.5), jnp.abs(normal(jax.random.fold_in(key, 1), (5,), jnp.float32))
+    got = q.combined_max(tiles, scalar, row)
+    np.testing.assert_array_equal(got, [jnp.max(tiles), 3.5, jnp.max(row)])
+    np.testing.assert_array_equal(q.combined_max(scalar, jnp.float32(2.0)), [3.5, 2.0])
+    for bad in (jnp.nan, jnp.inf):
+        got = q.combined_max(tiles.at[1, 2].set(bad), scalar)
+        assert not np.isfinite(float(got[0])) and float(got[1]) == 3.5
+
+
+def test_interpret_kernel_tile_maxima_reduce_to_the_amax(key):
+    x = normal(key, (2, 128, 64), jnp.bfloat16, scale=3.0)
+    _, _, tiles = _cast_kernel.cast_transpose(x, jnp.ones((1,)), E4M3, interpret=True, tiles=True)
+    assert tiles.size > 1
+    assert float(jnp.max(tiles)) == float(q.amax(x))
+
+
+def test_state_from_the_kernels_tile_maxima_matches_the_xla_cast(key, monkeypatch):
+    """The per-tensor op with the cast kernel (compiled on a GPU, its body in interpret mode
+    elsewhere) records the same amaxes and scales as with XLA's cast: its tile maxima are
+    reduced in the backward's state update (`q.combined_max`), not after each cast."""
+    x, w = normal(key, (128, 64), jnp.bfloat16, scale=2.0), normal(key, (64, 64), jnp.bfloat16)
+    dn = (((1,), (1,)), ((), ()))
+
+    def grads(cast_kernel):
+        op = fp8jax.Fp8DotGeneral(fp8jax.Fp8Config(selective=False, cast_kernel=cast_kernel))
+        loss = lambda op, x, w: jnp.sum(op(x, w, dn).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(op, x, w)
+
+    xla = grads(False)
+    calls, original = [], _cast_kernel.cast_transpose
+    interpret = jax.default_backend() != "gpu"
+
+    def kernel_cast(t, scale, dtype, tiles=False):
+        calls.append(tiles)
+        return original(t, scale, dtype, interpret=interpret, tiles=tiles)
+
+    monkeypatch.setattr(_cast_kernel, "supported", lambda shape, *a, **k: (True, ""))
+    monkeypatch.setattr(_cast_kernel, "cast_transpose", kernel_cast)
+    kernel = grads(True)
+    assert len(calls) >= 3 and all(calls)  # x, w, g, each with its tile maxima
+    for new, old in zip(kernel[0].state(), xla[0].state()):
+        np.testing.assert_array_equal(new, old)
+    assert float(kernel[0].input_amax_history[0]) == float(q.amax(x)) > 0
+    for a, b in zip(kernel[1:], xla[1:]):  # the same FP8 bits into the same GEMMs
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * np.abs(b).max())

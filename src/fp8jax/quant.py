@@ -66,6 +66,20 @@ def tile_amax(x: Array, axis=None) -> Array:
     return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), axis=axis)
 
 
+def combined_max(*amaxes: Array) -> Float[Array, " n"]:
+    """``[max(a) for a in amaxes]`` as float32, in one reduction: each amax is a scalar or
+    a cast kernel's per-tile maxima (`fp8jax.kernels.cast.cast_transpose` with
+    ``tiles=True``), padded with zeros (amaxes are >= 0) to a common length and reduced
+    together. An op's three tile reductions were three small kernels each, in the forward
+    and the backward; now the backward's state update does them all in one. A NaN or Inf
+    stays non-finite."""
+    flat = [jnp.ravel(a).astype(F32) for a in amaxes]
+    if all(f.size == 1 for f in flat):
+        return jnp.concatenate(flat)
+    width = max(f.size for f in flat)
+    return jnp.max(jnp.stack([jnp.pad(f, (0, width - f.size)) for f in flat]), axis=1)
+
+
 def sanitize_amax(value: Float[Array, "..."]) -> tuple[Array, Array]:
     """Split an observed amax into (finite amax or 0, 1.0 where it was NaN/Inf)."""
     value = jnp.asarray(value, F32)

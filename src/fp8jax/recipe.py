@@ -47,7 +47,9 @@ class Cast(NamedTuple):
     # dequantization factor(s) of ``data``: real ~ data * scale (per-tensor recipe:
     # data * gemm_scale(scale), the state keeping flax's exact scale)
     scale: Array
-    amax: Array  # max |t| this step (non-finite if t held NaN/Inf)
+    # max |t| this step (non-finite if t held NaN/Inf); per tensor from the cast kernel,
+    # its per-tile maxima instead, reduced where the state records them (`q.combined_max`)
+    amax: Array
     scale_t: Array  # those of ``data_t`` (the same array for per-tensor scaling)
 
 

@@ -86,7 +86,9 @@ def _kernel(t_ref, inv_scale_ref, q_ref, qt_ref, amax_ref):
     qt_ref[...] = quantized.T
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block", "num_warps"))
+@functools.partial(
+    jax.jit, static_argnames=("dtype", "interpret", "block", "num_warps", "tiles")
+)
 def cast_transpose(
     t3,
     scale,
@@ -94,9 +96,11 @@ def cast_transpose(
     interpret: bool = False,
     block: int | None = None,
     num_warps: int | None = None,
+    tiles: bool = False,
 ):
     """``(t3 / scale)`` saturated to ``dtype`` as ``[B, P, C]`` and ``[B, C, P]``, plus
-    ``max |t3|`` (inf where ``t3`` holds a NaN or an inf) as a float32 scalar.
+    ``max |t3|`` (inf where ``t3`` holds a NaN or an inf) as a float32 scalar, or with
+    ``tiles`` each tile's (a small float32 array whose max it is, for `q.combined_max`).
 
     ``scale`` is the (dequantization) scale, shape ``[1]`` or ``[]``. ``block`` (tile
     edge) and ``num_warps`` override the defaults (for tuning).
@@ -130,4 +134,4 @@ def cast_transpose(
         interpret=interpret,
         **triton_params(interpret, num_warps or NUM_WARPS),
     )(t3, inv_scale)
-    return quantized, transposed, jnp.max(tile_amax)
+    return quantized, transposed, tile_amax if tiles else jnp.max(tile_amax)

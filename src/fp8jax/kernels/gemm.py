@@ -95,13 +95,14 @@ def scaled_fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
 def quantize_both(t, scale, dtype, cast_kernel: bool = False):
     """FP8 copies of ``t: [B, P, C]`` in both layouts (``[B, P, C]`` and ``[B, C, P]``)
     and ``max |t|`` (non-finite when ``t`` holds NaN/Inf). ``cast_kernel``: one Pallas
-    pass (`fp8jax.kernels.cast`) where it can run, else XLA's cast + transpose."""
+    pass (`fp8jax.kernels.cast`) where it can run, else XLA's cast + transpose; the kernel's
+    amax comes as its per-tile maxima, reduced where it is used (`fp8jax.quant.combined_max`)."""
     ok, why = _cast_kernel.supported(t.shape) if cast_kernel else (False, "")
     if (
         dispatch.choose("cast", "auto" if cast_kernel else "reference", None if ok else why)
         == "kernel"
     ):
-        return _cast_kernel.cast_transpose(t, scale, dtype)
+        return _cast_kernel.cast_transpose(t, scale, dtype, tiles=True)
     tq = q.quantize(t, scale, dtype)
     if TUNING["cast_transposed"]:
         return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype), q.amax(t)

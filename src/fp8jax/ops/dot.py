@@ -383,8 +383,9 @@ def bwd_fn(spec: Spec):
 # ----------------------------------------------------------------------------- custom VJP
 def observed_amaxes(ax, aw, ag):
     """What one use saw: ``[amax_x, amax_w, amax_g, nonfinite flag]``, non-finite
-    amaxes zeroed and flagged."""
-    observed, bad = q.sanitize_amax(jnp.stack([ax, aw, ag]))
+    amaxes zeroed and flagged. Each amax is a scalar or a cast kernel's tile maxima
+    (`q.combined_max`)."""
+    observed, bad = q.sanitize_amax(q.combined_max(ax, aw, ag))
     return jnp.concatenate([observed, jnp.max(bad).reshape(1)])
 
 

@@ -518,8 +518,9 @@ def _bwd(spec, saved, g):
     dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]
     dw1 = relayout_rows(dw1, 0, _dht_block(spec.gate_block), spec.gate_block)  # as stored
 
-    state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(ax, aw1, adh))
-    state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(aa, aw2, ag))
+    amaxes = q.combined_max(ax, aw1, adh, aa, aw2, ag)  # both layers' in one reduction
+    state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(*amaxes[:3]))
+    state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(*amaxes[3:]))
     return dx, dw1, _state.proposal(state1_ct), dw2, _state.proposal(state2_ct)
 
 
