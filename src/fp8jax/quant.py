@@ -70,9 +70,8 @@ def combined_max(*amaxes: Array) -> Float[Array, " n"]:
     """``[max(a) for a in amaxes]`` as float32, in one reduction: each amax is a scalar or
     a cast kernel's per-tile maxima (`fp8jax.kernels.cast.cast_transpose` with
     ``tiles=True``), padded with zeros (amaxes are >= 0) to a common length and reduced
-    together. An op's three tile reductions were three small kernels each, in the forward
-    and the backward; now the backward's state update does them all in one. A NaN or Inf
-    stays non-finite."""
+    together: one small kernel in the backward's state update where a reduction after each
+    cast made three per op. A NaN or Inf stays non-finite."""
     flat = [jnp.ravel(a).astype(F32) for a in amaxes]
     if all(f.size == 1 for f in flat):
         return jnp.concatenate(flat)
