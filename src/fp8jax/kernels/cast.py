@@ -86,9 +86,7 @@ def _kernel(t_ref, inv_scale_ref, q_ref, qt_ref, amax_ref):
     qt_ref[...] = quantized.T
 
 
-@functools.partial(
-    jax.jit, static_argnames=("dtype", "interpret", "block", "num_warps", "tiles")
-)
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block", "num_warps", "tiles"))
 def cast_transpose(
     t3,
     scale,
