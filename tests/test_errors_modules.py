@@ -321,3 +321,18 @@ def test_apply_updates_with_its_arguments_swapped():
     with pytest.raises(ValueError, match=r"the overwrites hold parameter updates"):
         fp8jax.apply_updates(model, None, grads)
     fp8jax.apply_updates(model, grads, overwrites)  # the right order still works
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_sizes_past_the_rows(key, fp8):
+    """Group sizes that sum past the rows raise when concrete; traced ones (under ``jit``)
+    are cut at the last row, as the docstring says."""
+    layer = fp8jax.nn.GroupedLinear(4, 64, 128, key=key, fp8=fp8, config=CFG)
+    x = jax.random.normal(key, (16, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="sum to 23, more than the 16 rows"):
+        layer(x, jnp.array([10, 10, 0, 3]))
+    apply = jax.jit(layer.__call__)
+    np.testing.assert_array_equal(
+        np.asarray(apply(x, jnp.array([10, 10, 0, 3])), np.float32),
+        np.asarray(apply(x, jnp.array([10, 6, 0, 0])), np.float32),
+    )

@@ -146,7 +146,9 @@ class GroupedLinear(eqx.Module):
     ) -> Array:
         """``x_sorted [rows, in]`` grouped by expert (``group_sizes[e]`` rows for expert
         ``e``, in order; groups may be empty) -> ``[rows, out]``. Rows past
-        ``sum(group_sizes)`` get zeros. Pads to the kernel layout and back."""
+        ``sum(group_sizes)`` get zeros. Sizes that sum past the rows raise when they are
+        concrete; traced ones (under ``jit``) are cut at the last row, as if the groups
+        ended there. Pads to the kernel layout and back."""
         return _apply_sorted(self, self, x_sorted, group_sizes)
 
     def apply_padded(self, x: Float[Array, "rows_pad in"], layout: GroupLayout) -> Array:
