@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax.kernels import gated_activation as _act
 from fp8jax.ops import gated as _gated
 from fp8jax.nn import FusedMLP
 from fp8jax.nn import mlp as mlp_module
@@ -49,10 +50,10 @@ def test_interleave_round_trip_and_halves(key):
     w1i = _gated.interleave(w1)
     np.testing.assert_array_equal(_gated.deinterleave(w1i), w1)
     x = normal(jax.random.fold_in(key, 1), (TOKENS, HIDDEN))
-    gate, up = _gated._halves(x @ w1i.T)
+    gate, up = _act._halves(x @ w1i.T)
     np.testing.assert_allclose(gate, x @ w1[:FFN].T, rtol=1e-5, atol=1e-5)  # natural [gate | up] order back
     np.testing.assert_allclose(up, x @ w1[FFN:].T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(_gated._join(gate, up), x @ w1i.T)
+    np.testing.assert_array_equal(_act._join(gate, up), x @ w1i.T)
 
 
 @pytest.mark.parametrize("activation", _gated.ACTIVATIONS)
@@ -65,11 +66,11 @@ def test_gate_functions_and_derivatives_match_jax(activation):
     ref = lambda v: _np_act(activation, np.concatenate([v, ones]))  # act(v) * 1  # noqa: E731
     step = 1e-5
     dref = (ref(x + step) - ref(x - step)) / (2 * step)
-    act, dact = _gated._gate(activation, jnp.asarray(x, jnp.float32))
+    act, dact = _act._gate(activation, jnp.asarray(x, jnp.float32))
     np.testing.assert_allclose(act, ref(x), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dact, dref, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="gelu"):
-        _gated._gate("gelu", x)
+        _act._gate("gelu", x)
 
 
 @pytest.mark.parametrize("activation,poison", [("swiglu", None), ("swiglu", jnp.nan), ("swiglu", jnp.inf),
