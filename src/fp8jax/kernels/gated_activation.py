@@ -222,7 +222,7 @@ def _fwd_pallas(
         h,
         scalars,
     )
-    return aq, (at[0] if transposed else None), jnp.max(tile_amax)
+    return aq, (at[0] if transposed else None), tile_amax  # reduced by `q.combined_max`
 
 
 @functools.partial(
@@ -295,7 +295,7 @@ def _bwd_pallas(
         da,
         scalars,
     )
-    return dh, dht.reshape(two_f, m), jnp.max(tile_amax), at
+    return dh, dht.reshape(two_f, m), tile_amax, at  # reduced by `q.combined_max`
 
 
 def _mode(shape) -> str:
@@ -308,7 +308,9 @@ def _mode(shape) -> str:
 def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu", transposed=True):
     """``activation(h * h_scale)`` (``h`` interleaved ``[M, 2F]``) cast to ``dtype`` with the
     dequantization scale ``a_scale``: ``(aq [M, F], aq^T [F, M], amax)``; ``aq^T`` is None
-    unless ``transposed`` (the MLP core's backward recomputes it, so its forward skips it)."""
+    unless ``transposed`` (the MLP core's backward recomputes it, so its forward skips it).
+    From the kernel the amax is its per-tile maxima (reduced with the layer's other amaxes
+    by `q.combined_max`)."""
     mode = _mode(h.shape)
     if mode != "xla":
         return _fwd_pallas(

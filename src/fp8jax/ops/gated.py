@@ -111,6 +111,22 @@ def _scales(spec: Spec, state1, state2) -> tuple[Array, ...]:
     return tuple(scales[i : i + 1] for i in range(6))
 
 
+def _local_amax(rows, fn, index: int):
+    """``fn`` whose output ``index`` (an amax, per-tile maxima from the kernels) is reduced
+    on each device first when the core runs on a token split (``rows``): one scalar
+    ``pmax`` per amax across the devices. Without a split the maxima stay for
+    `q.combined_max`."""
+    if rows is None:
+        return fn
+
+    def call(*args):
+        out = list(fn(*args))
+        out[index] = jnp.max(out[index])
+        return tuple(out)
+
+    return call
+
+
 def _forward(spec: Spec, x, w1, state1, w2, state2):
     c1, c2 = spec.config1, spec.config2
     sx, sw1, sdh, sa, sw2, sg = _scales(spec, state1, state2)
@@ -123,7 +139,11 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     h_scale = (sx * sw1).reshape(())
     aq, _, aa = _split.on_rows(
         spec.rows,
-        lambda h, hs, s: activation_fp8(h, hs, s, c2.input_dtype, spec.activation, False),
+        _local_amax(
+            spec.rows,
+            lambda h, hs, s: activation_fp8(h, hs, s, c2.input_dtype, spec.activation, False),
+            2,
+        ),
         (h, h_scale, sa),
         (0, None, None),
         (0, None, "max"),
@@ -174,6 +194,7 @@ def _bwd(spec, saved, g):
 
     args = (h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh, sa)
     in_dims = (0, None, 0, None, None, None)
+    grad = _local_amax(spec.rows, grad, 2)
     dhq, dhTq, adh, aTq = _split.on_rows(spec.rows, grad, args, in_dims, (0, 1, "max", 1))
     dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
     dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
