@@ -308,6 +308,38 @@ def test_cast_kernel_runs_in_the_train_step_by_default(key):
     assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 3
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_cublaslt_takes_the_scales_of_kernel_cast_operands(key, scaling, monkeypatch):
+    """Operands from the cast kernel: XLA's rewriter hands both scales to cuBLASLt (each
+    FP8 GEMM's scale operands are computed, not the constant 1 of a bare FP8 dot), with the
+    same gradients as the dequantizing multiply after the GEMM within FP8's rounding."""
+    import re
+
+    from fp8jax.kernels import gemm as _gemm
+
+    layer = eqx.nn.Linear(1024, 2048, dtype=jnp.bfloat16, key=key)
+    model = fp8jax.fp8_linear_layers(layer, fp8jax.Fp8Config(scaling=scaling, selective=False))
+    x = normal(key, (4096, 1024), jnp.bfloat16)
+    c = normal(jax.random.fold_in(key, 1), (4096, 2048), jnp.float32)
+
+    def compiled():  # a fresh trace: TUNING is read while tracing
+        fp8jax.assert_fp8(lambda *args: _step(*args), model, x, c, expected=3)
+        return jax.jit(lambda *args: _step(*args)).lower(model, x, c).compile()
+
+    scaled = compiled()
+    monkeypatch.setitem(_gemm.TUNING, "scaled_gemm", False)
+    plain = compiled()
+    calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"__cublas\$lt\$matmul\$f8\"",
+                       scaled.as_text())
+    assert len(calls) == 3, calls
+    for operands in calls:
+        scales = operands.split(", ")[2:4]
+        assert len(scales) == 2 and not any("constant" in s for s in scales), operands
+    (_, (g1, gx1)), (_, (g2, gx2)) = scaled(model, x, c), plain(model, x, c)
+    assert sqnr_db(gx1, gx2) >= 25.0
+    assert sqnr_db(g1.weight, g2.weight) >= 25.0
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "qgeglu", "reglu", "sreglu"])
 def test_gated_mlp_core_runs_its_kernels_with_six_fp8_gemms(key, activation, monkeypatch):
     """`FusedMLP` (a gated activation, delayed scaling) on Hopper takes `fp8jax.ops.gated`: six

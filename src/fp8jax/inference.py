@@ -104,7 +104,8 @@ def fp8_matmul(x, weight, weight_scale, input_scale, margin: float, fast: bool, 
     per output column) applied to the product."""
     m = x.shape[0]
     if input_scale is None:  # current scaling: this call's amax
-        input_scale = q.scale_from_amax(q.amax(x), jnp.ones((1,), F32), E4M3, margin)
+        scale = q.scale_from_amax(q.amax(x), jnp.ones((1,), F32), E4M3, margin)
+        input_scale = _gemm.gemm_scale(scale)  # on the grid training's casts use
     xq = q.quantize(x, input_scale, E4M3)
     pad = 0 if _under_vmap(x) else -m % _ROW_ALIGNMENT
     if pad:
@@ -191,7 +192,8 @@ def quantize_kernel(
     free = tuple(i for i in range(stack, w.ndim) if i not in in_axes)
     reduce = tuple(range(stack, w.ndim)) if weight_scaling == "tensor" else in_axes
     amax = jnp.max(jnp.abs(w), axis=reduce, keepdims=True)
-    scale = q.scale_from_amax(amax, jnp.ones_like(amax), E4M3, margin)
+    # on the grid of training's casts (`fp8jax.kernels.gemm.gemm_scale`): the same FP8 values
+    scale = _gemm.gemm_scale(q.scale_from_amax(amax, jnp.ones_like(amax), E4M3, margin))
     n = 1 if weight_scaling == "tensor" else math.prod(w.shape[i] for i in free)
     return q.saturate(w, 1.0 / scale, E4M3), scale.reshape(w.shape[:stack] + (n,))
 
@@ -202,7 +204,7 @@ def _frozen_input_scale(layer: Linear) -> Array:
     op = layer.dot_general
     cfg = op.config
     amax = from_history(op.input_amax_history, cfg.amax_compute_algo, axis=-1)
-    return q.scale_from_amax(amax, op.input_scale, E4M3, cfg.margin)
+    return _gemm.gemm_scale(q.scale_from_amax(amax, op.input_scale, E4M3, cfg.margin))
 
 
 def _never_ran(layer: Linear) -> bool:

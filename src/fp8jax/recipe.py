@@ -141,9 +141,11 @@ class PerTensor:
         self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
     ) -> Array:
         """``a [B,P,C] . b [B,Q,C]`` in FP8, dequantized by the two scales (by cuBLASLt where
-        ``TUNING["scaled_gemm"]``: the operands were cast with `gemm_scale` of them)."""
+        `fp8jax.kernels.gemm.takes_scales`: the operands were cast with `gemm_scale` of them)."""
         a_scale, b_scale = _gemm.gemm_scale(a_scale), _gemm.gemm_scale(b_scale)
-        return _gemm.scaled_fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
+        return _gemm.scaled_fp8_gemm(
+            a, a_scale, b, b_scale, out_dtype, fast_accumulation, self.cast_kernel
+        )
 
 
 # ----------------------------------------------------------------------------- tiled recipes

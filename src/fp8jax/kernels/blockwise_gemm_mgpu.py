@@ -58,11 +58,21 @@ class Config:
     grid_tile_width: int = 8
     ctas_per_sm: int = 1
     math_warpgroups: int = 2  # 1: the single-warpgroup kernel (see the module docstring)
+    # Two-warpgroup kernel: CTAs per cluster along N. 2: the two CTAs of a cluster compute
+    # neighbouring N tiles of the same rows and share each A tile (one TMA multicast to
+    # both), halving A's reads from L2; needs an even number of N tiles, else 1 is used.
+    cluster_n: int = 1
 
     @property
     def cta_tile_m(self) -> int:
         return self.tile_m * self.math_warpgroups
 
+
+# Block-scaled B (forward, dgrad): two-CTA clusters sharing A and 4 stages. H100: 8192^3
+# 1121 -> 1141 TFLOP/s, 16384x4096x14336 1123 -> 1161, 16384x4096x4096 1052-1084 -> 1108.
+# B per column (wgrad) keeps `Config()`: clusters there gained 0-3% at two shapes, lost 9% at
+# 8192^3 (benchmarks/RESULTS.md, 2026-11-26 twelfth session).
+BLOCK_SCALES = Config(max_concurrent_steps=4, cluster_n=2)
 
 # The single-warpgroup kernel's best setting (8192^3, H100): 760 TFLOP/s with 2 stages
 # against 677 with 3 and 658 with 4 (benchmarks/RESULTS.md, 2026-11-25 fourth session).
@@ -108,15 +118,18 @@ def _load(ref, layout, interpret: bool):
         return plgpu.load(ref, (), layout=layout)
 
 
-def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config = Config(), interpret=False):
+def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, interpret=False):
     """``a [M, K]``, ``a_scale [M, K/128]``, ``b [N, K]`` and ``b_scale`` one per row
     ``[N, K/128]`` or per ``128 x 128`` block ``[N/128, K/128]`` -> ``[M, N]`` in
-    ``out_dtype`` (see the module docstring). ``interpret``: run in Pallas' GPU interpret
-    mode (CPU, tests; two CTAs, one warpgroup each). An M that two math warpgroups do not
-    divide (a multiple of 64, not of 128) runs on one."""
+    ``out_dtype`` (see the module docstring). ``config`` None: `BLOCK_SCALES` for block
+    scales, else ``Config()``. ``interpret``: run in Pallas' GPU interpret mode (CPU, tests;
+    two CTAs, one warpgroup each). An M that two math warpgroups do not divide (a multiple
+    of 64, not of 128) runs on one."""
     m, k = a.shape
     n, k2 = b.shape
     nk = k // BLOCK_K
+    if config is None:
+        config = BLOCK_SCALES if b_scale.shape[0] != n else Config()
     if k != k2 or a_scale.shape != (m, nk) or b_scale.shape not in ((n, nk), (n // BLOCK_K, nk)):
         raise ValueError(
             f"blockwise GEMM kernel: a {a.shape}, a_scale {a_scale.shape}, b {b.shape}, "
@@ -207,12 +220,15 @@ def _ws_pipeline(
     m_i=0,
     n_i=0,
     first=0,
+    cluster_n=1,
 ):
     """The two-warpgroup kernels' pipeline over ``num_steps`` K chunks (static, or a traced
     group length), from chunk ``first``: per step the ``cta_tile_m x 128`` A tile, the
     ``tile_n x 128`` B tile, and their chunk's scales (``sb_block`` B scales per N tile)
-    from the chunk-major scale vectors."""
+    from the chunk-major scale vectors. ``cluster_n=2``: A's tile is multicast to the
+    cluster's two CTAs (both load the same rows)."""
     grid_m, grid_n = grid_mn
+    a_shared = dict(collective_axes=("cluster",)) if cluster_n == 2 else {}
     bk = BLOCK_K
     a_transforms, b_transforms = (_gg._smem_transforms(bk, dtype) for dtype in dtypes)
     return plgpu.emit_pipeline_warp_specialized(
@@ -220,7 +236,9 @@ def _ws_pipeline(
         grid=(num_steps,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((config.cta_tile_m, bk), lambda kk: (m_i, kk), transforms=a_transforms),
+            plgpu.BlockSpec(
+                (config.cta_tile_m, bk), lambda kk: (m_i, kk), transforms=a_transforms, **a_shared
+            ),
             plgpu.BlockSpec((config.tile_n, bk), lambda kk: (n_i, kk), transforms=b_transforms),
             plgpu.BlockSpec((config.cta_tile_m,), lambda kk: ((first + kk) * grid_m + m_i,)),
             plgpu.BlockSpec((sb_block,), lambda kk: ((first + kk) * grid_n + n_i,)),
@@ -241,17 +259,20 @@ def _store_tile(o_smem, out, dst):
     plgpu.copy_smem_to_gmem(o_smem, dst)
 
 
-def _ws_kernel(body, out_type, config: Config):
+def _ws_kernel(body, out_type, config: Config, cluster_n: int = 1):
     """``body`` as a persistent kernel: ``ctas_per_sm`` CTAs per SM, each with the math
-    warpgroups and one TMA warpgroup (axis ``"wg"``)."""
+    warpgroups and one TMA warpgroup (axis ``"wg"``); ``cluster_n`` CTAs per cluster (axis
+    ``"cluster"``, persistent loop axis ``"sm"`` over the clusters)."""
+    clusters = dict(cluster=(cluster_n,), cluster_names=("cluster",)) if cluster_n > 1 else {}
     return plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(_gg._num_sms() * config.ctas_per_sm,),
+        grid=(_gg._num_sms() * config.ctas_per_sm // cluster_n,),
         grid_names=("sm",),
         num_threads=config.math_warpgroups + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **clusters,
     )
 
 
@@ -268,6 +289,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
     bm, bn, wgs = config.tile_m, config.tile_n, config.math_warpgroups
     cta_m = config.cta_tile_m
     grid_m, grid_n, nk = m // cta_m, n // bn, k // BLOCK_K
+    cluster_n = config.cluster_n if grid_n % config.cluster_n == 0 else 1
     out_transforms = _gg._smem_transforms(bn, out_dtype)
 
     def body(a_gmem, b_gmem, sa_gmem, sb_gmem, *refs):
@@ -280,7 +302,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
             sb_block = bm if b_blocks else bn
             return _ws_pipeline(
                 step, compute_context, config, (a.dtype, b.dtype), (grid_m, grid_n), nk,
-                sb_block, m_i, n_i,
+                sb_block, m_i, n_i, cluster_n=cluster_n,
             )  # fmt: skip
 
         ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on it)
@@ -292,10 +314,13 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
             collective_axes="wg",
         )
         def _scope(allocs, o_smem):
-            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+            @plgpu.nd_loop((grid_m * (grid_n // cluster_n),), collective_axes="sm")
             def _loop(loop_info):
                 (lin,) = loop_info.index
-                m_i, n_i = plgpu.planar_snake(lin, (grid_m, grid_n), 1, config.grid_tile_width)
+                tiles = (grid_m, grid_n // cluster_n)
+                m_i, n_i = plgpu.planar_snake(lin, tiles, 1, config.grid_tile_width)
+                if cluster_n > 1:  # the cluster's CTAs: neighbouring N tiles, same rows
+                    n_i = n_i * cluster_n + lax.axis_index("cluster")
 
                 def compute_context(run):
                     out = run(_wgmma_zero((bm, bn))).astype(out_dtype)
@@ -317,7 +342,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), config)
+    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), config, cluster_n)
     if grouped:
         return kernel(a, b, sa, sb, block_group.astype(jnp.int32))
     return kernel(a, b, sa, sb)

@@ -24,10 +24,13 @@ TUNING = {
     # Produce the transposed (column-wise) FP8 copies by casting the transposed
     # high-precision tensor (one fused read) rather than transposing the FP8 copy.
     "cast_transposed": False,
-    # Hand the scales to cuBLASLt (`scaled_fp8_gemm`) instead of a multiply after the GEMM.
-    # Off: XLA's rewriter takes the pattern at some shapes only (16384x4096x14336: all three
-    # GEMMs, 9% faster step; 8192^3: one of three, the others fall back to bf16 GEMMs).
-    "scaled_gemm": False,
+    # Hand the scales to cuBLASLt (`scaled_fp8_gemm`) instead of a multiply after the GEMM,
+    # where both operands come from the cast kernel (`takes_scales`). On an H100 the linear
+    # step got 2-6% faster (8192^3: 3.12 -> 2.96 ms) with every GEMM still FP8; operands of
+    # XLA's casts lose the pattern at some shapes (8192^3: 1 of 3 GEMMs stayed FP8, the
+    # others fell back to bf16), so those keep the multiply (benchmarks/RESULTS.md,
+    # 2026-11-26 twelfth session).
+    "scaled_gemm": True,
 }
 
 
@@ -74,17 +77,31 @@ def gemm_scale(scale):
     return jax.lax.bitcast_convert_type(bits, F32)
 
 
-def scaled_fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
+def takes_scales(a_shape, b_shape, cast_kernel: bool, out_dtype=jnp.bfloat16) -> bool:
+    """Whether `scaled_fp8_gemm` hands the scales to cuBLASLt for operands of these
+    ``[B, P, C]`` shapes: on the GPU, with ``TUNING["scaled_gemm"]``, a bf16 output, and
+    both operands from the Pallas cast kernel (its support is the same for a tensor and its
+    transpose). XLA's GEMM rewriter took the pattern for those at every shape measured."""
+    if not (TUNING["scaled_gemm"] and cast_kernel) or jax.default_backend() != "gpu":
+        return False
+    if jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
+        return False
+    return all(_cast_kernel.supported(tuple(s))[0] for s in (a_shape, b_shape))
+
+
+def scaled_fp8_gemm(
+    a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool, cast_kernel: bool = True
+):
     """FP8 GEMM whose scales cuBLASLt applies (its A/B scale pointers), with no dequantizing
     pass over the output; the scales must come from `gemm_scale`.
 
     Written as XLA's FP8 pattern, ``dot(convert(a) * sa, convert(b) * sb)``, which its GEMM
     rewriter turns into one ``__cublas$lt$matmul$f8`` call taking ``sa`` and ``sb``. The
     barrier keeps each operand's cast from fusing into the converts, so the pattern stays
-    visible. Off the GPU (no cuBLASLt) it is `fp8_gemm`: the same math, and the lowered
-    program keeps its FP8 dot for `fp8jax.inspect`.
+    visible. Where `takes_scales` says no (off the GPU, operands of XLA's casts) it is
+    `fp8_gemm`: the same math, and the lowered program keeps its FP8 dot for `fp8jax.inspect`.
     """
-    if not TUNING["scaled_gemm"] or jax.default_backend() != "gpu":
+    if not takes_scales(a.shape, b.shape, cast_kernel, out_dtype):
         return fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation)
     a, b = jax.lax.optimization_barrier((a, b))
     a = a.astype(out_dtype) * a_scale.reshape(()).astype(out_dtype)

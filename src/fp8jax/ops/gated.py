@@ -127,9 +127,18 @@ def _local_amax(rows, fn, index: int):
     return call
 
 
+def _scaled_gemm(a, sa, b, sb, out_dtype, fast: bool, config: Fp8Config):
+    """`fp8jax.kernels.gemm.scaled_fp8_gemm` of the core's operands: cuBLASLt takes the
+    scales where every operand came from a Pallas kernel (the casts and the activation
+    kernels run on the same shapes, ``MODE["activation"]`` not ``"xla"``)."""
+    kernels = config.cast_kernel and MODE["activation"] in ("auto", "kernel")
+    return _gemm.scaled_fp8_gemm(a, sa, b, sb, out_dtype, fast, kernels)
+
+
 def _forward(spec: Spec, x, w1, state1, w2, state2):
     c1, c2 = spec.config1, spec.config2
-    sx, sw1, sdh, sa, sw2, sg = _scales(spec, state1, state2)
+    chosen = _scales(spec, state1, state2)  # what the states record
+    sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)  # what casts and GEMMs take
     xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
     w1c = relayout_rows(w1, 0, spec.gate_block, BLOCK)[None]  # the core's layout
     w1q, w1Tq, aw1 = _gemm.quantize_both(w1c, sw1, c1.kernel_dtype, c1.cast_kernel)
@@ -149,9 +158,9 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
         (0, None, "max"),
     )
     w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
-    y = _gemm.fp8_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward)[0]
+    y = _scaled_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward, c2)[0]
     # fc2's wgrad operand aq^T is not kept: the backward kernel recomputes it from h
-    residuals = (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2, sg, sdh)
+    residuals = (xTq, w1Tq, h, w2Tq, *chosen, ax, aw1, aa, aw2)
     return y, residuals
 
 
@@ -179,8 +188,9 @@ def _fwd(spec, x, w1, state1, w2, state2):
 
 
 def _bwd(spec, saved, g):
-    (xTq, w1Tq, h, w2Tq, sx, sw1, sa, sw2, ax, aw1, aa, aw2, sg, sdh), state1, state2 = saved
+    (xTq, w1Tq, h, w2Tq, *chosen, ax, aw1, aa, aw2), state1, state2 = saved
     c1, c2 = spec.config1, spec.config2
+    sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)
     gq, gTq, ag = _gemm.quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
     da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[
         0
@@ -196,14 +206,15 @@ def _bwd(spec, saved, g):
     in_dims = (0, None, 0, None, None, None)
     grad = _local_amax(spec.rows, grad, 2)
     dhq, dhTq, adh, aTq = _split.on_rows(spec.rows, grad, args, in_dims, (0, 1, "max", 1))
-    dw2 = _gemm.fp8_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward)[0]
-    dx = _gemm.fp8_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward)[0]
-    dw1 = _gemm.fp8_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward)[0]
+    dw2 = _scaled_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward, c2)[0]
+    dx = _scaled_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward, c1)[0]
+    dw1 = _scaled_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward, c1)[0]
     dw1 = relayout_rows(dw1, 0, _dht_block(spec.gate_block), spec.gate_block)  # as stored
 
     amaxes = q.combined_max(ax, aw1, adh, aa, aw2, ag)  # both layers' in one reduction
-    state1_ct = _dot.new_state(state1, sx, sw1, sdh, _dot.observed_amaxes(*amaxes[:3]))
-    state2_ct = _dot.new_state(state2, sa, sw2, sg, _dot.observed_amaxes(*amaxes[3:]))
+    cx, cw1, cdh, ca, cw2, cg = chosen
+    state1_ct = _dot.new_state(state1, cx, cw1, cdh, _dot.observed_amaxes(*amaxes[:3]))
+    state2_ct = _dot.new_state(state2, ca, cw2, cg, _dot.observed_amaxes(*amaxes[3:]))
     return dx, dw1, _state.proposal(state1_ct), dw2, _state.proposal(state2_ct)
 
 
