@@ -61,8 +61,15 @@ def test_cast_kernel_setting_falls_back_where_it_cannot_run(key):
     assert float(amax) == float(q.amax(x))
     xs, w = normal(key, (64, 32), jnp.bfloat16), normal(key, (48, 32), jnp.bfloat16)
     dn = (((1,), (1,)), ((), ()))
-    grads = [jax.grad(lambda x, w, op=fp8jax.Fp8DotGeneral(fp8jax.Fp8Config(selective=False, cast_kernel=ck)):
-                      jnp.sum(op(x, w, dn).astype(jnp.float32) ** 2), argnums=(0, 1))(xs, w) for ck in (False, True)]
+    grads = [
+        jax.grad(
+            lambda x, w, op=fp8jax.Fp8DotGeneral(fp8jax.Fp8Config(selective=False, cast_kernel=ck)): (
+                jnp.sum(op(x, w, dn).astype(jnp.float32) ** 2)
+            ),
+            argnums=(0, 1),
+        )(xs, w)
+        for ck in (False, True)
+    ]
     for a, b in zip(*grads):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -71,7 +78,9 @@ def _dot_precisions(config, key):
     op = fp8jax.Fp8DotGeneral(config)
     x, w = normal(key, (64, 32), jnp.bfloat16), normal(key, (48, 32), jnp.bfloat16)
     dn = (((1,), (1,)), ((), ()))
-    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(op(x, w, dn).astype(jnp.float32)), argnums=(0, 1)))(x, w)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda x, w: jnp.sum(op(x, w, dn).astype(jnp.float32)), argnums=(0, 1))
+    )(x, w)
     found = []
 
     def walk(jaxpr):
@@ -88,12 +97,16 @@ def _dot_precisions(config, key):
 
 
 def _is_highest(precision):
-    return precision is not None and all(p == jax.lax.Precision.HIGHEST for p in
-                                         (precision if isinstance(precision, tuple) else (precision,)))
+    return precision is not None and all(
+        p == jax.lax.Precision.HIGHEST
+        for p in (precision if isinstance(precision, tuple) else (precision,))
+    )
 
 
-@pytest.mark.parametrize("mode, fast_fwd, fast_bwd", [("forward", True, False), ("all", True, True),
-                                                      ("none", False, False)])
+@pytest.mark.parametrize(
+    "mode, fast_fwd, fast_bwd",
+    [("forward", True, False), ("all", True, True), ("none", False, False)],
+)
 def test_fast_accumulation_sets_the_fp8_gemm_precision(key, mode, fast_fwd, fast_bwd):
     """Forward first, then dgrad and wgrad: HIGHEST (promoted accumulation) unless fast."""
     config = fp8jax.Fp8Config(selective=False, fast_accumulation=mode)
@@ -159,3 +172,32 @@ def test_state_from_the_kernels_tile_maxima_matches_the_xla_cast(key, monkeypatc
     for a, b in zip(kernel[1:], xla[1:]):  # the same FP8 bits into the same GEMMs
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * np.abs(b).max())
+
+
+def test_gemm_scale_rounds_up_to_the_bf16_grid_once(key):
+    """`gemm_scale`: the smallest bf16 value >= the scale (never a smaller scale, so the cast
+    cannot overflow), exact on bf16 values, idempotent."""
+    scale = jnp.abs(normal(key, (64,), jnp.float32)) + 1e-3
+    rounded = _gemm.gemm_scale(scale)
+    assert bool(jnp.all(rounded >= scale))
+    np.testing.assert_array_equal(rounded, rounded.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(_gemm.gemm_scale(rounded), rounded)
+    step = jnp.ldexp(1.0, jnp.frexp(scale)[1] - 8)  # one bf16 ulp at the scale's binade
+    assert bool(jnp.all(rounded - scale < step))
+    exact = jnp.array([0.5, 3.0, 2.0**-20], jnp.float32)
+    np.testing.assert_array_equal(_gemm.gemm_scale(exact), exact)
+
+
+def test_cublaslt_takes_scales_only_of_kernel_cast_bf16_gemms(monkeypatch):
+    """`takes_scales`: only on the GPU, with the cast kernel on, a bf16 output, and both
+    operands of shapes the kernel casts (the others keep the multiply after the GEMM)."""
+    ok, bad = (1, 256, 512), (1, 250, 512)
+    assert not _gemm.takes_scales(ok, ok, True)  # this CPU
+    monkeypatch.setattr(_gemm.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_cast_kernel, "supported", lambda shape, *a, **k: (shape[1] % 32 == 0, ""))
+    assert _gemm.takes_scales(ok, ok, True)
+    assert not _gemm.takes_scales(ok, bad, True)
+    assert not _gemm.takes_scales(ok, ok, False)
+    assert not _gemm.takes_scales(ok, ok, True, jnp.float32)
+    monkeypatch.setitem(_gemm.TUNING, "scaled_gemm", False)
+    assert not _gemm.takes_scales(ok, ok, True)
