@@ -61,15 +61,8 @@ def test_cast_kernel_setting_falls_back_where_it_cannot_run(key):
     assert float(amax) == float(q.amax(x))
     xs, w = normal(key, (64, 32), jnp.bfloat16), normal(key, (48, 32), jnp.bfloat16)
     dn = (((1,), (1,)), ((), ()))
-    grads = [
-        jax.grad(
-            lambda x, w, op=fp8jax.Fp8DotGeneral(fp8jax.Fp8Config(selective=False, cast_kernel=ck)): (
-                jnp.sum(op(x, w, dn).astype(jnp.float32) ** 2)
-            ),
-            argnums=(0, 1),
-        )(xs, w)
-        for ck in (False, True)
-    ]
+    grads = [jax.grad(lambda x, w, op=fp8jax.Fp8DotGeneral(fp8jax.Fp8Config(selective=False, cast_kernel=ck)):
+                      jnp.sum(op(x, w, dn).astype(jnp.float32) ** 2), argnums=(0, 1))(xs, w) for ck in (False, True)]
     for a, b in zip(*grads):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -78,9 +71,7 @@ def _dot_precisions(config, key):
     op = fp8jax.Fp8DotGeneral(config)
     x, w = normal(key, (64, 32), jnp.bfloat16), normal(key, (48, 32), jnp.bfloat16)
     dn = (((1,), (1,)), ((), ()))
-    jaxpr = jax.make_jaxpr(
-        jax.grad(lambda x, w: jnp.sum(op(x, w, dn).astype(jnp.float32)), argnums=(0, 1))
-    )(x, w)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(op(x, w, dn).astype(jnp.float32)), argnums=(0, 1)))(x, w)
     found = []
 
     def walk(jaxpr):
@@ -97,16 +88,12 @@ def _dot_precisions(config, key):
 
 
 def _is_highest(precision):
-    return precision is not None and all(
-        p == jax.lax.Precision.HIGHEST
-        for p in (precision if isinstance(precision, tuple) else (precision,))
-    )
+    return precision is not None and all(p == jax.lax.Precision.HIGHEST for p in
+                                         (precision if isinstance(precision, tuple) else (precision,)))
 
 
-@pytest.mark.parametrize(
-    "mode, fast_fwd, fast_bwd",
-    [("forward", True, False), ("all", True, True), ("none", False, False)],
-)
+@pytest.mark.parametrize("mode, fast_fwd, fast_bwd", [("forward", True, False), ("all", True, True),
+                                                      ("none", False, False)])
 def test_fast_accumulation_sets_the_fp8_gemm_precision(key, mode, fast_fwd, fast_bwd):
     """Forward first, then dgrad and wgrad: HIGHEST (promoted accumulation) unless fast."""
     config = fp8jax.Fp8Config(selective=False, fast_accumulation=mode)
