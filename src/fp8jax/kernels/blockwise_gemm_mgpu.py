@@ -128,8 +128,9 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, int
     m, k = a.shape
     n, k2 = b.shape
     nk = k // BLOCK_K
+    b_blocks = b_scale.shape[0] != n
     if config is None:
-        config = BLOCK_SCALES if b_scale.shape[0] != n else Config()
+        config = BLOCK_SCALES if b_blocks else Config()
     if k != k2 or a_scale.shape != (m, nk) or b_scale.shape not in ((n, nk), (n // BLOCK_K, nk)):
         raise ValueError(
             f"blockwise GEMM kernel: a {a.shape}, a_scale {a_scale.shape}, b {b.shape}, "
@@ -140,7 +141,6 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, int
     if why and not (interpret and why == _gg.available()[1]):
         raise ValueError(f"blockwise GEMM kernel: {why}")
     sa = _chunk_major(a_scale)  # [nk * M]
-    b_blocks = b_scale.shape[0] != n
     two = config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0
     if two and b_blocks and config.tile_n == BLOCK_K:
         sb = _block_scales_per_row(b_scale, config.tile_m)
