@@ -27,7 +27,7 @@ TUNING = {
     "cast_transposed": False,
     # Hand the scales to cuBLASLt (`scaled_fp8_gemm`) instead of a multiply after the GEMM,
     # where both operands come from the cast kernel (`takes_scales`). On an H100 the linear
-    # step got 2-6% faster (8192^3: 3.12 -> 2.96 ms) with every GEMM still FP8; operands of
+    # step got 2-5% faster (8192^3: 3.12 -> 2.96 ms) with every GEMM still FP8; operands of
     # XLA's casts lose the pattern at some shapes (8192^3: 1 of 3 GEMMs stayed FP8, the
     # others fell back to bf16), so those keep the multiply (benchmarks/RESULTS.md,
     # 2026-11-26 twelfth session).
