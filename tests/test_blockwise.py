@@ -146,6 +146,28 @@ def test_kernel_matches_reference(key, m, k, n, b_blocks):
     assert sqnr_db(out16, ref) > 45
 
 
+@gpu
+@pytest.mark.parametrize("b_blocks", [True, False])
+def test_kernel_configs_give_the_same_output(key, b_blocks):
+    """Two 64-row waves per warpgroup, two-CTA clusters and the pipeline depth change only
+    the schedule: every element is the same sum in the same order, so bit-identical."""
+    mg = pytest.importorskip("fp8jax.kernels.blockwise_gemm_mgpu")
+    m, k, n = 512, 768, 512
+    a, sa, b, sb = _fp8_operands(key, m, n, k, m, n // 128 if b_blocks else n)
+    if bg.kernel_reason(a, sa, b, sb, jnp.bfloat16, 128):
+        pytest.skip(bg.kernel_reason(a, sa, b, sb, jnp.bfloat16, 128))
+    run = lambda config: mg.gemm(a[0], sa[0], b[0], sb[0], out_dtype=jnp.bfloat16, config=config)  # noqa: E731
+    base = run(mg.Config())
+    assert sqnr_db(base, bg.reference(a, sa, b, sb, jnp.float32)[0]) > 45
+    for config in (
+        mg.Config(waves=2),
+        mg.Config(waves=2, cluster_n=2, max_concurrent_steps=3),
+        mg.BLOCK_SCALES_128,
+        None,
+    ):
+        np.testing.assert_array_equal(np.asarray(run(config)), np.asarray(base), err_msg=str(config))
+
+
 def test_gemm_report_counts_the_block_scaled_kernel():
     """`fp8jax.fp8_gemm_report` counts a Mosaic GPU call under the kernel's named scope as
     an FP8 GEMM (its f32 scale inputs dropped), and no other Mosaic GPU call."""

@@ -19,7 +19,9 @@ meanwhile:
   warpgroup promotes, the other's ``wgmma`` runs. With B scaled per block and
   ``tile_n=128``, a chunk's B scale is one number per tile: it multiplies the two row
   scales a thread holds, and the promotion is one multiply-add per element instead of the
-  outer product's three operations (1070 against 860 TFLOP/s at 8192^3, H100).
+  outer product's three operations (1070 against 860 TFLOP/s at 8192^3, H100). With
+  ``waves=2`` each math warpgroup owns two 64-row tiles and runs their chunks in turn
+  (DeepGEMM's ``256 x 128`` block): one B tile then feeds four ``wgmma`` waves.
 * ``math_warpgroups=1``: one warpgroup per CTA loads and computes (`plgpu.emit_pipeline`),
   and ``ctas_per_sm`` CTAs share an SM. Also the layout the CPU interpret-mode test runs.
 
@@ -62,17 +64,26 @@ class Config:
     # neighbouring N tiles of the same rows and share each A tile (one TMA multicast to
     # both), halving A's reads from L2; needs an even number of N tiles, else 1 is used.
     cluster_n: int = 1
+    # Two-warpgroup kernel: ``tile_m``-row waves per math warpgroup. 2: each warpgroup
+    # promotes two 64-row tiles in turn (DeepGEMM's 256-row block), so one B tile feeds
+    # four ``wgmma`` waves instead of two; dense GEMMs with bf16 output only.
+    waves: int = 1
 
     @property
     def cta_tile_m(self) -> int:
-        return self.tile_m * self.math_warpgroups
+        return self.tile_m * self.math_warpgroups * self.waves
 
 
-# Block-scaled B (forward, dgrad): two-CTA clusters sharing A and 4 stages. H100: 8192^3
-# 1121 -> 1141 TFLOP/s, 16384x4096x14336 1123 -> 1161, 16384x4096x4096 1052-1084 -> 1108.
-# B per column (wgrad) keeps `Config()`: clusters there gained 0-3% at two shapes, lost 9% at
-# 8192^3 (benchmarks/RESULTS.md, 2026-11-26 twelfth session).
-BLOCK_SCALES = Config(max_concurrent_steps=4, cluster_n=2)
+# Block-scaled B (forward, dgrad), M a multiple of 128: two-CTA clusters sharing A and 4
+# stages. H100: 8192^3 1121 -> 1141 TFLOP/s, 16384x4096x14336 1123 -> 1161, 16384x4096x4096
+# 1052-1084 -> 1108. B per column (wgrad) keeps `Config()`: clusters there gained 0-3% at two
+# shapes, lost 9% at 8192^3 (benchmarks/RESULTS.md, 2026-11-26 twelfth session).
+BLOCK_SCALES_128 = Config(max_concurrent_steps=4, cluster_n=2)
+# M a multiple of 256 and bf16 out: DeepGEMM's choice at these shapes (256 x 128 blocks, two
+# CTAs sharing A, 3 stages; its `DG_PRINT_CONFIGS`). H100, one process: 3-9% over
+# `BLOCK_SCALES_128` at three of four shapes (benchmarks/RESULTS.md, 2026-11-26 thirteenth
+# session). Per column two waves are slower (514-537 against 720-850 TFLOP/s).
+BLOCK_SCALES = Config(max_concurrent_steps=3, cluster_n=2, waves=2)
 
 # The single-warpgroup kernel's best setting (8192^3, H100): 760 TFLOP/s with 2 stages
 # against 677 with 3 and 658 with 4 (benchmarks/RESULTS.md, 2026-11-25 fourth session).
@@ -122,7 +133,8 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, int
     """``a [M, K]``, ``a_scale [M, K/128]``, ``b [N, K]`` and ``b_scale`` one per row
     ``[N, K/128]`` or per ``128 x 128`` block ``[N/128, K/128]`` -> ``[M, N]`` in
     ``out_dtype`` (see the module docstring). ``config`` None: `BLOCK_SCALES` for block
-    scales, else ``Config()``. ``interpret``: run in Pallas' GPU interpret mode (CPU, tests;
+    scales (`BLOCK_SCALES_128` where M is not a multiple of 256 or the output float32), else
+    ``Config()``. ``interpret``: run in Pallas' GPU interpret mode (CPU, tests;
     two CTAs, one warpgroup each). An M that two math warpgroups do not divide (a multiple
     of 64, not of 128) runs on one."""
     m, k = a.shape
@@ -140,6 +152,10 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, int
     why = reason((1, m, k), (1, n, k), a.dtype, b.dtype, out_dtype, BLOCK_K, config)
     if why and not (interpret and why == _gg.available()[1]):
         raise ValueError(f"blockwise GEMM kernel: {why}")
+    if config.waves > 1 and (m % config.cta_tile_m or jnp.dtype(out_dtype) != jnp.bfloat16):
+        # 128-row blocks (float32 tiles of two waves do not fit the SMEM with the stages)
+        one = dataclasses.replace(config, waves=1)
+        config = BLOCK_SCALES_128 if config == BLOCK_SCALES else one
     sa = _chunk_major(a_scale)  # [nk * M]
     two = config.math_warpgroups == 2 and not interpret and m % config.cta_tile_m == 0
     if two and b_blocks and config.tile_n == BLOCK_K:
@@ -191,20 +207,24 @@ def _wgmma_zero(shape):
     return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _promotion_step(rows, b_blocks: bool, shape):
-    """The two-warpgroup kernels' pipeline step for the math warpgroup owning ``rows`` of
-    the CTA tile: one chunk's ``wgmma``, promoted into the running total with the chunk's A
-    row scales and B scales (``b_blocks``: one per block, folded into the row scales; else
-    one per column)."""
+def _promotion_step(wg, waves: int, b_blocks: bool, shape):
+    """The two-warpgroup kernels' pipeline step for math warpgroup ``wg``: per wave (its
+    ``waves`` row tiles of ``shape``, in turn) one chunk's ``wgmma``, promoted into that
+    wave's running total with the chunk's A row scales and B scales (``b_blocks``: one per
+    block, folded into the row scales; else one per column)."""
+    bm = shape[0]
 
-    def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
-        row_s = _load(sa_smem.at[rows], plgpu.Layout.WGMMA.reduce(1), False)
-        if b_blocks:  # the chunk's B scale, folded into the row scales
-            row_s = row_s * _load(sb_smem, plgpu.Layout.WGMMA.reduce(1), False)
-            col_s = None
-        else:
-            col_s = _load(sb_smem, plgpu.Layout.WGMMA.reduce(0), False)
-        return total + _scaled_chunk(a_smem.at[rows], b_smem, row_s, col_s, shape)
+    def step(_, a_smem, b_smem, sa_smem, sb_smem, totals):
+        layout_rows, layout_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+        # The chunk's B scale (one per block, repeated over a wave's rows) or column scales.
+        b_s = _load(sb_smem, layout_rows if b_blocks else layout_cols, False)
+        new = []
+        for w, total in enumerate(totals):
+            rows = pl.ds((wg * waves + w) * bm, bm)
+            row_s = _load(sa_smem.at[rows], layout_rows, False)
+            row_s, col_s = (row_s * b_s, None) if b_blocks else (row_s, b_s)
+            new.append(total + _scaled_chunk(a_smem.at[rows], b_smem, row_s, col_s, shape))
+        return tuple(new)
 
     return step
 
@@ -250,13 +270,15 @@ def _ws_pipeline(
     )
 
 
-def _store_tile(o_smem, out, dst):
-    """A math warpgroup's finished tile: into its SMEM slot (once the previous tile's copy
-    has read it), then one TMA copy to ``dst``."""
+def _store_tiles(o_smems, outs, dsts):
+    """A math warpgroup's finished tiles: into their SMEM slots (once the previous tiles'
+    copies have read them), then one TMA copy each to ``dsts``."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_smem[...] = out
+    for o_smem, out in zip(o_smems, outs, strict=True):
+        o_smem[...] = out
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, dst)
+    for o_smem, dst in zip(o_smems, dsts, strict=True):
+        plgpu.copy_smem_to_gmem(o_smem, dst)
 
 
 def _ws_kernel(body, out_type, config: Config, cluster_n: int = 1):
@@ -286,7 +308,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
     grouped = block_group is not None
     (m, k), n = a.shape, b.shape[-2]
     num_groups = b.shape[0] if grouped else 1
-    bm, bn, wgs = config.tile_m, config.tile_n, config.math_warpgroups
+    bm, bn, wgs, waves = config.tile_m, config.tile_n, config.math_warpgroups, config.waves
     cta_m = config.cta_tile_m
     grid_m, grid_n, nk = m // cta_m, n // bn, k // BLOCK_K
     cluster_n = config.cluster_n if grid_n % config.cluster_n == 0 else 1
@@ -296,7 +318,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
         bg_gmem, o_gmem = refs if grouped else (None, refs[0])
         wg = lax.axis_index("wg")
         b_one, sb_one = (b_gmem.at[0], sb_gmem.at[0]) if grouped else (b_gmem, sb_gmem)
-        step = _promotion_step(pl.ds(wg * bm, bm), b_blocks, (bm, bn))
+        step = _promotion_step(wg, waves, b_blocks, (bm, bn))
 
         def pipeline(compute_context, m_i=0, n_i=0):
             sb_block = bm if b_blocks else bn
@@ -310,7 +332,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
         @functools.partial(
             pl.run_scoped,
             allocs=pipeline(ignore).get_allocations(a_gmem, b_one, sa_gmem, sb_one),
-            o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=out_transforms),
+            o_smem=plgpu.SMEM((wgs * waves, bm, bn), out_dtype, transforms=out_transforms),
             collective_axes="wg",
         )
         def _scope(allocs, o_smem):
@@ -323,9 +345,14 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
                     n_i = n_i * cluster_n + lax.axis_index("cluster")
 
                 def compute_context(run):
-                    out = run(_wgmma_zero((bm, bn))).astype(out_dtype)
-                    dst = o_gmem.at[pl.ds(m_i * cta_m + wg * bm, bm), pl.ds(n_i * bn, bn)]
-                    _store_tile(o_smem.at[wg], out, dst)
+                    totals = run(tuple(_wgmma_zero((bm, bn)) for _ in range(waves)))
+                    tiles = [wg * waves + w for w in range(waves)]
+                    cols = pl.ds(n_i * bn, bn)
+                    _store_tiles(
+                        [o_smem.at[t] for t in tiles],
+                        [total.astype(out_dtype) for total in totals],
+                        [o_gmem.at[pl.ds(m_i * cta_m + t * bm, bm), cols] for t in tiles],
+                    )
 
                 if not grouped:
                     pipeline(compute_context, m_i, n_i)(

@@ -93,7 +93,7 @@ def grouped_wgrad(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, 
 
     def body(starts_gmem, blocks_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem):
         wg = jax.lax.axis_index("wg")
-        step = _mg._promotion_step(pl.ds(wg * bm, bm), False, (bm, bn))
+        step = _mg._promotion_step(wg, 1, False, (bm, bn))
 
         def pipeline(compute_context, num_blocks, first=0, m_i=0, n_i=0):
             return _mg._ws_pipeline(
@@ -124,10 +124,11 @@ def grouped_wgrad(a_t, a_scale, b_t, b_scale, group_starts, group_padded_sizes, 
 
                 def store(total):
                     dst = o_gmem.at[g_i, pl.ds(m_i * cta_m + wg * bm, bm), pl.ds(n_i * bn, bn)]
-                    _mg._store_tile(o_smem.at[wg], total.astype(out_dtype), dst)
+                    _mg._store_tiles([o_smem.at[wg]], [total.astype(out_dtype)], [dst])
 
                 def compute_context(run):
-                    store(run(_mg._wgmma_zero((bm, bn))))
+                    (total,) = run((_mg._wgmma_zero((bm, bn)),))
+                    store(total)
 
                 @pl.when(num_blocks > 0)
                 def _run():
