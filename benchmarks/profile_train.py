@@ -91,7 +91,8 @@ def _summary(line: str) -> str:
 
 
 def categorize(line: str | None, kernel: str) -> str:
-    """The category of a kernel from its HLO instruction (or its name when unknown)."""
+    """The category of a kernel from its HLO instruction, else from its name (jax 0.11's
+    command buffers tag every kernel with the buffer, not its instruction)."""
     text = line or ""
     if "custom-call" in text or "custom_call_target" in text:
         target = (re.search(r'custom_call_target="([^"]+)"', text) or re.search("()", "")).group(1)
@@ -102,16 +103,39 @@ def categorize(line: str | None, kernel: str) -> str:
         if "triton" in target or "mosaic" in target:
             return "pallas"
         return "other"
-    if "kind=kCustom" in text and "gemm" in text:
+    if text:
+        if "kind=kCustom" in text and "gemm" in text:
+            return "gemm"
+        if re.search(r"\s(copy|transpose)\(", text) or "transpose" in kernel:
+            return "copy/transpose"
+        if "kind=kInput" in text or "reduce" in kernel:
+            return "reduction"
+        if "fusion" in text:
+            return "elementwise"
+    return _category_from_name(kernel)
+
+
+def _category_from_name(kernel: str) -> str:
+    """A kernel's category from its name alone (names as H100 traces show them)."""
+    name = kernel.lower()
+    # cuBLASLt: "nvjet_sm90_qqtst_..." (q: an FP8 operand), "sm90_xmma_gemm_e4m3..."
+    if re.match(r"nvjet_sm\d+_[a-z]*q[a-z]*_", name) or (
+        "gemm" in name and any(t in name for t in ("e4m3", "e5m2", "f8"))
+    ):
+        return "gemm-fp8"
+    if "nvjet" in name or "gemm" in name or "xmma" in name:
         return "gemm"
-    if re.search(r"\s(copy|transpose)\(", text) or "transpose" in kernel:
+    if "sdpa" in name or "fmha" in name or "flash" in name or "cudnn" in name:
+        return "attention"
+    # Pallas: Mosaic GPU ("body_mosaic_gpu_kernel") and Triton ("_kernel", "_bwd_kernel__3")
+    if "mosaic_gpu" in name or re.fullmatch(r"_\w*kernel(__\d+)?", name):
+        return "pallas"
+    if "transpose" in name or name.startswith(("memcpy", "copy")):
         return "copy/transpose"
-    if "kind=kInput" in text or "reduce" in kernel:
+    if name.startswith("input_") or "reduce" in name:
         return "reduction"
-    if "fusion" in text or "fusion" in kernel:
+    if "fusion" in name:
         return "elementwise"
-    if "gemm" in kernel or "nvjet" in kernel:
-        return "gemm"
     return "other"
 
 
