@@ -162,6 +162,7 @@ def test_kernel_configs_give_the_same_output(key, b_blocks):
     for config in (
         mg.Config(waves=2),
         mg.Config(waves=2, cluster_n=2, max_concurrent_steps=3),
+        mg.Config(cluster_m=2, max_concurrent_steps=4),
         mg.BLOCK_SCALES_128,
         None,
     ):

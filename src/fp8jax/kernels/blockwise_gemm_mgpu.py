@@ -64,6 +64,9 @@ class Config:
     # neighbouring N tiles of the same rows and share each A tile (one TMA multicast to
     # both), halving A's reads from L2; needs an even number of N tiles, else 1 is used.
     cluster_n: int = 1
+    # Dense two-warpgroup kernel: CTAs per cluster along M (2: neighbouring M tiles of the
+    # same columns share each B tile, DeepGEMM's 1x128 x 1x128 choice). One of the two is 1.
+    cluster_m: int = 1
     # Two-warpgroup kernel: ``tile_m``-row waves per math warpgroup. 2: each warpgroup
     # promotes two 64-row tiles in turn (DeepGEMM's 256-row block), so one B tile feeds
     # four ``wgmma`` waves instead of two; dense GEMMs with bf16 output only.
@@ -76,14 +79,18 @@ class Config:
 
 # Block-scaled B (forward, dgrad), M a multiple of 128: two-CTA clusters sharing A and 4
 # stages. H100: 8192^3 1121 -> 1141 TFLOP/s, 16384x4096x14336 1123 -> 1161, 16384x4096x4096
-# 1052-1084 -> 1108. B per column (wgrad) keeps `Config()`: clusters there gained 0-3% at two
-# shapes, lost 9% at 8192^3 (benchmarks/RESULTS.md, 2026-11-26 twelfth session).
+# 1052-1084 -> 1108 (benchmarks/RESULTS.md, 2026-11-26 twelfth session).
 BLOCK_SCALES_128 = Config(max_concurrent_steps=4, cluster_n=2)
 # M a multiple of 256 and bf16 out: DeepGEMM's choice at these shapes (256 x 128 blocks, two
 # CTAs sharing A, 3 stages; its `DG_PRINT_CONFIGS`). H100, one process: 3-9% over
 # `BLOCK_SCALES_128` at three of four shapes (benchmarks/RESULTS.md, 2026-11-26 thirteenth
 # session). Per column two waves are slower (514-537 against 720-850 TFLOP/s).
 BLOCK_SCALES = Config(max_concurrent_steps=3, cluster_n=2, waves=2)
+# B per column (the wgrad): two CTAs sharing B, 4 stages (DeepGEMM's 1x128 x 1x128 choice, with
+# its 152-wide tiles). H100, one process: 8192x8192x10240 721-731 -> 833-847 TFLOP/s,
+# 16384x4096x4096 817-825 -> 842-879, 16384x4096x14336 803-815 -> 836-837, 8192^3 836-863 ->
+# 818-834 (benchmarks/RESULTS.md, 2026-11-26 thirteenth session).
+PER_COLUMN = Config(max_concurrent_steps=4, cluster_m=2)
 
 # The single-warpgroup kernel's best setting (8192^3, H100): 760 TFLOP/s with 2 stages
 # against 677 with 3 and 658 with 4 (benchmarks/RESULTS.md, 2026-11-25 fourth session).
@@ -134,7 +141,7 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, int
     ``[N, K/128]`` or per ``128 x 128`` block ``[N/128, K/128]`` -> ``[M, N]`` in
     ``out_dtype`` (see the module docstring). ``config`` None: `BLOCK_SCALES` for block
     scales (`BLOCK_SCALES_128` where M is not a multiple of 256 or the output float32), else
-    ``Config()``. ``interpret``: run in Pallas' GPU interpret mode (CPU, tests;
+    `PER_COLUMN`. ``interpret``: run in Pallas' GPU interpret mode (CPU, tests;
     two CTAs, one warpgroup each). An M that two math warpgroups do not divide (a multiple
     of 64, not of 128) runs on one."""
     m, k = a.shape
@@ -142,7 +149,7 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, int
     nk = k // BLOCK_K
     b_blocks = b_scale.shape[0] != n
     if config is None:
-        config = BLOCK_SCALES if b_blocks else Config()
+        config = BLOCK_SCALES if b_blocks else PER_COLUMN
     if k != k2 or a_scale.shape != (m, nk) or b_scale.shape not in ((n, nk), (n // BLOCK_K, nk)):
         raise ValueError(
             f"blockwise GEMM kernel: a {a.shape}, a_scale {a_scale.shape}, b {b.shape}, "
@@ -241,14 +248,16 @@ def _ws_pipeline(
     n_i=0,
     first=0,
     cluster_n=1,
+    cluster_m=1,
 ):
     """The two-warpgroup kernels' pipeline over ``num_steps`` K chunks (static, or a traced
     group length), from chunk ``first``: per step the ``cta_tile_m x 128`` A tile, the
     ``tile_n x 128`` B tile, and their chunk's scales (``sb_block`` B scales per N tile)
     from the chunk-major scale vectors. ``cluster_n=2``: A's tile is multicast to the
-    cluster's two CTAs (both load the same rows)."""
+    cluster's two CTAs (both load the same rows); ``cluster_m=2``: B's tile is."""
     grid_m, grid_n = grid_mn
     a_shared = dict(collective_axes=("cluster",)) if cluster_n == 2 else {}
+    b_shared = dict(collective_axes=("cluster",)) if cluster_m == 2 else {}
     bk = BLOCK_K
     a_transforms, b_transforms = (_gg._smem_transforms(bk, dtype) for dtype in dtypes)
     return plgpu.emit_pipeline_warp_specialized(
@@ -259,7 +268,9 @@ def _ws_pipeline(
             plgpu.BlockSpec(
                 (config.cta_tile_m, bk), lambda kk: (m_i, kk), transforms=a_transforms, **a_shared
             ),
-            plgpu.BlockSpec((config.tile_n, bk), lambda kk: (n_i, kk), transforms=b_transforms),
+            plgpu.BlockSpec(
+                (config.tile_n, bk), lambda kk: (n_i, kk), transforms=b_transforms, **b_shared
+            ),
             plgpu.BlockSpec((config.cta_tile_m,), lambda kk: ((first + kk) * grid_m + m_i,)),
             plgpu.BlockSpec((sb_block,), lambda kk: ((first + kk) * grid_n + n_i,)),
         ],
@@ -312,6 +323,8 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
     cta_m = config.cta_tile_m
     grid_m, grid_n, nk = m // cta_m, n // bn, k // BLOCK_K
     cluster_n = config.cluster_n if grid_n % config.cluster_n == 0 else 1
+    cluster_m = config.cluster_m if grid_m % config.cluster_m == 0 and not grouped else 1
+    cluster_m = 1 if cluster_n > 1 else cluster_m
     out_transforms = _gg._smem_transforms(bn, out_dtype)
 
     def body(a_gmem, b_gmem, sa_gmem, sb_gmem, *refs):
@@ -324,7 +337,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
             sb_block = bm if b_blocks else bn
             return _ws_pipeline(
                 step, compute_context, config, (a.dtype, b.dtype), (grid_m, grid_n), nk,
-                sb_block, m_i, n_i, cluster_n=cluster_n,
+                sb_block, m_i, n_i, cluster_n=cluster_n, cluster_m=cluster_m,
             )  # fmt: skip
 
         ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on it)
@@ -336,13 +349,15 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
             collective_axes="wg",
         )
         def _scope(allocs, o_smem):
-            @plgpu.nd_loop((grid_m * (grid_n // cluster_n),), collective_axes="sm")
+            @plgpu.nd_loop(((grid_m // cluster_m) * (grid_n // cluster_n),), collective_axes="sm")
             def _loop(loop_info):
                 (lin,) = loop_info.index
-                tiles = (grid_m, grid_n // cluster_n)
+                tiles = (grid_m // cluster_m, grid_n // cluster_n)
                 m_i, n_i = plgpu.planar_snake(lin, tiles, 1, config.grid_tile_width)
                 if cluster_n > 1:  # the cluster's CTAs: neighbouring N tiles, same rows
                     n_i = n_i * cluster_n + lax.axis_index("cluster")
+                if cluster_m > 1:  # neighbouring M tiles, same columns
+                    m_i = m_i * cluster_m + lax.axis_index("cluster")
 
                 def compute_context(run):
                     totals = run(tuple(_wgmma_zero((bm, bn)) for _ in range(waves)))
@@ -369,7 +384,9 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = _ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), config, cluster_n)
+    kernel = _ws_kernel(
+        body, jax.ShapeDtypeStruct((m, n), out_dtype), config, max(cluster_n, cluster_m)
+    )
     if grouped:
         return kernel(a, b, sa, sb, block_group.astype(jnp.int32))
     return kernel(a, b, sa, sb)
