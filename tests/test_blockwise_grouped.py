@@ -45,18 +45,54 @@ def _casts(key, layout, k, n, groups):
     return recipe, xc, gc, wc
 
 
+def test_blockwise_layers_lay_large_groups_out_on_256_rows(key):
+    """Block-wise grouped layers whose experts average >= 2048 rows align groups to 256
+    rows (the kernels then take 256-row blocks); smaller batches and per-tensor layers keep
+    128. The alignment only moves padding: outputs and gradients stay the same."""
+    from fp8jax.nn import grouped as nng
+
+    experts, rows, k, n = 2, 4096, 128, 256
+    kx, kd, kw = jax.random.split(key, 3)
+    layer = nn.GroupedLinear(
+        experts, k, n, key=kw, config=fp8jax.Fp8Config(recipe="blockwise"), dtype=jnp.bfloat16
+    )
+    assert nng.row_align(layer, rows) == 256
+    assert nng.row_align(layer, rows - 1) == 128
+    assert nng.row_align(nn.GroupedLinear(experts, k, n, key=kw), 8 * rows) == 128
+    sizes = jnp.array([2500, 1596])  # neither a multiple of 128
+    x = jax.random.normal(kx, (rows, k), jnp.bfloat16)
+    dy = jax.random.normal(kd, (rows, n), jnp.bfloat16)
+
+    def grads(fn):
+        y, vjp = jax.vjp(fn, layer, x)
+        dlayer, dx = vjp(dy)
+        return y, dx, dlayer.weight
+
+    def padded(align):
+        layout = nn.make_layout(sizes, rows, align)
+        assert layout.align == align and layout.num_rows % align == 0
+        return lambda l, x: gr.unpad_rows(l.apply_padded(gr.pad_rows(x, layout), layout), layout, rows)  # noqa: E501
+
+    want = grads(padded(128))
+    for got in (grads(padded(256)), grads(lambda l, x: l(x, sizes))):
+        for g, w in zip(got, want, strict=True):
+            assert sqnr_db(g, w) > 60
+
+
 @gpu
-def test_grouped_kernels_match_reference(key):
+@pytest.mark.parametrize("align", [128, 256])
+def test_grouped_kernels_match_reference(key, align):
+    """``align`` 256: dx (bf16 out) runs the 256-row blocks; y (float32 out) 128-row ones."""
     from fp8jax.kernels import blockwise_grouped_mgpu as bgk
 
     k, n = 256, 384
-    layout = nn.make_layout(jnp.array(SIZES), sum(SIZES))
+    layout = nn.make_layout(jnp.array(SIZES), sum(SIZES), align)
     recipe, xc, gc, wc = _casts(key, layout, k, n, len(SIZES))
     deq = lambda d, s: recipe.dequantize(d, s, jnp.float32)  # noqa: E731
     ones = jnp.ones((len(SIZES),), jnp.float32)
     valid = np.asarray(layout.row_valid)
 
-    y = jax.jit(lambda *a: bgk.grouped_rows(*a, out_dtype=jnp.float32))(
+    y = jax.jit(lambda *a: bgk.grouped_rows(*a, out_dtype=jnp.float32, group_align=align))(
         xc.data[0], xc.scale[0], wc.data_t, wc.scale_t, layout.block_group
     )
     ref = gr._rows_reference(
@@ -64,7 +100,7 @@ def test_grouped_kernels_match_reference(key):
     )
     assert sqnr_db(np.asarray(y)[valid], np.asarray(ref)[valid]) > 50
 
-    dx = jax.jit(lambda *a: bgk.grouped_rows(*a, out_dtype=jnp.bfloat16))(
+    dx = jax.jit(lambda *a: bgk.grouped_rows(*a, out_dtype=jnp.bfloat16, group_align=align))(
         gc.data[0], gc.scale[0], wc.data, wc.scale, layout.block_group
     )
     ref = gr._rows_reference(

@@ -374,7 +374,7 @@ def _warp_specialized(a, sa, b, sb, out_dtype, config: Config, b_blocks: bool, b
                         a_gmem, b_gmem, sa_gmem, sb_gmem, allocations=allocs
                     )
                     return
-                group = bg_gmem[m_i]  # cta_m = 128 rows: one group per CTA tile
+                group = bg_gmem[m_i]  # one group per CTA tile (128 or 256 rows)
 
                 @pl.when(group < num_groups)
                 def _run():

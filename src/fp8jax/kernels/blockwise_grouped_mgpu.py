@@ -53,10 +53,20 @@ def reason(m: int, k: int, n: int, dtype, out_dtype) -> str:
     return ""
 
 
-def grouped_rows(a, a_scale, b, b_scale, block_group, *, out_dtype):
+# Groups aligned to 256 rows: each CTA runs DeepGEMM's 256 x 128 block (two waves per math
+# warpgroup, `blockwise_gemm_mgpu.Config.waves`) on one group, two CTAs sharing A. H100,
+# 32768 rows in equal groups, TFLOP/s against 128-row blocks: 8 experts x 14336 1001-1006 ->
+# 1129, x 4096 1028-1033 -> 1087; 64 experts x 14336 899-902 -> 1093 (benchmarks/RESULTS.md,
+# 2026-11-26 thirteenth session).
+ALIGNED_256 = _mg.Config(waves=2, cluster_n=2)
+
+
+def grouped_rows(a, a_scale, b, b_scale, block_group, *, out_dtype, group_align: int = BLOCK):
     """``a [M, K]``, ``a_scale [M, K/128]``, ``b [G, N, K]``, ``b_scale [G, N/128, K/128]``
     and ``block_group [M/128]`` (group of each row block, ``G`` past the last) -> ``[M, N]``;
-    rows of blocks past the last group are undefined."""
+    rows of blocks past the last group are undefined. ``group_align=256``: every group
+    starts at a multiple of 256 rows (the caller's layout says so), so 256-row blocks with
+    a bf16 output run `ALIGNED_256`."""
     m, k = a.shape
     g, n, _ = b.shape
     nk = k // BLOCK
@@ -67,6 +77,8 @@ def grouped_rows(a, a_scale, b, b_scale, block_group, *, out_dtype):
             "[G, N/128, K/128]"
         )
     config = _mg.Config()
+    if group_align % 256 == 0 and m % 256 == 0 and jnp.dtype(out_dtype) == jnp.bfloat16:
+        config, block_group = ALIGNED_256, block_group[::2]  # one group per 256-row block
     sa, sb = _mg._chunk_major(a_scale), _mg._block_scales_per_row(b_scale, config.tile_m)
     return _mg._warp_specialized(
         a, sa, b, sb, out_dtype, config, b_blocks=True, block_group=block_group

@@ -197,13 +197,30 @@ class GroupedLinear(eqx.Module):
         return x
 
 
+# Average rows per expert from which block-wise layers lay groups out on 256 rows: the
+# padding (about 128 rows a group) then adds at most ~6% rows.
+ALIGN_256_MIN_ROWS = 2048
+
+
+def row_align(layer: GroupedLinear, num_rows: int) -> int:
+    """Group alignment of the padded layout for ``num_rows`` rows into ``layer``: 256 where
+    the block-wise grouped kernels then take 256-row blocks (8-21% faster on an H100) and the
+    groups average `ALIGN_256_MIN_ROWS` rows or more, so the extra padding stays small;
+    else `ROW_ALIGN` (128)."""
+    state = layer.fp8_state
+    if state is None or state.config.recipe.kind != "blockwise":
+        return ROW_ALIGN
+    big = num_rows >= ALIGN_256_MIN_ROWS * layer.num_experts
+    return 2 * ROW_ALIGN if big else ROW_ALIGN
+
+
 def _apply_sorted(module, first: GroupedLinear, x_sorted, group_sizes):
     """``module.apply_padded`` on sorted rows: validate against ``first`` (the layer
     that takes the input), pad to the kernel layout, run, unpad."""
     x_sorted = first._check_input(x_sorted, "x_sorted")
     gr.check_group_sizes(group_sizes, x_sorted.shape[0], first.num_experts)
     sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
-    layout = make_layout(sizes, x_sorted.shape[0])
+    layout = make_layout(sizes, x_sorted.shape[0], row_align(first, x_sorted.shape[0]))
     y = module.apply_padded(gr.pad_rows(x_sorted, layout), layout)
     return gr.unpad_rows(y, layout, x_sorted.shape[0])
 
@@ -406,13 +423,14 @@ class MoE(eqx.Module):
         starts_unpadded = jnp.cumsum(counts) - counts
         rank = jnp.arange(num_assign, dtype=jnp.int32) - starts_unpadded[sorted_expert]
         cap = self.capacity(num_tokens)
+        align = row_align(self.experts.fc1, num_assign)
         if cap is None:
             kept_sizes, keep_sorted = counts, jnp.ones((num_assign,), bool)
-            rows = gr.padded_rows(num_assign, g, ROW_ALIGN)
+            rows = gr.padded_rows(num_assign, g, align)
         else:
             kept_sizes, keep_sorted = jnp.minimum(counts, cap), rank < cap
-            rows = min(gr.padded_rows(num_assign, g, ROW_ALIGN), g * gr._round_up(cap, ROW_ALIGN))
-        layout = gr.layout_from_sizes(kept_sizes, rows, ROW_ALIGN)
+            rows = min(gr.padded_rows(num_assign, g, align), g * gr._round_up(cap, align))
+        layout = gr.layout_from_sizes(kept_sizes, rows, align)
 
         big = gr._BIG
         pos_sorted = jnp.where(keep_sorted, layout.starts[sorted_expert] + rank, big)

@@ -68,7 +68,7 @@ def tiled_fwd(spec, x, w, layout):
         with jax.named_scope(_g.GROUPED_SCOPE):
             y = bgk.grouped_rows(
                 xc.data[0], xc.scale[0], wc.data_t, wc.scale_t, layout.block_group,
-                out_dtype=spec.x_dtype,
+                out_dtype=spec.x_dtype, group_align=layout.align,
             )  # fmt: skip
     else:
         y = _g._rows_reference(
@@ -91,8 +91,9 @@ def tiled_bwd(spec, residuals, dy):
 
         with jax.named_scope(_g.GROUPED_SCOPE):
             dx = bgk.grouped_rows(
-                gc.data[0], gc.scale[0], wq, swq, layout.block_group, out_dtype=spec.x_dtype
-            )
+                gc.data[0], gc.scale[0], wq, swq, layout.block_group, out_dtype=spec.x_dtype,
+                group_align=layout.align,
+            )  # fmt: skip
             dw = bgk.grouped_wgrad(
                 xTq[0], sxT[0], gc.data_t[0], gc.scale_t[0], layout.starts,
                 layout.padded_sizes, out_dtype=spec.w_dtype,
