@@ -197,16 +197,18 @@ class GroupedLinear(eqx.Module):
         return x
 
 
-# Average rows per expert from which block-wise layers lay groups out on 256 rows: the
-# padding (about 128 rows a group) then adds at most ~6% rows.
-ALIGN_256_MIN_ROWS = 2048
+# Average rows per expert from which block-wise layers lay groups out on 256 rows. The 256-row
+# blocks run 8-21% faster; the padding grows from about 64 to 128 rows a group. H100, 64
+# experts of 512 rows, expert MLP: 85.3 -> 80.2 ms (equal routing), 87.5 -> 86.4 (random)
+# (benchmarks/RESULTS.md, 2026-11-26 thirteenth session).
+ALIGN_256_MIN_ROWS = 512
 
 
 def row_align(layer: GroupedLinear, num_rows: int) -> int:
     """Group alignment of the padded layout for ``num_rows`` rows into ``layer``: 256 where
-    the block-wise grouped kernels then take 256-row blocks (8-21% faster on an H100) and the
-    groups average `ALIGN_256_MIN_ROWS` rows or more, so the extra padding stays small;
-    else `ROW_ALIGN` (128)."""
+    the block-wise grouped kernels then take 256-row blocks and the groups average
+    `ALIGN_256_MIN_ROWS` rows or more (the speed outweighs the extra padding); else
+    `ROW_ALIGN` (128)."""
     state = layer.fp8_state
     if state is None or state.config.recipe.kind != "blockwise":
         return ROW_ALIGN
