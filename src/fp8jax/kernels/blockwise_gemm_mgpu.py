@@ -82,9 +82,9 @@ class Config:
 # 1052-1084 -> 1108 (benchmarks/RESULTS.md, 2026-11-26 twelfth session).
 BLOCK_SCALES_128 = Config(max_concurrent_steps=4, cluster_n=2)
 # M a multiple of 256 and bf16 out: DeepGEMM's choice at these shapes (256 x 128 blocks, two
-# CTAs sharing A, 3 stages; its `DG_PRINT_CONFIGS`). H100, one process: 3-9% over
-# `BLOCK_SCALES_128` at three of four shapes (benchmarks/RESULTS.md, 2026-11-26 thirteenth
-# session). Per column two waves are slower (514-537 against 720-850 TFLOP/s).
+# CTAs sharing A, 3 stages; its `DG_PRINT_CONFIGS`). H100, alternated in one process: 8-15%
+# over `BLOCK_SCALES_128` at four shapes, 1177-1244 TFLOP/s at 8192^3 (benchmarks/RESULTS.md,
+# 2026-11-26 thirteenth session). Per column two waves are slower (514-537 against 720-850).
 BLOCK_SCALES = Config(max_concurrent_steps=3, cluster_n=2, waves=2)
 # B per column (the wgrad): two CTAs sharing B, 4 stages (DeepGEMM's 1x128 x 1x128 choice, with
 # its 152-wide tiles). H100, one process: 8192x8192x10240 721-731 -> 833-847 TFLOP/s,
