@@ -58,7 +58,7 @@ def test_blockwise_layers_lay_large_groups_out_on_256_rows(key):
     layer = nn.GroupedLinear(
         experts, k, n, key=kw, config=fp8jax.Fp8Config(recipe="blockwise"), dtype=jnp.bfloat16
     )
-    assert nng.row_align(layer, rows) == 256
+    assert nn.row_align(layer, rows) == 256
     assert nng.row_align(layer, experts * nng.ALIGN_256_MIN_ROWS - 1) == 128
     assert nng.row_align(nn.GroupedLinear(experts, k, n, key=kw), 8 * rows) == 128
     sizes = jnp.array([rows // 2 + 77, rows // 2 - 77])  # neither a multiple of 128

@@ -15,6 +15,7 @@ from .grouped import (
     MoE,
     RoutingInfo,
     make_layout,
+    row_align,
 )
 from .linear import Linear
 from .mlp import ACTIVATIONS, FusedMLP
@@ -35,5 +36,6 @@ __all__ = [
     "make_layout",
     "merge_experts",
     "rotary",
+    "row_align",
     "split_experts",
 ]

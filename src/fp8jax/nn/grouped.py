@@ -208,7 +208,8 @@ def row_align(layer: GroupedLinear, num_rows: int) -> int:
     """Group alignment of the padded layout for ``num_rows`` rows into ``layer``: 256 where
     the block-wise grouped kernels then take 256-row blocks and the groups average
     `ALIGN_256_MIN_ROWS` rows or more (the speed outweighs the extra padding); else
-    `ROW_ALIGN` (128)."""
+    `ROW_ALIGN` (128). For a layout of one's own: ``make_layout(sizes, rows,
+    row_align(layer, rows))``."""
     state = layer.fp8_state
     if state is None or state.config.recipe.kind != "blockwise":
         return ROW_ALIGN
