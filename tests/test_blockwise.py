@@ -154,8 +154,8 @@ def test_kernel_configs_give_the_same_output(key, b_blocks):
     mg = pytest.importorskip("fp8jax.kernels.blockwise_gemm_mgpu")
     m, k, n = 512, 768, 512
     a, sa, b, sb = _fp8_operands(key, m, n, k, m, n // 128 if b_blocks else n)
-    if bg.kernel_reason(a, sa, b, sb, jnp.bfloat16, 128):
-        pytest.skip(bg.kernel_reason(a, sa, b, sb, jnp.bfloat16, 128))
+    if why := bg.kernel_reason(a, sa, b, sb, jnp.bfloat16, 128):
+        pytest.skip(why)
     run = lambda config: mg.gemm(a[0], sa[0], b[0], sb[0], out_dtype=jnp.bfloat16, config=config)  # noqa: E731
     base = run(mg.Config())
     assert sqnr_db(base, bg.reference(a, sa, b, sb, jnp.float32)[0]) > 45

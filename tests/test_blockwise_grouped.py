@@ -49,7 +49,8 @@ def _casts(key, layout, k, n, groups):
 
 def test_blockwise_layers_lay_large_groups_out_on_256_rows(key):
     """Block-wise grouped layers whose experts average >= 512 rows align groups to 256 rows
-    (the kernels then take 256-row blocks); smaller batches and per-tensor layers keep 128. The alignment only moves padding: outputs and gradients stay the same."""
+    (the kernels then take 256-row blocks); smaller batches and per-tensor layers keep 128.
+    The alignment only moves padding: outputs and gradients stay the same."""
     from fp8jax.nn import grouped as nng
 
     experts, k, n = 2, 128, 128
@@ -59,8 +60,8 @@ def test_blockwise_layers_lay_large_groups_out_on_256_rows(key):
         experts, k, n, key=kw, config=fp8jax.Fp8Config(recipe="blockwise"), dtype=jnp.bfloat16
     )
     assert nn.row_align(layer, rows) == 256
-    assert nng.row_align(layer, experts * nng.ALIGN_256_MIN_ROWS - 1) == 128
-    assert nng.row_align(nn.GroupedLinear(experts, k, n, key=kw), 8 * rows) == 128
+    assert nn.row_align(layer, experts * nng.ALIGN_256_MIN_ROWS - 1) == 128
+    assert nn.row_align(nn.GroupedLinear(experts, k, n, key=kw), 8 * rows) == 128
     sizes = jnp.array([rows // 2 + 77, rows // 2 - 77])  # neither a multiple of 128
     x = jax.random.normal(kx, (rows, k), jnp.bfloat16)
     dy = jax.random.normal(kd, (rows, n), jnp.bfloat16)
