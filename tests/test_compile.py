@@ -110,6 +110,35 @@ def test_fp8_step_compiles_within_1_5x_bf16_with_default_flags():
     assert seconds["fp8"] <= 1.5 * seconds["bf16"], seconds
 
 
+def test_identical_layers_lower_their_fp8_gemm_once():
+    """Layers that share a config and shapes trace and lower an FP8 GEMM's forward and
+    backward once (`fp8jax.ops.dot._traced_once`): the step calls one function per
+    distinct layer instead of inlining a copy per layer (issue 21: lowering time)."""
+    import re
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import fp8jax
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    layers = [eqx.nn.Linear(64, 64, key=k) for k in keys[:3]] + [eqx.nn.Linear(64, 128, key=keys[3])]
+    model = fp8jax.fp8_linear_layers(layers, fp8jax.Fp8Config(selective=False))
+
+    def loss(m, x):
+        for layer in m:
+            x = jax.vmap(layer)(x)
+        return jnp.sum(x)
+
+    x = jax.random.normal(keys[0], (32, 64))
+    text = eqx.filter_jit(eqx.filter_grad(loss)).lower(model, x).as_text()
+    for name in ("fp8_gemm_forward", "fp8_gemm_backward"):
+        defined = re.findall(rf"func\.func (?:private |public )?@({name}\S*)\(", text)
+        assert len(defined) == 2, (name, defined)  # the 64x64 layers' and the 64x128 one's
+        assert len(re.findall(rf"call @{name}\S*\(", text)) == 4, name
+
+
 def test_compile_benchmark_runs_on_cpu():
     """The harness itself (tiny shapes, writes nothing): every variant compiles."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

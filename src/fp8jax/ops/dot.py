@@ -327,6 +327,29 @@ def _quiet_when_vmapped(fn, probe_arg):
     return call
 
 
+def _traced_once(impl, name: str):
+    """``impl`` under ``jax.jit`` (named ``name`` in the HLO): the layers of a model that
+    share a `Spec` and shapes (a transformer's blocks) trace and lower it once, and the step
+    calls that one function (issue 21: tracing and lowering are much of a small FP8 step's
+    extra compile time). What the trace reads besides its arguments is part of the cache key:
+    whether warnings are muted (`_QUIET`, so custom_vmap's per-example trace is never the one
+    a real call reuses) and `fp8jax.kernels.gemm.TUNING`. ``vmap`` over the state or the
+    weight (`_fallback_vmap`) maps the plain ``impl``."""
+
+    def run(settings: tuple, *args):
+        del settings
+        return impl(*args)
+
+    run.__name__ = run.__qualname__ = name
+    jitted = jax.jit(run, static_argnums=0)
+
+    @functools.wraps(impl)
+    def call(*args):
+        return jitted((bool(_QUIET[0]), *sorted(_gemm.TUNING.items())), *args)
+
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_fn(spec: Spec):
     """Forward compute as a ``custom_vmap``: under ``jax.vmap`` over the activations
@@ -335,7 +358,7 @@ def fwd_fn(spec: Spec):
     def impl(x3, w3, state):
         return _fwd_impl(spec, x3, w3, state)
 
-    fn = custom_vmap(impl)
+    fn = custom_vmap(_traced_once(impl, "fp8_gemm_forward"))
 
     @fn.def_vmap
     def rule(axis_size, in_batched, x3, w3, state):
@@ -363,7 +386,7 @@ def bwd_fn(spec: Spec):
     def impl(res, g_scale, g_history, g3):
         return _bwd_impl(spec, res, g_scale, g_history, g3)
 
-    fn = custom_vmap(impl)
+    fn = custom_vmap(_traced_once(impl, "fp8_gemm_backward"))
 
     @fn.def_vmap
     def rule(axis_size, in_batched, res, g_scale, g_history, g3):

@@ -19,7 +19,7 @@ from ..nn.attention import DotProductAttention, rotary
 from ..nn.grouped import MoE as GroupedMoE
 from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
-from ..state import OverwriteWithGradient
+from ..state import OverwriteWithGradient, enter_tree
 
 VOCAB = 256
 
@@ -229,7 +229,11 @@ class Transformer(eqx.Module):
         """Logits and the auxiliary loss summed over layers (MoE load balancing,
         already weighted by ``aux_loss_coef``; 0 without experts)."""
         x = self._split_tokens(self.embed[tokens])
-        params, static = eqx.partition(self.blocks, eqx.is_array)
+        # The stacked FP8 state enters once, outside the scan, instead of once per layer
+        # inside it: its float32 -> MAX_GRAD conversion and the backward's keep-or-replace
+        # select then run on [layers, ...] arrays (the 1b FP8 step: 9% fewer HLO
+        # instructions, about 1.5 s less compile on an H100; issue 21).
+        params, static = eqx.partition(enter_tree(self.blocks), eqx.is_array)
 
         def layer(carry, p):
             x, aux = carry
