@@ -189,17 +189,22 @@ def test_optax_multisteps(key):
 class Stack(eqx.Module):
     layers: eqx.Module
 
-    def __init__(self, key, depth=3, width=32):
+    enter: bool = eqx.field(static=True)
+    unroll: int = eqx.field(static=True)
+
+    def __init__(self, key, depth=3, width=32, enter=False, unroll=1):
         self.layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(width, width, key=k))(jax.random.split(key, depth))
+        self.enter, self.unroll = enter, unroll
 
     def __call__(self, x):
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        layers = fp8jax.enter_state(self.layers) if self.enter else self.layers
+        dynamic, static = eqx.partition(layers, eqx.is_array)
 
         def body(h, layer_arrays):
             layer = eqx.combine(layer_arrays, static)
             return jnp.tanh(layer(h)) * 3.0, None
 
-        return jax.lax.scan(body, x, dynamic)[0]
+        return jax.lax.scan(body, x, dynamic, unroll=self.unroll)[0]
 
 
 def test_scan_over_stacked_layers(key):
@@ -223,6 +228,27 @@ def test_scan_over_stacked_layers(key):
         np.testing.assert_allclose(first[i], jnp.max(jnp.abs(h)), rtol=1e-6)
         h = jnp.tanh(layer(h)) * 3.0
 
+
+
+def test_stacked_state_entered_before_the_scan_gives_the_same_step(key):
+    """`fp8jax.enter_state` on the stacked layers before an unrolled ``lax.scan`` (the
+    conversion once on ``[layers, ...]`` arrays, outside the loop: a smaller program to
+    compile, issue 21) gives the same new state and gradients as entering inside it."""
+    x = normal(key, (16, 32), scale=5.0)
+    results = []
+    for enter in (False, True):
+        model = fp8jax.fp8_linear_layers(Stack(key, enter=enter, unroll=3), CFG)
+        loss = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+        jaxpr = jax.make_jaxpr(eqx.filter_grad(loss))(model, x).jaxpr
+        scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+        assert ("_to_max_grad" in str(scan.params["jaxpr"])) != enter
+        results.append(eqx.filter_jit(eqx.filter_grad(loss))(model, x))
+    inside, outside = (jax.tree_util.tree_leaves(r) for r in results)
+    assert len(inside) == len(outside)
+    for a, b in zip(inside, outside):
+        np.testing.assert_array_equal(a, b)
+    new = take_state(model, results[1]).layers.dot_general
+    np.testing.assert_array_equal(recorded(new), [1, 1, 1])
 
 
 def test_each_layers_new_state_sits_behind_an_optimization_barrier(key):

@@ -23,6 +23,7 @@ from .grad_overwrite import (
 from .inference import Fp8InferenceLinear, load_inference, save_inference, to_inference
 from .inspect import GemmReport, assert_fp8, fp8_gemm_report, saved_activation_bytes
 from .state import OverwriteWithGradient
+from .state import enter_tree as enter_state
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "apply_updates",
     "assert_fp8",
     "enable_compilation_cache",
+    "enter_state",
     "fp8_gemm_report",
     "fp8_linear_layers",
     "fp8_state",

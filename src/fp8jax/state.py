@@ -264,9 +264,12 @@ def enter(state: tuple) -> tuple:
 
 
 def enter_tree(tree):
-    """``tree`` with the leaves of every FP8 state in it `enter`ed: what to pass into a
-    ``jax.checkpoint`` region (a state passed in as float32 would become a new leaf
-    inside, and its uses in two regions would add)."""
+    """``tree`` with the leaves of every FP8 state in it `enter`ed (``fp8jax.enter_state``):
+    what to pass into a ``jax.checkpoint`` region (a state passed in as float32 would become
+    a new leaf inside, and its uses in two regions would add), and into a ``lax.scan`` over
+    stacked layers: the conversion and its backward then run once on the ``[layers, ...]``
+    arrays instead of once per layer, which an unrolled scan repeats per layer (fewer HLO
+    instructions, faster compiles; same values)."""
 
     def is_state(x):
         return isinstance(x, OverwriteWithGradient)
