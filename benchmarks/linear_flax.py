@@ -1,0 +1,85 @@
+"""The flax peers of `benchmarks.linear`: flax's direct FP8 dot and the quantize-dequantize
+pattern haliax uses, each as a train step over ``(w [K, N], state)`` with delayed scaling.
+They reproduce the anchors of ``ANCHORS.md`` section 2 (``probe_h100.py``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import Step, projection_loss
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FLAX_AMAX_HISTORY = 1024  # as in the anchors (flax's default)
+
+
+class MissingDependency(RuntimeError):
+    """A variant's optional dependency is not installed: the variant is skipped."""
+
+
+def _flax_fp8_ops():
+    try:
+        from flax.linen import fp8_ops
+    except ImportError as e:
+        raise MissingDependency(f"skipped: flax not installed ({e})") from None
+    return fp8_ops
+
+
+def _flax_state():
+    """flax-style delayed-scaling state (scales and amax histories), as in the probe."""
+    ones = jnp.ones((1,), F32)
+    hist = jnp.zeros((FLAX_AMAX_HISTORY,), F32)
+    return dict(ls=ones, rs=ones, gs=ones, lh=hist, rh=hist, gh=hist)
+
+
+_KN_DN = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N] (flax kernel layout)
+
+
+def _flax_step(loss, layer, x, g) -> Step:
+    """Step over params ``(w [K, N], state)``; one warm step writes the new state
+    (flax returns it as the state's gradient) so the scales are calibrated."""
+    w_kn = jnp.asarray(layer.weight.T)
+    step = Step(jax.value_and_grad(loss, argnums=(0, 1)), (w_kn, _flax_state()))
+    _, ((_, new_state), _) = jax.block_until_ready(step.jitted(step.params, x, g))
+    step.params = (w_kn, new_state)
+    return step
+
+
+def build_flax_direct(layer, x, g) -> Step:
+    """flax ``fp8_scaled_dot_general`` (direct FP8 dots, delayed scaling), bf16 compute."""
+    fp8_ops = _flax_fp8_ops()
+
+    def loss(params, x, g):
+        w, st = params
+        y = fp8_ops.fp8_scaled_dot_general(
+            x,
+            w,
+            _KN_DN,
+            lhs_scale=st["ls"],
+            rhs_scale=st["rs"],
+            grad_scale=st["gs"],
+            lhs_amax_history=st["lh"],
+            rhs_amax_history=st["rh"],
+            grad_amax_history=st["gh"],
+            quantize_compute_type=BF16,
+            preferred_element_type=BF16,
+        )
+        return projection_loss(y, g)
+
+    return _flax_step(loss, layer, x, g)
+
+
+def build_haliax_qdq(layer, x, g) -> Step:
+    """Quantize-dequantize around a bf16 dot (flax ``in_qdq``/``out_qdq``, haliax's pattern)."""
+    fp8_ops = _flax_fp8_ops()
+
+    def loss(params, x, g):
+        w, st = params
+        xq = fp8_ops.in_qdq(BF16, E4M3, x, st["ls"], st["lh"])
+        wq = fp8_ops.in_qdq(BF16, E4M3, w, st["rs"], st["rh"])
+        y = jax.lax.dot_general(xq, wq, _KN_DN)
+        y = fp8_ops.out_qdq(BF16, E5M2, y, st["gs"], st["gh"])
+        return projection_loss(y, g)
+
+    return _flax_step(loss, layer, x, g)

@@ -1,0 +1,128 @@
+"""Our kernels on 8 host CPU devices (issue 24): custom calls XLA cannot partition step
+aside outside shard_map; `FusedMLP`'s gated core and the row- and block-wise recipes run
+per device on their token rows and match one device."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+from fp8jax import distributed
+from helpers import LOSS_RTOL, assert_grads_match
+from helpers import eight_device_mesh as _mesh
+
+CFG = fp8jax.Fp8Config(selective=False)
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8, reason="needs 8 devices (conftest's XLA_FLAGS)"
+)
+
+
+def test_kernels_without_partitioning_rules_step_aside_over_several_devices():
+    """Our Pallas / Mosaic kernels are custom calls that XLA cannot partition: with 8
+    devices they run only inside a shard_map that makes every mesh axis manual."""
+    from fp8jax.kernels import dispatch
+
+    assert jax.device_count() == 8
+    assert "8 devices and no shard_map" in dispatch.unpartitioned_reason()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    seen = {}
+
+    def probe(name):
+        def local(x):
+            seen[name] = dispatch.unpartitioned_reason()
+            return x
+
+        return local
+
+    x = jnp.ones((8, 4))
+    jax.jit(jax.shard_map(probe("all"), mesh=mesh, in_specs=P("data"), out_specs=P("data")))(x)
+    partial = jax.shard_map(
+        probe("partial"), mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+    )
+    jax.jit(partial)(x)
+    assert seen["all"] is None and "no partitioning rule" in seen["partial"]
+
+
+def test_fused_mlp_core_runs_per_device_on_its_rows():
+    """`FusedMLP`'s gated core (Pallas kernels, here in interpret mode) on a data x FSDP mesh:
+    its activation kernels run under shard_map on each device's 64 token rows with one
+    scalar pmax per amax; no activation is gathered; loss and gradients match one device."""
+    from fp8jax.nn import mlp as mlp_module
+    from fp8jax.ops import gated
+
+    saved = dict(gated.MODE)
+    gated.MODE["activation"] = "interpret"
+    try:
+        kx, km, kc = jax.random.split(jax.random.PRNGKey(6), 3)
+        mlp = fp8jax.nn.FusedMLP(64, 128, config=CFG, gate_block=64, key=km)
+        x, c = (jax.random.normal(k, (512, 64)) for k in (kx, kc))
+        step = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, c: jnp.sum(m(x) * c)))
+        ref_loss, ref_grads = step(mlp, x, c)
+        mesh = _mesh(2, 4, 1)
+        model = fp8jax.shard_model(mlp, mesh)
+        rows = NamedSharding(mesh, P(("data", "fsdp")))
+        xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+        assert mlp_module._row_split(model).axes == ("data", "fsdp")
+        assert mlp_module._gated_core_runs(model, xs)
+        collectives = distributed.hlo_collectives(step.lower(model, xs, cs))
+        assert [c.shape for c in collectives if c.op_name == "pmax"] == ["[]", "[]"], collectives
+        assert not [c for c in collectives if "512" in c.shape], collectives  # no token gather
+        loss, grads = step(model, xs, cs)
+    finally:
+        gated.MODE.update(saved)
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    assert_grads_match(grads, ref_grads)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_tiled_recipes_run_per_device_on_their_rows(recipe):
+    """The row- and block-wise recipes under FSDP (2 x 4): casts and GEMMs run under
+    shard_map on each device's tokens (the wgrad summed over the devices), the weights are
+    all-gathered in FP8 only, no activation moves, and the step matches one device. Each
+    amax is one scalar pmax; the row-wise cast's column amaxes (the transposed copy's
+    scales span every device's tokens) one pmax of a row per cast. On a GPU the same split
+    lets the Pallas casts and the block-scaled kernel run."""
+    cfg = fp8jax.Fp8Config(recipe=recipe, selective=False)
+    k1, k2, kx, kc = jax.random.split(jax.random.PRNGKey(7), 4)
+    model = [eqx.nn.Linear(256, 1024, key=k1), eqx.nn.Linear(1024, 256, key=k2)]
+    model = fp8jax.fp8_linear_layers(model, cfg)
+    x, c = jax.random.normal(kx, (2048, 256)), jax.random.normal(kc, (2048, 256))
+
+    def loss(m, x, c):
+        return jnp.sum(jax.vmap(m[1])(jax.nn.gelu(jax.vmap(m[0])(x))) * c)
+
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    ref_loss, ref_grads = step(model, x, c)
+    mesh = _mesh(2, 4, 1)
+    sharded = fp8jax.shard_model(model, mesh)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+    collectives = distributed.hlo_collectives(step.lower(sharded, xs, cs))
+    assert sorted(c.shape for c in collectives if c.op_name == "psum") == [
+        "[1,1024,256]", "[1,256,1024]"]  # fmt: skip
+    pmax = sorted(c.shape for c in collectives if c.op_name == "pmax")
+    # x and g of each layer: [1, K] column amaxes (row-wise) or a scalar (block-wise)
+    want = ["[1,1024]", "[1,1024]", "[1,256]", "[1,256]"] if recipe == "rowwise" else ["[]"] * 4
+    assert pmax == want, collectives
+    assert not [c for c in collectives if "2048" in c.shape], collectives  # no token moves
+    # the weights' data (their scales, [1, 1024] or [1, 8, 2], are gathered too, in float32)
+    weights = [
+        c for c in collectives
+        if c.kind == "all-gather" and "1024" in c.shape and c.shape.count(",") == 2
+    ]  # fmt: skip
+    assert len(weights) == 3 and {c.dtype for c in weights} == {"f8e4m3fn"}, collectives
+    loss_value, grads = step(sharded, xs, cs)
+    np.testing.assert_allclose(loss_value, ref_loss, rtol=LOSS_RTOL)
+    assert_grads_match(grads, ref_grads)
+
+
+def test_blockwise_weight_shards_of_partial_blocks_warn():
+    cfg = fp8jax.Fp8Config(recipe="blockwise", selective=False)
+    model = fp8jax.fp8_linear_layers([eqx.nn.Linear(256, 384, key=jax.random.PRNGKey(0))], cfg)
+    with pytest.warns(UserWarning, match=r"'0': out_features=384 over mesh axis 'fsdp' of "):
+        fp8jax.shard_model(model, _mesh(2, 4, 1))
