@@ -2,15 +2,17 @@
 programs, and an opt-in persistent compilation cache.
 
 **Triton GEMM autotuning.** With default XLA flags, XLA (jax 0.11.2) spent ~250 s compiling
-a two-block FP8 train step on an H100 (6 s in bf16) trying Triton configs for its FP8 GEMMs,
-then ran every one in cuBLASLt anyway. ``--xla_gpu_enable_triton_gemm=false`` brings the FP8
-compile to seconds at the same step time. XLA reads ``XLA_FLAGS`` once, when JAX starts its
-backend, and jax offers no per-computation default a library could set, so ``import fp8jax``
-adds the flag to ``XLA_FLAGS`` when that is still possible (the backend not started yet),
-unless ``XLA_FLAGS`` already mentions it or ``FP8JAX_KEEP_TRITON_GEMM=1`` is set. This also
-applies to the process's bf16 GEMMs: they run in cuBLAS instead of Triton fusions (bf16 train
-steps measured ~2% faster that way on the H100: ``benchmarks/RESULTS.md``). If JAX has
-already run something when fp8jax is imported, the flag cannot act: fp8jax warns once.
+a two-block FP8 train step on an H100 (6 s in bf16) trying Triton configs for its FP8 GEMMs.
+Worse, with Triton GEMMs on, XLA does not rewrite the ``dot(convert(a) * sa, convert(b) * sb)``
+pattern into a cuBLASLt FP8 call: the same step ran 0 of its 11 GEMMs in FP8 (bf16 GEMMs on
+dequantized values, slower than plain bf16; H200, 2026-11-27). ``xla_gpu_enable_triton_gemm
+=false`` fixes both. ``import fp8jax`` sets it two ways: in ``XLA_FLAGS`` while JAX's backend
+has not started (child processes inherit it), and as a per-compile option on every XLA
+compile of the process from then on (`_jax_compat.add_compile_options`), so the order of
+imports does not matter. The user's own choice wins: ``XLA_FLAGS`` naming the flag, a
+``jax.jit(..., compiler_options=...)`` naming it, or ``FP8JAX_KEEP_TRITON_GEMM=1``. bf16 GEMMs
+then run in cuBLAS instead of Triton fusions too (~2% faster bf16 steps on the H100:
+``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -20,48 +22,63 @@ import os
 import warnings
 from pathlib import Path
 
-TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"
+from . import _jax_compat
+
+TRITON_GEMM_OPTION = "xla_gpu_enable_triton_gemm"
+TRITON_GEMM_OFF = f"--{TRITON_GEMM_OPTION}=false"
 KEEP_ENV = "FP8JAX_KEEP_TRITON_GEMM"
 CACHE_ENV = "FP8JAX_CACHE_DIR"
 DEFAULT_CACHE = Path.home() / ".cache" / "fp8jax" / "jax-compile"
 
 
-def _backend_started() -> bool:
-    try:
-        from jax._src import xla_bridge
+def _users_choice() -> bool:
+    """Whether the user chose the Triton GEMM setting: the opt-out variable, or ``XLA_FLAGS``
+    naming the flag with another value than fp8jax's."""
+    if os.environ.get(KEEP_ENV, "") not in ("", "0"):
+        return True
+    flags = os.environ.get("XLA_FLAGS", "")
+    return TRITON_GEMM_OPTION in flags.replace(TRITON_GEMM_OFF, "")
 
-        return bool(xla_bridge._backends)
-    except (ImportError, AttributeError):  # private API moved: assume not started
-        return False
+
+def _triton_gemm_off(options: dict) -> dict:
+    """Per-compile options: Triton GEMMs off unless the caller or the user chose."""
+    if TRITON_GEMM_OPTION in options or _users_choice():
+        return options
+    return {**options, TRITON_GEMM_OPTION: False}
 
 
 def skip_triton_gemm_autotuning(warn: bool = True) -> bool:
-    """Turn XLA's Triton GEMM autotuning off (``XLA_FLAGS``) unless ``XLA_FLAGS`` already sets
-    it; ``import fp8jax`` calls this itself. Returns whether it added the flag. Once JAX's
-    backend has started the flag can no longer act: it then changes nothing and (with
-    ``warn``) says so."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_enable_triton_gemm" in flags:
+    """Turn XLA's Triton GEMMs (and their autotuning) off for every compile of this process,
+    whatever JAX has run before; ``import fp8jax`` calls this itself.
+
+    Arguments:
+        warn: warn if neither way can act (a JAX without the per-compile hook, its backend
+            already started).
+
+    Returns:
+        Whether the setting is in force (False where the user chose otherwise).
+    """
+    if _users_choice():
         return False
-    if _backend_started():
-        if warn:
-            warnings.warn(
-                f"fp8jax: JAX's backend started before fp8jax was imported, so {TRITON_GEMM_OFF} "
-                "cannot take effect and FP8 steps may take minutes to compile on a GPU. Import "
-                "fp8jax before running any JAX computation, or set XLA_FLAGS="
-                f"{TRITON_GEMM_OFF} (or {KEEP_ENV}=1 to keep XLA's default).",
-                stacklevel=3,
-            )
-        return False
-    os.environ["XLA_FLAGS"] = f"{flags} {TRITON_GEMM_OFF}".strip()
-    return True
+    hooked = _jax_compat.add_compile_options(_triton_gemm_off)
+    if not _jax_compat.backend_started():
+        flags = os.environ.get("XLA_FLAGS", "")
+        if TRITON_GEMM_OFF not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} {TRITON_GEMM_OFF}".strip()
+        return True
+    if not hooked and warn:
+        warnings.warn(
+            f"fp8jax: JAX's backend started before fp8jax was imported and this JAX offers no "
+            f"per-compile hook, so {TRITON_GEMM_OFF} cannot take effect: FP8 GEMMs may run in "
+            "bf16 and take minutes to compile on a GPU. Import fp8jax before running any JAX "
+            f"computation, or set XLA_FLAGS={TRITON_GEMM_OFF}.",
+            stacklevel=3,
+        )
+    return hooked
 
 
 def apply_at_import() -> bool:
-    """What ``import fp8jax`` does: `skip_triton_gemm_autotuning` unless ``FP8JAX_KEEP_TRITON_GEMM``
-    is set; it warns (once: a module is imported once) if it is too late to act."""
-    if os.environ.get(KEEP_ENV, "") not in ("", "0"):
-        return False
+    """What ``import fp8jax`` does: `skip_triton_gemm_autotuning`, warning if it cannot act."""
     return skip_triton_gemm_autotuning(warn=True)
 
 
