@@ -23,6 +23,18 @@ def test_committed_without_outputs(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_valid_without_warnings(path):
+    """nbformat reads each notebook without a warning (a cell without an id gave
+    MissingIDFieldWarning, which nbformat will turn into an error)."""
+    import warnings
+
+    nbformat = pytest.importorskip("nbformat")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nbformat.validate(nbformat.read(path, as_version=4))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
