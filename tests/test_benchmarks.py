@@ -230,3 +230,24 @@ def test_blockwise_gemm_quick_runs_all_variants(tmp_path):
         assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
         assert r["ms"] > 0 and r["tflops"] > 0 and set(blockwise_gemm.FIELDS) <= set(r)
     assert not out.exists()  # --quick writes no records
+
+
+def test_front_doors_quick_times_every_door_and_lowers_fp8(tmp_path):
+    from benchmarks import front_doors
+
+    out = tmp_path / "front_doors.jsonl"
+    doors = ["equinox", "linen", "nnx"]
+    argv = ["--quick", "--doors", ",".join(doors), "--param-dtypes", "bf16", "--layers", "2"]
+    rows = front_doors.main([*argv, "--iters", "1", "--reps", "1", "--out", str(out)])
+    assert {(r["params"]["door"], r["variant"]) for r in rows} == {
+        (d, v) for d in doors for v in ("bf16", "fp8")
+    }
+    for r in rows:
+        assert r["error"] is None, f"{r['params']} {r['variant']}: {r['error']}"
+        assert r["ms"] > 0 and r["gemm_count"] > 0
+        if r["variant"] == "fp8":  # the lowered program's dots (CPU): all on FP8 operands
+            assert r["fp8_gemms"] and r["fp8_gemm_count"] == r["gemm_count"]
+            assert r["speedup_vs_bf16"] > 0 and r["ratio_vs_equinox"] > 0
+        else:
+            assert r["fp8_gemm_count"] == 0
+    assert not out.exists()  # --quick writes no records
