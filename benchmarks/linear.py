@@ -12,6 +12,9 @@ process, a jitted step returning the gradients w.r.t. the layer and the input of
 * ``fp8jax-blockwise``  ``Fp8Config(recipe="blockwise")``: 1x128 / 128x128 (DeepSeek-V3)
 * ``flax-direct``       ``flax.linen.fp8_ops.fp8_scaled_dot_general``, delayed scaling
 * ``haliax-qdq``        flax ``in_qdq`` / ``out_qdq`` around a bf16 dot (haliax's pattern)
+* ``fp8jax-linen``      ``nn.Dense(dot_general_cls=fp8jax.flax.fp8_dot_general_cls(cfg))``
+* ``fp8jax-nnx``        ``nnx.Linear`` through ``fp8jax.nnx.fp8_linear_layers(model, cfg)``
+  (both with fp8jax-delayed's config, bf16 params; see also `benchmarks.front_doors`)
 * ``torchao-bf16``, ``torchao-tensorwise``, ``torchao-rowwise``: the same step in PyTorch
   (``torch.compile``), bf16 and torchao float8, in a child process run before JAX takes
   the GPU (`benchmarks.torch_peer`); skipped with one line where torch is missing
@@ -63,7 +66,13 @@ from benchmarks.common import (
     time_step,
     train_step,
 )
-from benchmarks.linear_flax import MissingDependency, build_flax_direct, build_haliax_qdq
+from benchmarks.linear_flax import (
+    MissingDependency,
+    build_flax_direct,
+    build_haliax_qdq,
+    linen_builder,
+    nnx_builder,
+)
 
 BF16 = jnp.bfloat16
 
@@ -76,6 +85,8 @@ VARIANTS = (
     "fp8jax-blockwise",
     "flax-direct",
     "haliax-qdq",
+    "fp8jax-linen",
+    "fp8jax-nnx",
 )
 PEER_VARIANTS = torch_peer.VARIANTS  # run by torch in a child process
 DEFAULT_VARIANTS = (*VARIANTS, *PEER_VARIANTS)
@@ -193,6 +204,9 @@ BUILDERS: dict[str, Callable[..., Step]] = {
     ),
     "flax-direct": build_flax_direct,
     "haliax-qdq": build_haliax_qdq,
+    # fp8jax's other front doors, as their docs write them: flax linen and nnx layers.
+    "fp8jax-linen": linen_builder(fp8jax.Fp8Config(scaling="delayed", selective=False)),
+    "fp8jax-nnx": nnx_builder(fp8jax.Fp8Config(scaling="delayed", selective=False)),
 }
 
 
