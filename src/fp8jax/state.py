@@ -63,7 +63,11 @@ class Fp8GemmState(OverwriteWithGradient):
     seven fields of `STATE_FIELDS`, stacked layers along leading dims."""
 
     def ran_mask(self) -> Array:
-        return self.input_scale > 0  # a scale is never 0
+        # A layer that did not run gets all-zero "gradients"; one that ran proposes the
+        # scale it used, always positive: a 0, negative or non-finite scale in the state is
+        # repaired before use (`fp8jax.quant.scale_from_limit`), so a state holding
+        # ``input_scale=0`` is written again the next time its layer runs.
+        return self.input_scale > 0
 
     def state(self) -> tuple[Array, ...]:
         return tuple(getattr(self, name) for name in STATE_FIELDS)
@@ -307,6 +311,32 @@ def no_proposal(state: tuple) -> tuple:
     return proposal(tuple(jnp.full(jnp.shape(s), -jnp.inf, F32) for s in state))
 
 
+def valid_amax(x) -> Array:
+    """Where ``x`` is a usable amax: finite and >= 0 (NaN, Inf and negative entries of a
+    history are corrupt state, treated as missing)."""
+    x = jnp.asarray(x, F32)
+    return lax.bitwise_and(lax.ge(x, F32(0)), lax.lt(x, F32(np.inf)))
+
+
+def clean_amax(x) -> Array:
+    """``x`` with the entries `valid_amax` rejects set to 0 (a missing amax)."""
+    x = jnp.asarray(x, F32)
+    return lax.select(valid_amax(x), x, lax.full_like(x, 0))
+
+
+def needs_repair(scales, histories, count) -> Array:
+    """1.0 if any of a state's fields is corrupt, else 0.0: a scale that is not finite and
+    positive, a history entry that is not finite and >= 0, a count that is not finite and
+    >= 0 (a bad checkpoint, a state written by hand). The ops repair such fields
+    (`clean_amax`, `fp8jax.quant.scale_from_limit`) and count the step (``nonfinite_count``).
+    Scalar math plus one reduction over the histories, which the history update reads
+    anyway."""
+    ok = [valid_amax(x) for x in (*histories, count)]
+    ok += [lax.bitwise_and(valid_amax(s), lax.gt(jnp.asarray(s, F32), F32(0))) for s in scales]
+    ok = jnp.concatenate([jnp.ravel(o).astype(F32) for o in ok])
+    return F32(1) - lax.reduce_min(ok, (0,))
+
+
 def record(history, value, axis: int = 0):
     """flax's amax-history update: roll by one, newest value at index 0 along ``axis``.
 
@@ -327,7 +357,10 @@ def record(history, value, axis: int = 0):
 
 def from_history(history, algo: str, axis: int = 0):
     """The amax a delayed scale is computed from: ``"max"`` over the history, or
-    ``"most_recent"`` (index 0); keeps ``axis`` as a dim of size 1."""
+    ``"most_recent"`` (index 0); keeps ``axis`` as a dim of size 1. Corrupt entries (NaN,
+    Inf, negative) count as missing (0): a scale is never computed from, nor frozen by, them.
+    """
+    history = clean_amax(history)
     if algo == "max":
         return jnp.max(history, axis=axis, keepdims=True)
     return lax.slice_in_dim(history, 0, 1, axis=axis)

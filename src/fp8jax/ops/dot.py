@@ -412,22 +412,44 @@ def observed_amaxes(ax, aw, ag):
     return jnp.concatenate([observed, jnp.max(bad).reshape(1)])
 
 
-def new_state(state, sx, sw, sg, observed):
+def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
     """The float32 state one use proposes: the scales it used, its amaxes recorded
     (`_state.record`), its non-finite flag counted. Histories of one length are recorded
-    as one ``[3, L]`` update (one kernel where three separate ones compiled three)."""
+    as one ``[3, L]`` update (one kernel where three separate ones compiled three).
+
+    With ``config`` (delayed per-tensor scaling), an outlier amax is recorded as 0
+    (`fp8jax.recipe.PerTensor.screen`). Corrupt fields of the old state (NaN, Inf or
+    negative history entries, scales not finite and positive: `_state.needs_repair`) come
+    out repaired: the scales used were computed without them, the histories record them as
+    0. ``nonfinite_count`` counts one per kind of anomaly in the step: a non-finite amax,
+    a rejected outlier, a repaired state. A few scalar selects and one reduction over the
+    histories, fused with their update: no host callback, no ``lax.cond``."""
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
     histories = (in_h, k_h, g_h)
+    repaired = _state.needs_repair((in_s, k_s, g_s), histories, nonfinite)
+    histories = tuple(map(_state.clean_amax, histories))
+    amaxes, rejected = observed[:3], jnp.zeros((), F32)
+    scales = (sx, sw, sg)
+    if (
+        config is not None
+        and config.recipe.kind == "tensor"
+        and all(h.ndim == 1 for h in histories)
+        and all(jnp.size(s) == 1 for s in scales)
+    ):
+        newest = jnp.stack([h[0] for h in histories])
+        dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
+        used = jnp.concatenate([jnp.reshape(s, (1,)) for s in scales])
+        amaxes, rejected = config.recipe.screen(amaxes, used, newest, dtypes)
     if len({h.shape for h in histories}) == 1 and in_h.ndim == 1:
-        histories = tuple(_state.record(jnp.stack(histories), observed[:3], axis=1))
+        histories = tuple(_state.record(jnp.stack(histories), amaxes, axis=1))
     else:
-        histories = tuple(_state.record(h, a) for h, a in zip(histories, observed[:3]))
+        histories = tuple(_state.record(h, a) for h, a in zip(histories, amaxes))
     return (
         sx.astype(in_s.dtype),
         sw.astype(k_s.dtype),
         sg.astype(g_s.dtype),
         *histories,
-        nonfinite + observed[3],
+        _state.clean_amax(nonfinite) + observed[3] + rejected + repaired,
     )
 
 
@@ -458,7 +480,8 @@ def _fp8_dot3_bwd(spec, residuals, g3):
     if xr.dtype != spec.config.input_dtype:  # ran in the input precision: propose nothing
         return dx, dw, _state.no_proposal(state)
     summary = spec.config.recipe.summary  # per-tensor: the scale itself
-    proposed = new_state(state, summary(sx), summary(sw), sg, observed_amaxes(ax, aw, ag))
+    observed = observed_amaxes(ax, aw, ag)
+    proposed = new_state(state, summary(sx), summary(sw), sg, observed, spec.config)
     return dx, dw, _state.proposal(proposed)
 
 
