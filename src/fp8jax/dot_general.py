@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from . import checks
+from . import _guard, checks
 from . import state as _state
 from .config import Fp8Config, resolve_config
 from .ops import dot as _dot
@@ -33,6 +33,8 @@ class Fp8DotGeneral(Fp8GemmState):
     each step with the newest at index 0 (flax's and haliax's layout);
     ``nonfinite_count`` counts steps that saw NaN/Inf. The new state is returned as the
     state's gradient (see `apply_updates`); uses of one layer in a step combine by max.
+    ``guard`` (``[*stack, 1]``, not a `STATE_FIELDS` field) makes a state that an optimizer
+    trained fail at the next call (`fp8jax._guard`); None (adapters, older models): unchecked.
     """
 
     input_scale: Float[Array, "*stack 1"]
@@ -46,6 +48,8 @@ class Fp8DotGeneral(Fp8GemmState):
     # FSDP: how the kernel is sharded and gathered (`fp8jax.shard_model` sets it); None:
     # no constraint, the single-device path.
     weight_sharding: _dot.WeightSharding | None = eqx.field(static=True, default=None)
+    # Last: the seven fields keep their leaf positions. None: no guard (`from_state`).
+    guard: Float[Array, "*stack 1"] | None = None
 
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
         config = resolve_config(config)
@@ -61,11 +65,12 @@ class Fp8DotGeneral(Fp8GemmState):
             setattr(self, name, value)
         self.config = config
         self.weight_sharding = None
+        self.guard = _guard.init(tuple(stack_shape))
 
     @classmethod
     def from_state(cls, config: Fp8Config, state: dict[str, Array]) -> "Fp8DotGeneral":
-        """An op over existing state arrays (a dict of `STATE_FIELDS`), e.g. an
-        adapter's variables; no new arrays are made."""
+        """An op over existing state arrays (a dict of `STATE_FIELDS`, optionally a
+        ``guard``), e.g. an adapter's variables; no new arrays are made."""
         missing = [name for name in STATE_FIELDS if name not in state]
         if missing:
             raise ValueError(f"Fp8DotGeneral.from_state: missing state fields {missing}")
@@ -74,6 +79,7 @@ class Fp8DotGeneral(Fp8GemmState):
             object.__setattr__(op, name, state[name])
         object.__setattr__(op, "config", resolve_config(config))
         object.__setattr__(op, "weight_sharding", None)
+        object.__setattr__(op, "guard", state.get("guard"))
         return op
 
     # ------------------------------------------------------------------ inspection
@@ -102,6 +108,7 @@ class Fp8DotGeneral(Fp8GemmState):
                 "a stacked layer "
                 "must be run one slice at a time (jax.lax.scan over the stack or eqx.filter_vmap)."
             )
+        _check_state_shapes(self)
         _fsdp.check_auto_axes("Fp8DotGeneral", lhs=lhs, rhs=rhs)
         out_dtype = _check_operands(lhs, rhs, dimension_numbers, preferred_element_type, precision)
         (lc, rc), (lb, rb) = dimension_numbers
@@ -163,8 +170,25 @@ class Fp8DotGeneral(Fp8GemmState):
             ws.sequence if ws and not pad else None,  # padded rows would move the token split
             _dot.row_split(cfg, ws),
         )
-        y3 = _dot.fp8_dot3(spec, x3, w3, _state.enter(self.state()))
+        y3 = _dot.fp8_dot3(spec, x3, w3, _guard.op_state(self))
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)
+
+
+def _check_state_shapes(op: Fp8DotGeneral) -> None:
+    """Each state field of one (unstacked) layer has its shape: the scales, the count and
+    the guard ``(1,)``, the histories ``(history_length,)`` (static shapes: free)."""
+    length = op.config.history_length
+    for name in STATE_FIELDS + ("guard",):
+        value = getattr(op, name)
+        if value is None and name == "guard":
+            continue
+        expected = (length,) if name.endswith("_amax_history") else (1,)
+        shape = tuple(getattr(value, "shape", ()))
+        if shape != expected:
+            raise ValueError(
+                f"Fp8DotGeneral: state field {name} has shape {shape}; expected {expected} "
+                f"(history_length={length}). A state from another config or model?"
+            )
 
 
 def fp8_einsum(op: Fp8DotGeneral, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):

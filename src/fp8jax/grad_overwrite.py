@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from . import _guard
 from .state import OverwriteWithGradient
 
 
@@ -119,11 +120,14 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
     if len(old_leaves) != len(new_leaves):
         raise ValueError("apply_updates: overwrite structure does not match the model's FP8 state.")
     ran = new.ran_mask()  # [*stack, 1] or None
+    guard = _guard.guard_of(old)
     merged = []
     for o, n in zip(old_leaves, new_leaves, strict=True):
         n = jnp.asarray(n).astype(jnp.asarray(o).dtype)
         if jnp.issubdtype(n.dtype, jnp.inexact):
             n = jnp.where(jnp.isfinite(n), n, o)
+        if guard is not None and o is guard:  # 0: an op ran without entering the guard
+            n = jnp.where(n == 0, o, n)
         if ran is not None:
             stack = ran.ndim - 1
             n = jnp.where(ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack)), n, o)
@@ -138,11 +142,75 @@ _SWAPPED = (
 )
 
 
+def _guard_pairs(model: Any, other: Any) -> list[tuple[Any, Any]]:
+    """``(model's guard, other's guard)`` of the FP8 states both trees have a guard for."""
+    pairs = []
+
+    def visit(m, o):
+        if _is_overwrite(m) and _is_overwrite(o):
+            gm, go = _guard.guard_of(m), _guard.guard_of(o)
+            if gm is not None and go is not None:
+                pairs.append((gm, go))
+        return m
+
+    jax.tree_util.tree_map(visit, model, other, is_leaf=lambda x: x is None or _is_overwrite(x))
+    return pairs
+
+
+def _check_guards(fn: str, model: Any, overwrites: Any, order: str):
+    """Where the trees carry guards (`fp8jax._guard`): the model's must be valid, and the
+    overwrites' not the model's own step (a model passed as gradients) nor one behind it
+    (model and gradients swapped); 0 (not entered) passes. Returns ``overwrites``, raising
+    now if the guards are concrete, else with the check attached (one ``lax.cond``)."""
+    pairs = _guard_pairs(model, overwrites) if overwrites is not None else []
+    pairs = pairs or [(_guard.guard_of(x), None) for x in _guard.guarded_states(model)]
+    if not pairs:
+        return overwrites
+    model_bad, model_index = _guard.verdict([m for m, _ in pairs])
+    same, behind = jnp.asarray(False), jnp.asarray(False)
+    for m, o in pairs:
+        if o is not None:
+            m = _guard._float(m)
+            same = same | jnp.any((o == m) & (o != 0))
+            behind = behind | jnp.any((_guard.advance(o) == m) & (o != 0))
+    messages = (
+        f"{fn}: " + _guard.TRAINED.removeprefix("fp8jax: "),
+        f"{fn}: the model holds gradients, not a model (its FP8 guard leaf is 0): model "
+        f"and grads swapped? The order is {order}.",
+        f"{fn}: the gradients hold the model's own FP8 state of this step (their guard leaf "
+        "equals the model's, where gradients hold the next one): the model passed as its "
+        f"gradients, or gradients of the previous step? The order is {order}, with grads "
+        "from eqx.filter_value_and_grad(loss)(model, ...).",
+        f"{fn}: the model's FP8 state is one step ahead of the gradients' (guard leaves): "
+        f"model and grads swapped? The order is {order}.",
+    )
+    index = jnp.where(model_bad, model_index, jnp.where(same, 2, 3))
+    bad = model_bad | same | behind
+    if _guard._concrete(bad, index):
+        if bool(bad):
+            raise ValueError(messages[int(index)])
+        return overwrites
+    if overwrites is None:  # nothing written back: the next forward checks the model
+        return overwrites
+    # Under jit: one conditional for the whole tree, attached to the state written back.
+    return eqx.branched_error_if(overwrites, bad, index, messages)
+
+
 def apply_updates(model: Any, updates: Any, overwrites: Any) -> Any:
     """Apply optimizer ``updates`` to the parameters and write ``overwrites`` (new FP8
     state from `partition_for_grad_overwrite`) into the state. Either may be ``None``."""
+    return _apply_updates("apply_updates", model, updates, overwrites)
+
+
+def _apply_updates(fn: str, model: Any, updates: Any, overwrites: Any) -> Any:
     _check_like("apply_updates", "updates", model, updates)
     _check_like("apply_updates", "overwrites", model, overwrites)
+    order = (
+        "fp8jax.optax_step(optimizer, model, grads, opt_state)"
+        if fn == "optax_step"
+        else "fp8jax.apply_updates(model, updates, overwrites)"
+    )
+    overwrites = _check_guards(fn, model, overwrites, order)
     if updates is None:
         updates = jax.tree_util.tree_map(lambda _: None, model, is_leaf=_is_overwrite)
     if overwrites is None:
@@ -182,6 +250,12 @@ def optax_step(optimizer: optax.GradientTransformation, model: Any, grads: Any, 
         raise ValueError(
             "optax_step: opt_state is None; create it with optimizer.init(fp8jax.trainable(model))."
         )
+    if grads is model:
+        raise ValueError(
+            "optax_step: grads is the model itself; expected its gradients: "
+            "optax_step(optimizer, model, grads, opt_state) with grads from "
+            "eqx.filter_value_and_grad(loss)(model, ...)."
+        )
     _check_like("optax_step", "gradients", model, grads)
     if any(_is_overwrite(x) for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_overwrite)):
         raise ValueError(
@@ -190,16 +264,29 @@ def optax_step(optimizer: optax.GradientTransformation, model: Any, grads: Any, 
         )
     overwrites, grads = partition_for_grad_overwrite(grads)
     grads = eqx.filter(grads, eqx.is_inexact_array)
+    params = trainable(model)
     try:
-        updates, opt_state = optimizer.update(grads, opt_state, trainable(model))
-    except ValueError as e:
-        if "structure" not in str(e):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+        structure = isinstance(e, ValueError) and "structure" in str(e)
+        if not structure and not _state_mismatch(optimizer, params, opt_state):
             raise
+        first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise ValueError(
-            "optax_step: opt_state does not fit this model's trainable parameters; expected "
-            f"optimizer.init(fp8jax.trainable(model)) for this model ({str(e).splitlines()[0]})."
+            "optax_step: opt_state does not fit this optimizer and this model's trainable "
+            "parameters; expected optimizer.init(fp8jax.trainable(model)) with this optimizer "
+            f"and model ({first[:200]})."
         ) from e
-    return apply_updates(model, updates, overwrites), opt_state
+    return _apply_updates("optax_step", model, updates, overwrites), opt_state
+
+
+def _state_mismatch(optimizer: Any, params: Any, opt_state: Any) -> bool:
+    """Whether ``opt_state``'s structure differs from ``optimizer.init(params)``'s."""
+    try:
+        expected = jax.eval_shape(optimizer.init, params)
+    except Exception:  # noqa: BLE001 - an init that cannot run here: say nothing
+        return False
+    return jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(opt_state)
 
 
 def accumulate_grads(accumulated: Any, grads: Any) -> Any:
@@ -214,6 +301,7 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     _check_like(
         "accumulate_grads", "gradients", accumulated, grads, ref_name="accumulated gradients"
     )
+    accumulated = _check_same_step(accumulated, grads)
 
     def combine(a, g):
         if _is_overwrite(a):
@@ -225,6 +313,23 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     return jax.tree_util.tree_map(
         combine, accumulated, grads, is_leaf=lambda x: x is None or _is_overwrite(x)
     )
+
+
+def _check_same_step(accumulated: Any, grads: Any) -> Any:
+    """Gradients of one step hold the same FP8 guard (or 0: not entered); a model's is one
+    step behind its gradients'. Raises now if concrete, else attaches the check."""
+    pairs = _guard_pairs(accumulated, grads)
+    if not pairs:
+        return accumulated
+    same = [jnp.all((a == g) | (a == 0) | (g == 0)) for a, g in pairs]
+    bad = ~jnp.all(jnp.stack(same))
+    message = (
+        "accumulate_grads: accumulated and grads hold FP8 state of different steps (their "
+        "guard leaves differ): one of them is a model, not gradients. Pass "
+        "accumulate_grads(accumulated, grads), both gradients of the same model, with "
+        "accumulated=None for the first micro-batch."
+    )
+    return _guard.raise_or_attach(accumulated, bad, 0, (message,))
 
 
 def scale_grads(grads: Any, factor: float) -> Any:

@@ -21,6 +21,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from . import checks
@@ -398,8 +399,11 @@ def save_inference(path: str | Path, model: Any) -> Path:
     if path.exists():
         raise FileExistsError(f"save_inference: {path} exists; pass a new directory.")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, _arrays(model))
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer.save(path, _arrays(model))
+        checkpointer.wait_until_finished()
+    finally:
+        checkpointer.close()  # else orbax's async threads print tracebacks at exit
     return path
 
 
@@ -422,15 +426,77 @@ def load_inference(path: str | Path, like: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     checkpointer = ocp.StandardCheckpointer()
-    if _is_nnx(like):
-        from flax import nnx
+    try:
+        if _is_nnx(like):
+            from flax import nnx
 
-        state = nnx.state(like)
-        pure = nnx.to_pure_dict(state)
-        restored = checkpointer.restore(path, jax.tree_util.tree_map(spec, pure))
-        nnx.replace_by_pure_dict(state, restored)
-        nnx.update(like, state)
-        return like
-    params, static = eqx.partition(like, _is_array_like)
-    restored = checkpointer.restore(path, jax.tree_util.tree_map(spec, params))
-    return eqx.combine(restored, static)
+            state = nnx.state(like)
+            pure = nnx.to_pure_dict(state)
+            target = jax.tree_util.tree_map(spec, pure)
+            _check_saved(checkpointer, path, target)
+            restored = checkpointer.restore(path, target)
+            nnx.replace_by_pure_dict(state, restored)
+            nnx.update(like, state)
+            return like
+        params, static = eqx.partition(like, _is_array_like)
+        target = jax.tree_util.tree_map(spec, params)
+        _check_saved(checkpointer, path, target)
+        restored = checkpointer.restore(path, target)
+        return eqx.combine(restored, static)
+    finally:
+        checkpointer.close()  # else orbax's async threads print tracebacks at exit
+
+
+def _key_name(key) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _named(tree, is_leaf=None) -> dict[str, Any]:
+    """``{"a.b.0": leaf}`` for the leaves of ``tree`` (orbax's names of saved arrays)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    return {".".join(_key_name(k) for k in path): leaf for path, leaf in flat}
+
+
+def _check_saved(checkpointer, path: Path, target: Any) -> None:
+    """Compare the checkpoint's arrays (names, shapes, dtypes) with ``target``'s before
+    restoring: a ValueError naming the first layer and field that differ."""
+    try:
+        meta = checkpointer.metadata(path).item_metadata
+        saved = _named(getattr(meta, "tree", meta), is_leaf=lambda x: hasattr(x, "shape"))
+    except Exception:  # noqa: BLE001 - no metadata to compare: orbax's own checks apply
+        return
+    wanted = _named(target)
+
+    def where(name: str) -> str:
+        layer, _, field = name.rpartition(".")
+        return f"layer {layer or '(top level)'}, field {field}"
+
+    problem = None
+    for name, spec in wanted.items():
+        if name not in saved:
+            problem = f"{where(name)}: in `like` ({tuple(spec.shape)}), not in the checkpoint"
+        elif tuple(saved[name].shape) != tuple(spec.shape):
+            problem = (
+                f"{where(name)}: shape {tuple(saved[name].shape)} in the checkpoint, "
+                f"{tuple(spec.shape)} in `like`"
+            )
+        elif np.dtype(saved[name].dtype) != np.dtype(spec.dtype):
+            problem = (
+                f"{where(name)}: dtype {np.dtype(saved[name].dtype)} in the checkpoint, "
+                f"{np.dtype(spec.dtype)} in `like`"
+            )
+        if problem:
+            break
+    extra = [name for name in saved if name not in wanted]
+    if problem is None and extra:
+        problem = f"{where(extra[0])}: in the checkpoint ({len(extra)} arrays), not in `like`"
+    if problem is not None:
+        raise ValueError(
+            f"load_inference: the checkpoint at {path} does not match `like`: {problem}. "
+            "`like` must be the same model converted with the same options (to_inference's "
+            "weight_scaling and input_scale), e.g. "
+            "eqx.filter_eval_shape(fp8jax.to_inference, model, weight_scaling=...)."
+        )

@@ -284,7 +284,15 @@ def enter_tree(tree):
         leaves, treedef = jax.tree_util.tree_flatten(x)
         return jax.tree_util.tree_unflatten(treedef, _enter_leaves(leaves))
 
-    return jax.tree_util.tree_map(enter_state, tree, is_leaf=is_state)
+    return _check_guards(jax.tree_util.tree_map(enter_state, tree, is_leaf=is_state))
+
+
+def _check_guards(entered):
+    """``entered`` with one check of its states' guards attached (`fp8jax._guard`): the
+    states that `enter_tree` enters are checked there, once, not again in each op."""
+    from . import _guard
+
+    return _guard.check_entered_tree(entered)
 
 
 def values(state: tuple) -> tuple:
