@@ -1,7 +1,11 @@
 """Orbax checkpoints of a `Trainer` (parameters, FP8 state and optimizer state) under
-``<out>/ckpt-<precision>/<step>``, with the metric history beside them. Arrays are saved
-sharded as they are placed, and restored onto the trainer's own placement, which may be
-another mesh (``--mesh fsdp=8`` saved, ``--mesh data=2,fsdp=4`` restored)."""
+``<out>/ckpt-<precision>/<step>``. Each step also holds the metric history up to it and
+the run's config (`rundir.config_record`), committed with the arrays: a kill at any moment
+leaves a step with its whole history, and ``--resume`` compares its options with the
+config. Arrays are saved sharded as they are placed, and restored onto the trainer's own
+placement, which may be another mesh (``--mesh fsdp=8`` saved, ``data=2,fsdp=4``
+restored). Steps written before histories moved inside them (one ``default`` item, the
+history in ``history-<precision>.json``) still restore."""
 
 from __future__ import annotations
 
@@ -10,34 +14,64 @@ from pathlib import Path
 
 import jax
 
+from .rundir import UsageError, atomic_write_text, has_checkpoint, read_json
 
-def _manager(out: Path, precision: str):
+__all__ = ["has_checkpoint", "restore_checkpoint", "save_checkpoint", "stored_config"]
+
+
+def _manager(out: Path, precision: str, create: bool = True):
     import orbax.checkpoint as ocp
 
     return ocp.CheckpointManager(
         (out / f"ckpt-{precision}").resolve(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=create),
     )
 
 
-def save_checkpoint(out: Path, precision: str, step: int, trainer, history: list[dict]) -> None:
-    """Save ``trainer``'s state as ``step`` (every process takes part; process 0 writes
-    the history)."""
+def save_checkpoint(
+    out: Path,
+    precision: str,
+    step: int,
+    trainer,
+    history: list[dict],
+    config: dict | None = None,
+) -> None:
+    """Save ``trainer``'s state as ``step``, with ``history`` and the run's ``config``
+    (every process takes part; process 0 also writes ``history-<precision>.json``)."""
     import orbax.checkpoint as ocp
 
     mngr = _manager(out, precision)
     if step in mngr.all_steps():  # e.g. interrupted right after a scheduled save
         return
     state = dict(params=trainer.params, opt_state=trainer.opt_state)
-    mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+    items = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        history=ocp.args.JsonSave(list(history)),
+        config=ocp.args.JsonSave(dict(config or {})),
+    )
+    mngr.save(step, args=items, force=True)
     mngr.wait_until_finished()
-    if jax.process_index() == 0:
-        (out / f"history-{precision}.json").write_text(json.dumps(history))
+    if jax.process_index() == 0:  # a copy to read; --resume reads the checkpoint's own
+        atomic_write_text(out / f"history-{precision}.json", json.dumps(history))
 
 
-def has_checkpoint(out: Path, precision: str) -> bool:
-    path = out / f"ckpt-{precision}"
-    return path.is_dir() and any(child.name.isdigit() for child in path.iterdir())
+def _legacy(out: Path, precision: str, step: int) -> bool:
+    return (out / f"ckpt-{precision}" / str(step) / "default").is_dir()
+
+
+def stored_config(out: Path, precision: str) -> dict | None:
+    """The config saved with ``precision``'s newest checkpoint (None: no checkpoint, or
+    one written before configs were saved)."""
+    import orbax.checkpoint as ocp
+
+    if not has_checkpoint(out, precision):
+        return None
+    mngr = _manager(out, precision, create=False)
+    step = mngr.latest_step()
+    if step is None or _legacy(out, precision, step):
+        return None
+    restored = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return restored["config"] or None
 
 
 def _target(x):
@@ -47,7 +81,7 @@ def _target(x):
 
 def restore_checkpoint(out: Path, precision: str, trainer) -> tuple[int, list[dict]]:
     """Restore the newest checkpoint into ``trainer``, each array onto the sharding the
-    trainer gave it; returns (step, metric history)."""
+    trainer gave it; returns (step, metric history up to that step)."""
     import orbax.checkpoint as ocp
 
     mngr = _manager(out, precision)
@@ -56,8 +90,24 @@ def restore_checkpoint(out: Path, precision: str, trainer) -> tuple[int, list[di
         raise FileNotFoundError(f"--resume: no checkpoint in {out / f'ckpt-{precision}'}")
     state = dict(params=trainer.params, opt_state=trainer.opt_state)
     target = jax.tree_util.tree_map(_target, state)
-    restored = mngr.restore(step, args=ocp.args.StandardRestore(target))
+    where = out / f"ckpt-{precision}" / str(step)
+    try:
+        if _legacy(out, precision, step):
+            restored = mngr.restore(step, args=ocp.args.StandardRestore(target))
+            path = out / f"history-{precision}.json"
+            history = read_json(path) if path.exists() else []
+        else:
+            args = ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), history=ocp.args.JsonRestore()
+            )
+            restored = mngr.restore(step, args=args)
+            history, restored = restored["history"], restored["state"]
+    except ValueError as e:  # e.g. another --dim: "Requested shape ... is not compatible"
+        if isinstance(e, UsageError):
+            raise
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--resume: {where} does not fit the model of these options ({why})"
+        ) from None
     trainer.params, trainer.opt_state = restored["params"], restored["opt_state"]
-    path = out / f"history-{precision}.json"
-    history = json.loads(path.read_text()) if path.exists() else []
     return step, [h for h in history if h["step"] <= step]

@@ -8,8 +8,10 @@
 
 Writes to ``--out``: ``loss.png`` (loss curves), ``metrics.csv`` / ``metrics.json``,
 ``summary.md`` (the table printed at the end), TensorBoard event files under
-``tb/<precision>/``, and orbax checkpoints under ``ckpt-<precision>/`` every
-``--checkpoint-every`` steps and on Ctrl-C.
+``tb/<precision>/``, orbax checkpoints under ``ckpt-<precision>/`` every
+``--checkpoint-every`` steps and on Ctrl-C (exit status 130), and ``fp8jax-run.json``
+(the run's options). A fresh run refuses a non-empty ``--out`` that is not one of its
+runs (``--overwrite`` to train there anyway); it replaces only files it wrote itself.
 """
 
 from __future__ import annotations
@@ -26,15 +28,26 @@ from pathlib import Path
 import jax
 
 from .. import compilation
-from ..recipe import RECIPES
-from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint
+from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint, stored_config
 from .config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
-from .data import load_corpus
+from .data import check_seq, load_corpus
 from .loop import Trainer, TrainRun, lm_loss, train, train_interleaved
 from .mesh import check_sequence_parallel, initialize_distributed, make_mesh, parse_mesh
 from .metering import PEAK_BF16_FLOPS, energy_counter
 from .model import ModelConfig, Transformer, cast_for_compute
+from .options import _at_least, _positive, build_parser, millions  # noqa: F401 (generate's)
 from .report import plot, summarize, to_records, write_metrics
+from .rundir import (
+    UsageError,
+    atomic_write_text,
+    config_diff,
+    config_record,
+    prepare_out,
+    read_json,
+    read_marker,
+    remove_created,
+    write_marker,
+)
 
 # Re-exported: callers (benchmarks, notebooks) reach the trainer's pieces through `cli`.
 __all__ = [
@@ -45,6 +58,7 @@ __all__ = [
     "TrainRun",
     "Trainer",
     "Transformer",
+    "UsageError",
     "build_model",
     "cast_for_compute",
     "compute_dtype",
@@ -66,31 +80,7 @@ __all__ = [
     "write_metrics",
 ]
 RECORD_COMMAND = "fp8jax-train"
-
-
-class UsageError(ValueError):
-    """A bad option value, found before anything is written: `main` raises it to callers in
-    Python; on the command line it is a usage error (message on stderr, exit status 2)."""
-
-
-def _at_least(low: int):
-    """An argparse type: an int >= ``low`` (argparse names the option in its error)."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is not allowed; expected an int >= {low}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; expected a number > 0")
-    return value
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as a shell reports it
 
 
 def parse_args(argv):
@@ -98,130 +88,7 @@ def parse_args(argv):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fp8jax-train",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
-    add = p.add_argument
-    add("--preset", choices=sorted(PRESETS), default="tiny")
-    add(
-        "--precision",
-        choices=["bf16", "fp8"],
-        default=None,
-        help="train one precision (default: --compare both)",
-    )
-    add("--compare", action="store_true", help="bf16 then fp8, same seed and data order (default)")
-    add(
-        "--interleave",
-        type=int,
-        default=0,
-        metavar="K",
-        help="with --compare: train both in one process, K steps of each in turn, so both are "
-        "timed on the same GPU state (a GPU at its power cap runs slower than a cool one); "
-        "needs memory for both models",
-    )
-    add("--data", default=None, help="text file or directory (default: the Python stdlib sources)")
-    add("--out", type=Path, default=None, help="output directory (default runs/<preset>)")
-    add("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    for name, typ in (
-        ("steps", _at_least(1)),
-        ("batch", _at_least(1)),
-        ("lr", _positive),
-        ("warmup", _at_least(0)),
-        ("eval-every", _at_least(1)),
-        ("eval-batches", _at_least(1)),
-        ("checkpoint-every", _at_least(0)),
-        ("seed", int),
-    ):
-        add(f"--{name}", type=typ, default=None)
-    for name in ("dim", "layers", "heads", "kv-heads", "ffn", "seq", "experts", "top-k"):
-        add(f"--{name}", type=_at_least(1), default=None, help="model size override")
-    add("--scaling", choices=["delayed", "current"], default="delayed")
-    add(
-        "--recipe",
-        choices=list(RECIPES),
-        default="tensor",
-        help="FP8 scaling granularity: per tensor, per row, or DeepSeek-V3 1x128/128x128 blocks",
-    )
-    add(
-        "--fast-accumulation",
-        choices=["forward", "all", "none"],
-        default="forward",
-        help="FP8 GEMMs allowed Hopper's fast accumulation (default: forward only, as TE)",
-    )
-    add(
-        "--cast-kernel",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="FP8 casts through the one-pass Pallas cast + transpose + amax kernel (Hopper; "
-        "the default; --no-cast-kernel: XLA's fused casts)",
-    )
-    add(
-        "--scan-unroll",
-        type=_at_least(1),
-        default=None,
-        help="layers per scan iteration; = --layers unrolls fully (no residual stacking between "
-        "layers)",
-    )
-    add(
-        "--fp8-everywhere",
-        action="store_true",
-        help="turn the size policy off (FP8 on every block linear)",
-    )
-    add(
-        "--fp8-attention",
-        action="store_true",
-        help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays "
-        "from seq 8192 on, slower below; needs head_dim 128 and seq a multiple of 128 on GPU)",
-    )
-    add(
-        "--mesh",
-        default=None,
-        metavar="AXIS=N,...",
-        help="device mesh over axes data, fsdp, tensor (e.g. data=2,fsdp=4; axes left out are 1); "
-        "the sizes must multiply to the number of visible devices. The batch is split over data "
-        "and fsdp, weights sharded over fsdp (FP8 all-gather) and tensor (Megatron). Default: "
-        "data parallel over all visible devices",
-    )
-    add(
-        "--sequence-parallel",
-        action="store_true",
-        help="Megatron sequence parallelism (needs --mesh with tensor > 1, dense blocks): "
-        "between the tensor-parallel layers the tokens are split over tensor; FP8 layers "
-        "all-gather their FP8 inputs and reduce-scatter their outputs",
-    )
-    add(
-        "--coordinator",
-        default=None,
-        metavar="HOST:PORT",
-        help="multi-host: jax.distributed.initialize's coordinator address (process 0's host); "
-        "with --num-processes and --process-id, on every host",
-    )
-    add("--num-processes", type=_at_least(1), default=None, help="multi-host: number of processes")
-    add("--process-id", type=_at_least(0), default=None, help="multi-host: this process's index")
-    add(
-        "--xla-triton-gemm",
-        action="store_true",
-        help="keep XLA's Triton GEMM autotuning (off by default here: on an H100 it spent ~190 s "
-        "compiling the fp8 step, then chose cuBLASLt for every FP8 GEMM anyway)",
-    )
-    add(
-        "--compile-cache",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="JAX's persistent compilation cache: a restart loads the compiled steps "
-        f"(default {compilation.DEFAULT_CACHE}, or $FP8JAX_CACHE_DIR)",
-    )
-    add("--no-compile-cache", action="store_true", help="compile from scratch")
-    add("--max-bytes", type=_at_least(1), default=64 * 2**20, help="corpus size cap")
-    add("--record", type=Path, default=None, help="append benchmark records (JSON lines) here")
-    add("--no-plot", action="store_true")
-    add("--no-tensorboard", action="store_true", help="no TensorBoard event files (tb/<precision>)")
-    add("--quiet", action="store_true", help="no progress bar")
-    return p
+    return build_parser(__doc__)
 
 
 def run_config(args) -> RunConfig:
@@ -288,8 +155,14 @@ def _check_options(args) -> RunConfig:
         raise UsageError(f"--warmup {args.warmup} is larger than --steps {run.steps}")
     if args.mesh is not None and not args.mesh.strip():
         raise UsageError(f"--mesh {args.mesh!r}: expected AXIS=SIZE,... (e.g. data=2,fsdp=4)")
-    if args.data is not None and not Path(args.data).expanduser().exists():
-        raise UsageError(f"--data {args.data}: no such file or directory")
+    if args.overwrite and args.resume:
+        raise UsageError("--overwrite starts afresh: it cannot go with --resume")
+    if args.data is not None:
+        data = Path(args.data).expanduser()
+        if not data.exists():
+            raise UsageError(f"--data {args.data}: no such file or directory")
+        if not data.is_dir() and data.stat().st_size == 0 and not data.is_fifo():
+            raise UsageError(f"--data {args.data}: empty (0 bytes)")
     return run
 
 
@@ -297,34 +170,72 @@ def _compare(args) -> bool:
     return not args.precision or args.compare
 
 
-def _todo(args, precisions, out, run) -> tuple[dict[str, dict], list[str], dict[str, bool]]:
+def _stored(out: Path, precision: str, marker: dict) -> dict | None:
+    """``precision``'s stored options: its newest checkpoint's, else the run marker's."""
+    return stored_config(out, precision) or marker.get("runs", {}).get(precision)
+
+
+def _check_resume(out: Path, run: RunConfig, precisions, marker: dict) -> list[str]:
+    """``--resume``: each precision's stored options against these. A model option that
+    differs is refused, naming each (the checkpoint would not fit, or would continue
+    another model); any other is applied from the resumed step on: returns those notices."""
+    notices = []
+    for precision in precisions:
+        stored = _stored(out, precision, marker)
+        if not stored:
+            continue  # not started, or a run from before configs were stored
+        model, other = config_diff(stored, config_record(run, precision))
+        if model:
+            command = marker.get("runs", {}).get(precision, {}).get("command")
+            ran = f"; it ran as: {command}" if command else ""
+            raise UsageError(
+                f"--resume: the {precision} run in {out} has other model options (run's -> "
+                f"given): {', '.join(model)}; resume with the run's options{ran}"
+            )
+        if other:
+            notices.append(
+                f"fp8jax-train --resume: {precision} continues with changed options (run's -> "
+                f"given, applied from its checkpoint on): {', '.join(other)}"
+            )
+    return notices
+
+
+def _todo(args, precisions, out, run, marker) -> tuple[dict, list[str], dict[str, bool]]:
     """Results already on disk, the precisions to train, and which of them resume."""
     results: dict[str, dict] = {}
-    # Results of the other precision from an earlier invocation into the same --out.
+    # Results of the other precision from an earlier invocation into the same --out (of the
+    # same model: another model's would make a meaningless comparison).
     for name in ("bf16", "fp8"):
         path = out / f"result-{name}.json"
         if name not in precisions and path.exists():
-            results[name] = json.loads(path.read_text())
+            stored = _stored(out, name, marker)
+            if stored and config_diff(stored, config_record(run, name))[0]:
+                continue
+            results[name] = read_json(path)
     todo = []
     for precision in precisions:
         done = out / f"result-{precision}.json"
         if args.resume and done.exists():
-            previous = json.loads(done.read_text())
+            previous = read_json(done)
             if previous["steps"] >= run.steps and not previous["interrupted"]:
                 results[precision] = previous  # finished before the interruption
                 continue
         todo.append(precision)
     # --resume continues what has a checkpoint; a precision the interruption came before starts
-    # fresh (unless nothing has one: then there is nothing to resume, and restoring says so).
+    # fresh (unless nothing has one: then there is nothing to resume).
     started = [p for p in todo if has_checkpoint(out, p)]
     resume = {p: args.resume and (p in started or not started) for p in todo}
+    for p in todo:
+        if resume[p] and p not in started:
+            raise UsageError(f"--resume: no checkpoint in {out / f'ckpt-{p}'} to continue from")
     return results, todo, resume
 
 
 def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> dict[str, dict]:
     """Train as the command line says. ``argv`` None (``fp8jax-train``, ``python -m
-    fp8jax.train``): ``sys.argv``, and a bad option value is a usage error (exit status 2);
-    with a list of arguments a bad value raises `UsageError` (a ValueError) instead."""
+    fp8jax.train``): ``sys.argv``, a bad option value is a usage error (exit status 2) and
+    Ctrl-C before training exits with status 130; with a list of arguments a bad value raises
+    `UsageError` (a ValueError) instead."""
     if argv is not None:
         return _main(list(argv), interrupt_at)
     parser = _parser()
@@ -332,6 +243,9 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
         return _main(sys.argv[1:], interrupt_at)
     except UsageError as e:
         parser.error(str(e))
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints)
+        print("\nfp8jax-train: interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
 
 
 def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
@@ -343,19 +257,28 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
         os.environ["XLA_FLAGS"] = " ".join(flags.split())
     if not args.no_compile_cache:
         compilation.enable_compilation_cache(args.compile_cache)
-    precisions = ["bf16", "fp8"] if _compare(args) else [args.precision]
     mesh = _mesh(args)
     if args.sequence_parallel:
         _usage(check_sequence_parallel, run, mesh)
-    mesh_text = ",".join(f"{a}={n}" for a, n in mesh.shape.items()) if mesh is not None else ""
     out = args.out or Path("runs") / args.preset
-    main_process = jax.process_index() == 0
-    corpus = _usage(load_corpus, args.data, max_bytes=args.max_bytes)
+    # before the corpus is read or a model built: a bad --out fails now, not after training
+    created = prepare_out(out, resume=args.resume, overwrite=args.overwrite)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        why = e.strerror or e
-        raise UsageError(f"--out {out}: cannot create the output directory: {why}") from None
+        return _train(args, argv, run, mesh, out, interrupt_at)
+    except BaseException:
+        remove_created(created)  # those still empty: a failed start leaves nothing behind
+        raise
+
+
+def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
+    precisions = ["bf16", "fp8"] if _compare(args) else [args.precision]
+    main_process = jax.process_index() == 0
+    marker = read_marker(out)
+    notices = _check_resume(out, run, precisions, marker) if args.resume else []
+    results, todo, resume = _todo(args, precisions, out, run, marker)
+    corpus = _usage(load_corpus, args.data, max_bytes=args.max_bytes)
+    _usage(check_seq, corpus, run.model.seq)
+    mesh_text = ",".join(f"{a}={n}" for a, n in mesh.shape.items()) if mesh is not None else ""
     device = jax.devices()[0]
     meta = dict(
         device=device.device_kind,
@@ -381,13 +304,16 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     where = device.device_kind + (f" x {mesh.devices.size} (mesh {mesh_text})" if mesh else "")
     if main_process:
         print(
-            f"fp8jax-train: preset {args.preset}, {run.model.non_embedding_params() / 1e6:.1f}M "
+            f"fp8jax-train: preset {args.preset}, {millions(run.model.non_embedding_params())} "
             f"params, {run.steps} steps x {run.batch} x {run.model.seq} tokens, on {where}; "
             f"corpus {corpus.source} ({corpus.files} files, {len(corpus.train) / 1e6:.1f} MB "
             "train)",
             flush=True,
         )
-    results, todo, resume = _todo(args, precisions, out, run)
+        for notice in notices:
+            print(notice, file=sys.stderr, flush=True)
+        if todo:  # the run's options, before anything of the run is written
+            write_marker(out, {p: config_record(run, p) for p in todo}, meta["command"])
     common = dict(
         quiet=args.quiet, interrupt_at=interrupt_at, mesh=mesh, tensorboard=not args.no_tensorboard
     )
@@ -409,14 +335,16 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
 
 
 def _write_outputs(args, run, out: Path, meta: dict, new: dict, results: dict, table: str) -> None:
-    """The run's files (results, summary, metrics, plot, records) and the printed table."""
+    """The run's files (results, summary, metrics, plot, records; each written whole or not
+    at all) and the printed table."""
     for precision, r in new.items():
-        (out / f"result-{precision}.json").write_text(json.dumps(r))
-    (out / "summary.md").write_text(
-        f"{meta['command']} on {meta['device']} ({meta['date']})\n\n{table}\n"
+        atomic_write_text(out / f"result-{precision}.json", json.dumps(r))
+    atomic_write_text(
+        out / "summary.md", f"{meta['command']} on {meta['device']} ({meta['date']})\n\n{table}\n"
     )
     write_metrics(results, out, meta)
-    title = f"{args.preset}: {run.model.non_embedding_params() / 1e6:.0f}M params, {meta['device']}"
+    params = millions(run.model.non_embedding_params())
+    title = f"{args.preset}: {params} params, {meta['device']}"
     png = None if args.no_plot else plot(results, out, title)
     if args.record:
         args.record.parent.mkdir(parents=True, exist_ok=True)
@@ -429,9 +357,10 @@ def _write_outputs(args, run, out: Path, meta: dict, new: dict, results: dict, t
     print("\n" + table)
     for name, r in results.items():
         if r.get("compile_s") is not None:
+            census = f" (counted in the {r['gemm_census']})" if r.get("gemm_census") else ""
             print(
                 f"{name}: compiled in {r['compile_s']:.0f} s; the step runs {r['fp8_gemms']} of "
-                f"its {r['gemms']} GEMM calls in FP8"
+                f"its {r['gemms']} GEMM calls in FP8{census}"
             )
     tb = "" if args.no_tensorboard else ", tb/"
     print(
@@ -443,9 +372,10 @@ def _write_outputs(args, run, out: Path, meta: dict, new: dict, results: dict, t
 def console_main() -> int:
     """``fp8jax-train``'s entry point. `main` returns its results for callers in Python, which
     a console script would hand to ``sys.exit`` (printing them and exiting with status 1).
-    A bad option value exits with status 2 (argparse's usage error)."""
-    main()
-    return 0
+    A bad option value exits with status 2 (argparse's usage error), Ctrl-C with 130 (after
+    the checkpoint, when it came during training)."""
+    results = main()
+    return INTERRUPTED if any(r.get("interrupted") for r in results.values()) else 0
 
 
 if __name__ == "__main__":

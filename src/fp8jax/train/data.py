@@ -19,10 +19,10 @@ def stdlib_dir() -> Path:
 
 
 def _files(root: Path) -> list[Path]:
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
+    if not root.exists():
         raise FileNotFoundError(f"--data {root}: no such file or directory")
+    if not root.is_dir():  # a file, or a device or pipe to read (/dev/stdin)
+        return [root]
     default = root == stdlib_dir()
     files = []
     for path in sorted(root.rglob("*")):
@@ -78,9 +78,23 @@ def load_corpus(
         if total >= max_bytes:
             break
     blob = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    if total == len(SEPARATOR) * count:
+        raise ValueError(f"--data {root}: empty (0 bytes of text)")
     if len(blob) < max(min_bytes, 4096):
         raise ValueError(
             f"corpus {root} has only {len(blob)} bytes; need at least {max(min_bytes, 4096)}"
         )
     split = int(len(blob) * (1 - val_fraction))
     return Corpus(train=blob[:split], val=blob[split:], source=str(root), files=count)
+
+
+def check_seq(corpus: Corpus, seq: int) -> None:
+    """A window is ``seq + 1`` bytes of one split: refuse a ``--seq`` a split cannot hold
+    (numpy's ``high <= 0`` at the first batch otherwise)."""
+    if len(corpus.train) < seq + 2 or len(corpus.val) < seq + 1:
+        size = len(corpus.train) + len(corpus.val)
+        raise ValueError(
+            f"--seq {seq}: the corpus {corpus.source} is too small ({size:,} bytes: "
+            f"{len(corpus.train):,} train, {len(corpus.val):,} validation; a window is "
+            "--seq + 1 bytes of each): give a smaller --seq, more --data or a larger --max-bytes"
+        )

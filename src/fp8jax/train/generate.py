@@ -254,7 +254,9 @@ def load_trained(run_dir: Path, precision: str, run) -> tuple[Transformer, int]:
         restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True,
     )  # the parameters only: the optimizer state stays on disk
-    restored = ocp.PyTreeCheckpointer().restore(path / str(step) / "default", args=args)
+    # "state": the trainer's checkpoints since they hold their history; "default" before
+    item = "state" if (path / str(step) / "state").is_dir() else "default"
+    restored = ocp.PyTreeCheckpointer().restore(path / str(step) / item, args=args)
     return eqx.combine(restored["params"], static), step
 
 
@@ -299,12 +301,19 @@ def parse_args(argv):
     )
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--batch", type=cli._at_least(1), default=1, help="sequences generated at once")
-    p.add_argument("--new-tokens", type=cli._at_least(1), default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument(
+        "--new-tokens", type=cli._at_least(1), default=128, help="bytes to generate (default 128)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default: %(default)s, greedy: the likeliest byte)",
+    )
     p.add_argument(
         "--top-k", type=cli._at_least(0), default=0, help="sample from the k likeliest (0: all)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     return p.parse_args(argv)
 
 

@@ -5,7 +5,6 @@ progress) and `train` / `train_interleaved`."""
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,13 +18,15 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from ..grad_overwrite import optax_step, trainable
-from ..inspect import parse_gemms
+from . import interrupts
+from .census import step_gemms
 from .checkpoint import restore_checkpoint, save_checkpoint
 from .config import RunConfig, build_model, compute_dtype, make_optimizer
 from .mesh import batch_sharding, check_batch, place_model, put_batch
 from .metering import energy_counter, peak_flops
 from .model import cast_for_compute
 from .report import TensorBoardLog
+from .rundir import clear_outputs, config_record
 
 
 def lm_loss(model, batch, with_aux: bool = True):
@@ -103,6 +104,7 @@ class Trainer:
             self._eval = jax.jit(eval_step, out_shardings=scalar)
         self.compiled = None
         self.compile_times: dict[str, float] | None = None
+        self.gemms, self.gemm_census = [], None
 
     def _place(self, model):
         if self.mesh is None:
@@ -134,6 +136,9 @@ class Trainer:
         t1 = time.perf_counter()
         self.compiled = lowered.compile()
         self.compile_times = dict(lower_s=t1 - t0, compile_s=time.perf_counter() - t1)
+        # The step's GEMM calls, FP8 ones marked (cuDNN attention counts as one): `census`.
+        platform = jax.devices()[0].platform
+        self.gemms, self.gemm_census = step_gemms(lowered, self.compiled, platform)
 
     def step(self, batch):
         if self.compiled is None:
@@ -176,9 +181,9 @@ class TrainRun:
             check_batch(run.batch, mesh)
         main_process = jax.process_index() == 0
         if not resume and main_process:  # a fresh run: older outputs would mix runs
-            shutil.rmtree(out / f"ckpt-{precision}", ignore_errors=True)
-            shutil.rmtree(out / "tb" / precision, ignore_errors=True)
+            clear_outputs(out, precision)
         self.run, self.precision, self.corpus, self.out = run, precision, corpus, out
+        self.config = config_record(run, precision)
         model, optimizer = build_model(run, precision), make_optimizer(run)
         self.trainer = Trainer(model, optimizer, mesh, sequence_parallel=run.sequence_parallel)
         self.start, self.history = (0, [])
@@ -286,8 +291,9 @@ class TrainRun:
         run = self.run
         until = min(until, run.steps)
         while self.step < until:
+            interrupts.check()  # Ctrl-C: stop here, between steps
             if interrupt_at is not None and self.step == interrupt_at:
-                raise KeyboardInterrupt
+                raise interrupts.Interrupted
             host = self.corpus.batch(run.seed, self.step, run.batch, run.model.seq)
             loss_array = self.trainer.step(self.trainer.device_batch(host))
             self.step += 1
@@ -307,31 +313,33 @@ class TrainRun:
                     last["val_loss"] = self.trainer.eval(self.val_batches)
                     self._report_eval(last)
                 if save:
-                    save_checkpoint(self.out, self.precision, self.step, self.trainer, self.history)
+                    self._save()
                 self.last_ready = None  # the next step's time would include the eval / the save
         self._flush()
 
-    def interrupt(self) -> None:
-        """Ctrl-C: keep what ran and checkpoint it, so ``--resume`` continues from here."""
+    def _save(self) -> None:
+        """Checkpoint this step, its history and the run's config together."""
+        args = (self.out, self.precision, self.step, self.trainer, self.history, self.config)
+        save_checkpoint(*args)
+
+    def interrupt(self) -> str | None:
+        """Ctrl-C (between steps: `interrupts`): record every step that ran and checkpoint,
+        so ``--resume`` continues from here with no step missing. Returns what was saved."""
         self.interrupted = True
         pending = self.pending
         if pending is not None and not (self.history and self.history[-1]["step"] == pending[0]):
             self._record(*pending, timed=False)
         self.pending = None
-        if self.trainer.compiled is not None or self.step > self.start:
-            save_checkpoint(self.out, self.precision, self.step, self.trainer, self.history)
-            self.bar.close()
-            path = self.out / f"ckpt-{self.precision}"
-            print(
-                f"\ninterrupted: checkpoint of step {self.step} written to {path}; "
-                "continue with --resume",
-                file=sys.stderr,
-            )
+        self.bar.close()
+        if self.trainer.compiled is None and self.step == self.start:
+            return None
+        self._save()
+        return f"{self.precision} step {self.step}"
 
     def result(self) -> dict:
         # --checkpoint-every 0: none (benchmarks)
         if not self.interrupted and self.run.checkpoint_every:
-            save_checkpoint(self.out, self.precision, self.step, self.trainer, self.history)
+            self._save()
         self.bar.close()
         self.tb.close()
         trainer = self.trainer
@@ -339,8 +347,7 @@ class TrainRun:
         tps = self.timed_tokens / self.timed_s if self.timed_s else None
         steps_timed = self.timed_tokens / self.tokens
         joules = self.timed_mj / 1e3 / steps_timed if (self.energy and steps_timed) else None
-        # What the compiled step runs: FP8 GEMMs / all GEMM calls (cuDNN attention counts as one).
-        gemms = parse_gemms(trainer.compiled.as_text()) if trainer.compiled is not None else []
+        gemms = trainer.gemms
         return dict(
             precision=self.precision,
             steps=self.step,
@@ -356,6 +363,7 @@ class TrainRun:
             lower_s=trainer.compile_times.get("lower_s") if trainer.compile_times else None,
             gemms=len(gemms),
             fp8_gemms=sum(g.is_fp8 for g in gemms),
+            gemm_census=trainer.gemm_census,
             peak_mem_mb=trainer.peak_mem_mb() if trainer.compiled is not None else None,
         )
 
@@ -421,12 +429,21 @@ def train_interleaved(
         for i, p in enumerate(precisions)
     ]
     chunk = chunk or run.steps
-    try:
-        while not all(r.done for r in runs):
-            for r in runs:
-                if not r.done:
-                    r.advance(r.step + chunk, interrupt_at)
-    except KeyboardInterrupt:
-        for r in runs:
-            r.interrupt()
+    with interrupts.deferred():  # Ctrl-C stops between steps; a second one raises at once
+        try:
+            while not all(r.done for r in runs):
+                for r in runs:
+                    if not r.done:
+                        r.advance(r.step + chunk, interrupt_at)
+            interrupts.check()  # one that came during the last step's eval or save
+        except interrupts.Interrupted:
+            saved = [s for s in (r.interrupt() for r in runs) if s]
+            if jax.process_index() == 0:
+                print(
+                    f"\ninterrupted: checkpoint of {', '.join(saved)} written to {out}; continue "
+                    "with --resume"
+                    if saved
+                    else "\ninterrupted before the first step: nothing to checkpoint",
+                    file=sys.stderr,
+                )
     return {r.precision: r.result() for r in runs}

@@ -4,12 +4,16 @@ the loss plot, benchmark records, and TensorBoard event files (`TensorBoardLog`)
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 import struct
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from .rundir import atomic_write_text
 
 
 def summarize(results: dict[str, dict]) -> str:
@@ -51,17 +55,19 @@ CSV_FIELDS = ["precision", "step", "loss", "val_loss", "tokens_per_s", "mfu", "s
 
 
 def write_metrics(results: dict[str, dict], out: Path, meta: dict) -> None:
-    """Per-step metrics of every precision: ``metrics.csv`` and ``metrics.json``."""
-    with open(out / "metrics.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_FIELDS)
-        for name, r in results.items():
-            for h in r["history"]:
-                w.writerow(
-                    [name, h["step"], h["loss"], h.get("val_loss", "")]
-                    + [h.get(k) or "" for k in ("tokens_per_s", "mfu", "step_s")]
-                )
-    (out / "metrics.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    """Per-step metrics of every precision: ``metrics.csv`` and ``metrics.json`` (each
+    written whole or not at all: `atomic_write_text`)."""
+    f = io.StringIO(newline="")
+    w = csv.writer(f)
+    w.writerow(CSV_FIELDS)
+    for name, r in results.items():
+        for h in r["history"]:
+            w.writerow(
+                [name, h["step"], h["loss"], h.get("val_loss", "")]
+                + [h.get(k) or "" for k in ("tokens_per_s", "mfu", "step_s")]
+            )
+    atomic_write_text(out / "metrics.csv", f.getvalue())
+    atomic_write_text(out / "metrics.json", json.dumps(dict(meta=meta, results=results), indent=1))
 
 
 def plot(results: dict[str, dict], out: Path, title: str) -> Path | None:
@@ -93,10 +99,14 @@ def plot(results: dict[str, dict], out: Path, title: str) -> Path | None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    path = out / "loss.png"
+    path, tmp = out / "loss.png", out / f".loss.png.{os.getpid()}.tmp"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -133,6 +143,7 @@ def to_records(
                 fp8_gemms=bool(r.get("fp8_gemms")),
                 fp8_gemm_count=r.get("fp8_gemms"),
                 gemm_count=r.get("gemms"),
+                gemm_census=r.get("gemm_census"),
             )
         )
     return recs
