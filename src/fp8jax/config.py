@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import numbers
 import re
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
@@ -89,7 +90,8 @@ class Fp8Config:
       min_features: a layer with ``min(in, out)`` below this stays bf16.
       min_weight_elements: a layer with ``in * out`` below this stays bf16.
       min_tokens: at call time, a GEMM whose rows (M) fall below this runs in the
-        input precision (``selective`` only).
+        input precision and leaves the FP8 state alone (``selective`` only; a warning
+        says so, once per layer shape, when such a call is traced).
 
     Fallback:
       on_unsupported: what a `Fp8DotGeneral` does with a call it cannot run in
@@ -305,6 +307,31 @@ def resolve_config(config: "Fp8Config | None") -> Fp8Config:
     if not isinstance(config, Fp8Config):
         raise TypeError(f"config must be an fp8jax.Fp8Config, got {type(config).__name__}")
     return config
+
+
+_WARNED_TOKENS: set[tuple] = set()
+_LIBRARIES = ("jax", "jaxlib", "equinox", "fp8jax", "flax", "haliax", "contextlib", "functools")
+
+
+def warn_below_min_tokens(config: Fp8Config, m: int, k: int, n: int, dtype) -> None:
+    """Warn once per layer shape, token count and config (when a call is traced: no
+    runtime cost) that a converted ``k -> n`` layer called on ``m`` rows runs in ``dtype``
+    (its input precision), not FP8, because of ``config.min_tokens``."""
+    key = (config, m, k, n, np.dtype(dtype).name)
+    if key in _WARNED_TOKENS:
+        return
+    _WARNED_TOKENS.add(key)
+    frame, level = sys._getframe(1), 2  # the first frame outside JAX and the libraries
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"fp8jax: an FP8 layer ({k}->{n} features) is called on {m} tokens (GEMM rows), "
+        f"fewer than Fp8Config.min_tokens={config.min_tokens}: the call runs in "
+        f"{np.dtype(dtype).name}, not FP8, and leaves the layer's FP8 state unchanged. Call "
+        f"it on at least {config.min_tokens} tokens, or use Fp8Config(min_tokens=0) (or "
+        "selective=False) to run FP8 at any size.",
+        stacklevel=level if frame is not None else 2,
+    )
 
 
 def _patterns(targets) -> tuple[str, ...]:

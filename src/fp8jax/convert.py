@@ -16,6 +16,9 @@ from .nn.linear import Linear
 
 @dataclasses.dataclass
 class LayerDecision:
+    """One layer's fate: ``converted`` or not (``reason``), and for a converted layer the
+    ``min_tokens`` below which a call still runs in the input precision (0: never)."""
+
     path: str
     kind: str
     in_features: int
@@ -23,38 +26,122 @@ class LayerDecision:
     stack: tuple[int, ...]
     converted: bool
     reason: str
+    min_tokens: int = 0
+
+    @property
+    def tier(self) -> str:
+        """``"fp8"`` (every call FP8), ``"fp8_from_tokens"`` (FP8 from ``min_tokens``
+        rows per call, bf16 below) or ``"skipped"``."""
+        if not self.converted:
+            return "skipped"
+        return "fp8_from_tokens" if self.min_tokens > 0 else "fp8"
+
+    @property
+    def verdict(self) -> str:
+        """The decision in words, as the report prints it."""
+        note = "" if self.reason == "converted" else f" ({self.reason})"
+        if self.tier == "fp8":
+            return "FP8" + note
+        if self.tier == "fp8_from_tokens":
+            n = self.min_tokens
+            return f"converted, but bf16 below {n} tokens per call (FP8 from {n}){note}"
+        return f"skipped ({self.reason})"
+
+
+SMALL_MODEL_HINT = (
+    "To run every layer in FP8 whatever its size and the tokens per call (small models, "
+    "tests), use Fp8Config(selective=False), or lower the thresholds: "
+    "Fp8Config(min_features=0, min_weight_elements=0, min_tokens=0)."
+)
 
 
 @dataclasses.dataclass
 class ConversionReport:
-    """Which layers became FP8 and which were skipped, with the reason for each."""
+    """Which layers became FP8 and which were skipped, with the reason for each.
+
+    Three tiers (`LayerDecision.tier`): ``fp8`` layers run every call in FP8;
+    ``fp8_from_tokens`` layers are converted but a call with fewer than their
+    ``min_tokens`` rows (tokens) runs in the input precision (bf16) and leaves their FP8
+    state unchanged; ``skipped`` layers stay as they were."""
 
     layers: list[LayerDecision]
 
     @property
     def converted(self) -> list[str]:
+        """Paths of the converted layers (both FP8 tiers)."""
         return [lay.path for lay in self.layers if lay.converted]
 
     @property
+    def fp8(self) -> list[str]:
+        """Paths of the layers whose every call runs in FP8."""
+        return [lay.path for lay in self.layers if lay.tier == "fp8"]
+
+    @property
+    def fp8_from_tokens(self) -> dict[str, int]:
+        """Converted layers that run bf16 below some tokens per call: path -> that count."""
+        return {lay.path: lay.min_tokens for lay in self.layers if lay.tier == "fp8_from_tokens"}
+
+    @property
     def skipped(self) -> dict[str, str]:
+        """Layers left as they were: path -> why."""
         return {lay.path: lay.reason for lay in self.layers if not lay.converted}
+
+    def fp8_at(self, tokens: int) -> list[str]:
+        """Paths of the layers that run in FP8 on a call with ``tokens`` rows (tokens).
+
+        Arguments:
+            tokens: rows per call (batch times sequence length, for a transformer).
+
+        Returns:
+            The dotted paths, in the report's order.
+        """
+        return [lay.path for lay in self.layers if lay.converted and tokens >= lay.min_tokens]
+
+    def headline(self) -> str:
+        """How many layers will run in FP8, and from how many tokens per call."""
+        n, total = len(self.converted), len(self.layers)
+        if not n:
+            return (
+                f"fp8jax: NOTHING will run in FP8: 0 of {total} linear layers converted "
+                "(every one skipped, see below).\n  " + SMALL_MODEL_HINT
+            )
+        line = f"fp8jax: {n} of {total} linear layers in FP8"
+        gated = sorted(set(self.fp8_from_tokens.values()))
+        if gated:
+            line += (
+                f", but {len(self.fp8_from_tokens)} of them only on calls with at least "
+                f"{' / '.join(map(str, gated))} tokens (Fp8Config.min_tokens): bf16 below"
+            )
+        return line
 
     def __str__(self) -> str:
         width = max([len(lay.path) for lay in self.layers] + [5])
-        lines = [
-            f"fp8jax: {len(self.converted)} of {len(self.layers)} linear layers in FP8",
-            f"  {'layer':<{width}}  {'in':>6} {'out':>6}  decision",
-        ]
+        lines = [self.headline(), f"  {'layer':<{width}}  {'in':>6} {'out':>6}  decision"]
         for lay in self.layers:
             stack = f" x{'x'.join(map(str, lay.stack))} stacked" if lay.stack else ""
-            verdict = "FP8" if lay.converted else "skipped"
             lines.append(
                 f"  {lay.path:<{width}}  {lay.in_features:>6} {lay.out_features:>6}  "
-                f"{verdict}: {lay.reason}{stack}"
+                f"{lay.verdict}{stack}"
             )
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def token_floor(config: Fp8Config | None) -> int:
+    """Rows per call below which a converted layer with ``config`` runs in the input
+    precision (`fp8jax.ops.dot.uses_fp8`): ``min_tokens`` with ``selective``, else 0."""
+    if config is None or not config.selective:
+        return 0
+    return config.min_tokens
+
+
+def warn_if_none_converted(owner: str, report: ConversionReport, stacklevel: int = 3) -> None:
+    """Warn, with the report, when ``report`` converted no layer at all."""
+    if not report.converted:
+        warnings.warn(
+            f"{owner} converted no layer: nothing will run in FP8.\n{report}", stacklevel=stacklevel
+        )
 
 
 def _path_str(path) -> str:
@@ -84,13 +171,20 @@ def _decide(path: str, in_f, out_f, module, config: Fp8Config) -> tuple[bool, st
         return False, f"in={in_f}, out={out_f} not multiples of {a}"
     if config.selective:
         if min(in_f, out_f) < config.min_features:
-            return False, f"too small to gain: min(in, out) < min_features={config.min_features}"
-        if in_f * out_f < config.min_weight_elements:
+            small = min(in_f, out_f)
             return (
                 False,
-                f"too small to gain: in*out < min_weight_elements={config.min_weight_elements}",
+                f"too small to gain: min(in, out)={small} < min_features={config.min_features}",
             )
+        if in_f * out_f < config.min_weight_elements:
+            size, floor = in_f * out_f, config.min_weight_elements
+            return False, f"too small to gain: in*out={size} < min_weight_elements={floor}"
     return True, "converted"
+
+
+def _floor(layer) -> int:
+    """`token_floor` of an already converted layer (its `Fp8DotGeneral`'s config)."""
+    return token_floor(getattr(getattr(layer, "dot_general", None), "config", None))
 
 
 def _foreign_module(model) -> str | None:
@@ -155,6 +249,21 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
     reason (a warning says so when no layer at all was converted). Converting an
     already converted model is a no-op.
 
+    With the default (``selective``) config, small layers stay as they are
+    (``min_features``, ``min_weight_elements``) and a converted layer called on fewer
+    than ``min_tokens`` rows runs in bf16 (a warning names the layer when such a call is
+    traced); ``Fp8Config(selective=False)`` runs every layer in FP8 at any size. The
+    report (``return_report``) tells the three apart: FP8, converted but bf16 below N
+    tokens per call, skipped (why).
+
+    Arguments:
+        model: an equinox/haliax module or a pytree holding linear layers.
+        config: the `Fp8Config` (None: the default one).
+        return_report: also return the `ConversionReport`.
+
+    Returns:
+        The converted model, or ``(model, report)`` with ``return_report``.
+
     Raises ``TypeError`` if ``model`` is not a pytree that can hold such layers (an
     array, a scalar, None, a class, a flax or PyTorch module) or ``config`` is not an
     `Fp8Config`; ``ValueError`` if the model has no linear layer, or if ``config.targets``
@@ -182,15 +291,10 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
         if isinstance(layer, Linear):
             stack = tuple(layer.weight.shape[:-2])
             matched_targets |= config.matches(name, layer)
+            in_f, out_f, floor = layer.in_features, layer.out_features, _floor(layer)
             decisions.append(
                 LayerDecision(
-                    name,
-                    "fp8jax.nn.Linear",
-                    layer.in_features,
-                    layer.out_features,
-                    stack,
-                    True,
-                    "already FP8",
+                    name, "fp8jax.nn.Linear", in_f, out_f, stack, True, "already FP8", floor
                 )
             )
             continue
@@ -200,8 +304,11 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             in_f, out_f, stack = haliax_linear_dims(layer)
             if isinstance(layer.dot_general, Fp8DotGeneral):
                 matched_targets |= config.matches(name, layer)
+                floor = _floor(layer)
                 decisions.append(
-                    LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, True, "already FP8")
+                    LayerDecision(
+                        name, "haliax.nn.Linear", in_f, out_f, stack, True, "already FP8", floor
+                    )
                 )
                 continue
             ok, reason = _decide(name, in_f, out_f, layer, config)
@@ -210,15 +317,19 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
                 new, reason = convert_haliax_linear(layer, config, stack)
                 replace_where.append(layer)
                 replace_with.append(new)
+            floor = token_floor(config) if ok else 0
             decisions.append(
-                LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, ok, reason)
+                LayerDecision(name, "haliax.nn.Linear", in_f, out_f, stack, ok, reason, floor)
             )
             continue
         in_f, out_f = layer.in_features, layer.out_features
         stack = tuple(layer.weight.shape[:-2])
         ok, reason = _decide(name, in_f, out_f, layer, config)
         matched_targets |= reason != "not in targets"
-        decisions.append(LayerDecision(name, "eqx.nn.Linear", in_f, out_f, stack, ok, reason))
+        floor = token_floor(config) if ok else 0
+        decisions.append(
+            LayerDecision(name, "eqx.nn.Linear", in_f, out_f, stack, ok, reason, floor)
+        )
         if ok:
             replace_where.append(layer)
             replace_with.append(Linear.from_linear(layer, config))
@@ -234,10 +345,7 @@ def fp8_linear_layers(model: Any, config: Fp8Config | None = None, *, return_rep
             lambda x: replace_with[ids[id(x)]] if id(x) in ids else x, model, is_leaf=is_layer
         )
     report = ConversionReport(decisions)
-    if not report.converted:
-        warnings.warn(
-            f"fp8_linear_layers converted no layer; every one was skipped:\n{report}", stacklevel=2
-        )
+    warn_if_none_converted("fp8_linear_layers", report)
     return (model, report) if return_report else model
 
 

@@ -27,7 +27,6 @@ The GEMMs are fp8jax's (`fp8jax.Fp8DotGeneral`); flax ships no nnx FP8 op to com
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import jax
@@ -36,7 +35,14 @@ from flax import nnx
 
 from .. import checks
 from ..config import Fp8Config
-from ..convert import ConversionReport, LayerDecision, _decide, _warn_unmatched_entries
+from ..convert import (
+    ConversionReport,
+    LayerDecision,
+    _decide,
+    _warn_unmatched_entries,
+    token_floor,
+    warn_if_none_converted,
+)
 from ..dot_general import Fp8DotGeneral, fp8_einsum
 from ..state import STATE_FIELDS
 
@@ -213,6 +219,17 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
     (output features). Layers with a ``dot_general`` / ``einsum_op`` of their own are
     skipped; converted ones report "already FP8". Stacked layers (a kernel with leading
     dims, e.g. made under ``nnx.vmap``) get per-layer state of the same leading dims.
+    The report tells the same three tiers apart (FP8; converted, but bf16 below
+    ``min_tokens`` tokens per call; skipped, why), and a warning says when no layer was
+    converted.
+
+    Arguments:
+        model: the ``nnx.Module`` to convert in place.
+        config: the `Fp8Config` (None: the default one).
+        return_report: also return the `fp8jax.ConversionReport`.
+
+    Returns:
+        ``model``, or ``(model, report)`` with ``return_report``.
     """
     config = checks.config("fp8jax.nnx.fp8_linear_layers", config)
     if not isinstance(model, nnx.Module):
@@ -233,7 +250,10 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
         kind, in_f, out_f, stack, why_not = _layer_info(layer)
         if isinstance(_current_op(layer), _OPS):
             matched |= config.matches(name, layer)
-            decisions.append(LayerDecision(name, kind, in_f, out_f, stack, True, "already FP8"))
+            floor = token_floor(_current_op(layer).config)
+            decisions.append(
+                LayerDecision(name, kind, in_f, out_f, stack, True, "already FP8", floor)
+            )
             continue
         if why_not:
             matched |= config.matches(name, layer)
@@ -241,7 +261,8 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
             continue
         ok, reason = _decide(name, in_f, out_f, layer, config)
         matched |= reason != "not in targets"
-        decisions.append(LayerDecision(name, kind, in_f, out_f, stack, ok, reason))
+        floor = token_floor(config) if ok else 0
+        decisions.append(LayerDecision(name, kind, in_f, out_f, stack, ok, reason, floor))
         if ok:
             to_convert.append((layer, stack))
     if config.targets is not None and not matched:
@@ -253,11 +274,7 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
     for layer, stack in to_convert:
         _set_op(layer, stack, config)
     report = ConversionReport(decisions)
-    if not report.converted:
-        warnings.warn(
-            f"fp8jax.nnx.fp8_linear_layers converted no layer; every one was skipped:\n{report}",
-            stacklevel=2,
-        )
+    warn_if_none_converted("fp8jax.nnx.fp8_linear_layers", report)
     return (model, report) if return_report else model
 
 

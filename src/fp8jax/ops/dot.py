@@ -28,7 +28,7 @@ from jax.custom_batching import custom_vmap
 
 from .. import quant as q
 from .. import state as _state
-from ..config import Fp8Config
+from ..config import Fp8Config, warn_below_min_tokens
 from ..kernels import gemm as _gemm
 from ..recipe import Cast
 from . import fsdp as _fsdp_op
@@ -128,15 +128,20 @@ def unsupported(config: Fp8Config, message: str) -> None:
         warnings.warn(message, stacklevel=5)
 
 
-def uses_fp8(spec: Spec, m: int) -> bool:
-    """Runtime (shape) part of the policy: rows aligned, and enough of them (``selective``)."""
+def uses_fp8(spec: Spec, m: int, k: int = 0, n: int = 0) -> bool:
+    """Runtime (shape) part of the policy: rows aligned, and enough of them (``selective``);
+    ``k``, ``n``: the layer's features, for the warning below ``min_tokens``."""
     cfg = spec.config
     if m % cfg.alignment:
         unsupported(
             cfg, f"Fp8DotGeneral: the GEMM has M={m} rows, not a multiple of {cfg.alignment}."
         )
         return False
-    return not (cfg.selective and m < cfg.min_tokens)
+    if cfg.selective and m < cfg.min_tokens:
+        if not _QUIET[0]:
+            warn_below_min_tokens(cfg, m, k, n, spec.x_dtype)
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- forward
@@ -205,7 +210,7 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     cfg, recipe = spec.config, spec.config.recipe
     in_s, k_s, g_s, in_h, k_h, _, _ = state
     out_dtype = spec.out_dtype
-    if not uses_fp8(spec, x3.shape[1]):
+    if not uses_fp8(spec, x3.shape[1], x3.shape[2], w3.shape[2 if spec.rhs_k_first else 1]):
         y = _gemm.gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
         zero = jnp.zeros((), F32)
         return y, (x3, w3, in_s, k_s, zero, zero, g_s)
@@ -327,6 +332,16 @@ def _quiet_when_vmapped(fn, probe_arg):
     return call
 
 
+def _decide_loudly(probe, fn, *args):
+    """``fn(*args)`` from a vmap rule (the real rows known): the policy's warnings are not
+    muted there, unless ``probe`` is still vmapped (an outer ``jax.vmap`` decides)."""
+    saved, _QUIET[0] = _QUIET[0], int(_under_vmap(probe))
+    try:
+        return fn(*args)
+    finally:
+        _QUIET[0] = saved
+
+
 def _traced_once(impl, name: str):
     """``impl`` under ``jax.jit`` (named ``name`` in the HLO): the layers of a model that
     share a `Spec` and shapes (a transformer's blocks) trace and lower it once, and the step
@@ -369,8 +384,8 @@ def fwd_fn(spec: Spec):
                 f"{tuple(x3.shape[1:])}): no rows, so no amax for the FP8 scales."
             )
         if not xb or wb or any(jax.tree_util.tree_leaves(sb)):
-            return _fallback_vmap(impl, in_batched, (x3, w3, state))
-        y, (xr, *others) = fn(_merge(x3, axis_size), w3, state)
+            return _decide_loudly(x3, _fallback_vmap, impl, in_batched, (x3, w3, state))
+        y, (xr, *others) = _decide_loudly(x3, fn, _merge(x3, axis_size), w3, state)
         fp8 = xr.dtype == spec.config.input_dtype
         xr = _split_cols(xr, axis_size) if fp8 else _split_rows(xr, axis_size)
         out = (_split_rows(y, axis_size), (xr, *others))
