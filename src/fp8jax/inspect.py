@@ -162,11 +162,13 @@ def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs:
         return GemmReport(parse_gemms(fn.compile().as_text()), platform)
     _check_callable("fp8_gemm_report", fn, args, kwargs)
 
+    # As eqx.filter_jit: arrays are traced, everything else is static, in and out (a step
+    # may return a model holding functions, such as eqx.nn.MLP's activation).
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
 
     def flat_fn(dynamic):
         call_args, call_kwargs = eqx.combine(dynamic, static)
-        return fn(*call_args, **call_kwargs)
+        return eqx.filter(fn(*call_args, **call_kwargs), eqx.is_array)
 
     lowered = jax.jit(flat_fn).lower(dynamic)
     if stage == "lowered":
@@ -195,9 +197,21 @@ def _check_callable(where: str, fn: Any, args: tuple, kwargs: dict, arg: str = "
 
 def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> int:
     """Bytes of the residuals ``jax.vjp`` keeps for the backward of ``model(*inputs)``
-    (nothing is run: shapes only). With ``dim``, only residuals that have an axis of
-    that size count (e.g. the token or sequence length: the activations, not the
-    weights). ``model`` is any callable pytree (an equinox module)."""
+    (nothing is run: shapes only).
+
+    ``model`` is any callable: a pytree (an equinox module, or ``eqx.filter_vmap`` of one),
+    whose arrays are its parameters, or a function closing over a model
+    (``jax.vmap(model)``, a lambda), whose closed-over float arrays count as parameters.
+
+    Arguments:
+        model: the callable whose backward is measured.
+        inputs: its positional arguments (arrays or pytrees of them).
+        dim: count only residuals with an axis of this size (e.g. the token or
+            sequence length: the activations, not the weights). None: all of them.
+
+    Returns:
+        The residuals' size in bytes.
+    """
     import jax
 
     _check_callable("saved_activation_bytes", model, inputs, {}, arg="model")
@@ -206,16 +220,51 @@ def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> 
             f"saved_activation_bytes: dim={dim!r} is not allowed; expected an int or None."
         )
     params, static = eqx.partition(model, eqx.is_array)
+    if jax.tree_util.tree_leaves(params):
 
-    def residuals(params, inputs):
-        return jax.vjp(lambda p, i: eqx.combine(p, static)(*i), params, inputs)[1]
+        def residuals(params, inputs):
+            return jax.vjp(lambda p, i: eqx.combine(p, static)(*i), params, inputs)[1]
 
-    res = jax.eval_shape(residuals, params, inputs)
+        res = jax.eval_shape(residuals, params, inputs)
+    else:
+        res = _closure_residuals(model, inputs)
     return sum(
         r.size * r.dtype.itemsize
         for r in jax.tree_util.tree_leaves(res)
         if dim is None or dim in r.shape
     )
+
+
+def _closure_residuals(fn: Callable, inputs: tuple):
+    """Residual shapes of ``fn(*inputs)``'s backward for a callable holding no arrays
+    itself (``jax.vmap(model)``): the float arrays it closes over (the jaxpr's constants)
+    are differentiated as the parameters are, so the activations the weight gradients
+    need count too."""
+    import jax
+    import jax.numpy as jnp
+
+    dynamic, static = eqx.partition(inputs, eqx.is_array)
+    closed = jax.make_jaxpr(lambda d: fn(*eqx.combine(d, static)))(dynamic)
+    consts = list(closed.consts)
+    floats = [
+        i
+        for i, c in enumerate(consts)
+        if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact)
+    ]
+    if not floats and not jax.tree_util.tree_leaves(dynamic):
+        raise ValueError(
+            "saved_activation_bytes: model holds no arrays and closes over none, and the "
+            "inputs hold none: nothing to differentiate."
+        )
+
+    def run(weights, d):
+        values = list(consts)
+        for i, w in zip(floats, weights):
+            values[i] = w
+        return jax.core.eval_jaxpr(closed.jaxpr, values, *jax.tree_util.tree_leaves(d))
+
+    weights = [consts[i] for i in floats]
+    return jax.eval_shape(lambda w, d: jax.vjp(run, w, d)[1], weights, dynamic)
 
 
 def assert_fp8(fn: Callable, *args: Any, expected: int | None = None, **kwargs: Any) -> GemmReport:
