@@ -148,7 +148,8 @@ class GroupedLinear(eqx.Module):
         ``e``, in order; groups may be empty) -> ``[rows, out]``. Rows past
         ``sum(group_sizes)`` get zeros. Sizes that sum past the rows raise when they are
         concrete; traced ones (under ``jit``) are cut at the last row, as if the groups
-        ended there. Pads to the kernel layout and back."""
+        ended there. A negative size raises, under ``jit`` too (``eqx.error_if``, when the
+        call runs). Pads to the kernel layout and back."""
         return _apply_sorted(self, self, x_sorted, group_sizes)
 
     def apply_padded(self, x: Float[Array, "rows_pad in"], layout: GroupLayout) -> Array:
@@ -221,7 +222,7 @@ def _apply_sorted(module, first: GroupedLinear, x_sorted, group_sizes):
     """``module.apply_padded`` on sorted rows: validate against ``first`` (the layer
     that takes the input), pad to the kernel layout, run, unpad."""
     x_sorted = first._check_input(x_sorted, "x_sorted")
-    gr.check_group_sizes(group_sizes, x_sorted.shape[0], first.num_experts)
+    group_sizes = gr.check_group_sizes(group_sizes, x_sorted.shape[0], first.num_experts)
     sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
     layout = make_layout(sizes, x_sorted.shape[0], row_align(first, x_sorted.shape[0]))
     y = module.apply_padded(gr.pad_rows(x_sorted, layout), layout)

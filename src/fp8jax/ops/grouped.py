@@ -127,8 +127,20 @@ def clip_group_sizes(group_sizes: Int[Array, " G"], num_rows: int) -> Int[Array,
     return ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
 
 
-def check_group_sizes(group_sizes, num_rows: int, num_experts: int) -> None:
-    """Raise early on bad group sizes where they are concrete (not traced)."""
+def check_group_sizes(group_sizes, num_rows: int, num_experts: int):
+    """``group_sizes``, checked: shape and dtype always; concrete sizes raise at once when
+    negative or summing past ``num_rows``; traced ones (under ``jit``) carry one
+    ``eqx.error_if`` that fails the call when a size is negative (sums past the rows are
+    cut at the last row, `clip_group_sizes`).
+
+    Arguments:
+        group_sizes: rows per expert, ``[num_experts]`` integers.
+        num_rows: the rows of the sorted input.
+        num_experts: the layer's experts.
+
+    Returns:
+        ``group_sizes`` (traced: with the runtime check attached; use this value).
+    """
     shape = np.shape(group_sizes)
     if shape != (num_experts,):
         raise ValueError(
@@ -137,7 +149,12 @@ def check_group_sizes(group_sizes, num_rows: int, num_experts: int) -> None:
     if not jnp.issubdtype(jnp.asarray(group_sizes).dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integers, got dtype {jnp.asarray(group_sizes).dtype}")
     if isinstance(group_sizes, jax.core.Tracer):
-        return
+        return eqx.error_if(
+            group_sizes,
+            jnp.any(group_sizes < 0),
+            f"group_sizes must be >= 0 (rows per expert, summing to at most the {num_rows} "
+            "rows of x_sorted); got a negative size",
+        )
     sizes = np.asarray(group_sizes)
     if (sizes < 0).any():
         raise ValueError(f"group_sizes must be >= 0, got {sizes.tolist()}")
@@ -145,6 +162,7 @@ def check_group_sizes(group_sizes, num_rows: int, num_experts: int) -> None:
         raise ValueError(
             f"group_sizes sum to {int(sizes.sum())}, more than the {num_rows} rows of x"
         )
+    return group_sizes
 
 
 def source_rows(layout: GroupLayout) -> Int[Array, " M_pad"]:
