@@ -55,3 +55,26 @@ __all__ = [
     "to_inference",
     "trainable",
 ]
+
+# The framework adapters, imported on first use (flax and haliax are optional extras):
+# ``import fp8jax; fp8jax.flax.fp8_dot_general_cls(...)`` works without ``import fp8jax.flax``.
+_ADAPTERS = {"flax": ("flax", "flax"), "nnx": ("flax", "flax"), "haliax": ("haliax", "haliax")}
+
+
+def __getattr__(name: str):
+    """``fp8jax.flax``, ``fp8jax.nnx``, ``fp8jax.haliax``: the adapter module, imported now;
+    an ImportError naming the pip extra when its framework is not installed."""
+    if name not in _ADAPTERS:
+        raise AttributeError(f"module 'fp8jax' has no attribute {name!r}")
+    import importlib
+
+    dependency, extra = _ADAPTERS[name]
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != dependency:
+            raise
+        raise ImportError(
+            f"fp8jax.{name} needs {dependency}, which is not installed: "
+            f"pip install 'fp8jax[{extra}]'"
+        ) from e
