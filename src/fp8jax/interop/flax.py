@@ -128,7 +128,13 @@ def fp8_dot_general_cls(
     its FP8 input's tokens, a row-parallel one (split along its inputs) reduce-scatters its
     output. Between the pair the tokens are split as
     `fp8jax.distributed.sequence_sharding` says (same ``batch_axes``; default: every mesh
-    axis but ``tensor_axis``)."""
+    axis but ``tensor_axis``).
+
+    Linen layers are not converted after the fact, so there is no conversion report: every
+    layer given this class is FP8, but with the default (``selective``) config a call on
+    fewer than ``config.min_tokens`` rows runs in the input precision (bf16); a warning
+    names the layer's shape when such a call is traced. ``Fp8Config(selective=False)``
+    runs FP8 at any size."""
     name = "fp8_dot_general_cls"
     config = checks.config(name, config)
     if sequence_parallel is None:
