@@ -11,13 +11,13 @@ import warnings
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import fp8jax
 from fp8jax import config as _config
 
 SMALL_FP8 = fp8jax.Fp8Config(min_features=0, min_weight_elements=0)  # min_tokens stays 4096
+ALL = fp8jax.Fp8Config(selective=False)
 
 
 def _token_warnings(fn):
@@ -42,7 +42,8 @@ def test_default_config_converts_no_small_mlp_and_says_so(sizes):
     assert text.startswith("fp8jax: NOTHING will run in FP8: 0 of")
     assert "Fp8Config(min_features=0, min_weight_elements=0, min_tokens=0)" in text
     assert all(lay.tier == "skipped" for lay in report.layers)
-    assert f"skipped (too small to gain: min(in, out)={min(in_f, width)} < min_features=2048)" in text
+    small = min(in_f, width)
+    assert f"skipped (too small to gain: min(in, out)={small} < min_features=2048)" in text
 
 
 def test_report_tells_the_three_tiers_apart(key):
@@ -89,7 +90,8 @@ def test_token_policy_warns_once_at_trace_time(key):
 def test_flax_adapters_report_and_warn():
     from flax import linen, nnx
 
-    model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 40, rngs=nnx.Rngs(1)))
+    rngs = nnx.Rngs(0)
+    model = nnx.Sequential(nnx.Linear(64, 64, rngs=rngs), nnx.Linear(64, 40, rngs=rngs))
     with pytest.warns(UserWarning, match="fp8jax.nnx.fp8_linear_layers converted no layer"):
         _, report = fp8jax.nnx.fp8_linear_layers(model, return_report=True)
     assert str(report).startswith("fp8jax: NOTHING will run in FP8")
@@ -97,11 +99,13 @@ def test_flax_adapters_report_and_warn():
     assert report.fp8_from_tokens == {"layers.0": 4096} and "layers.1" in report.skipped
     assert "converted, but bf16 below 4096 tokens per call" in str(report)
     x = jnp.ones((16, 64))
-    assert any("(64->64 features) is called on 16 tokens" in m for m in _token_warnings(lambda: model(x)))
+    messages = _token_warnings(lambda: model(x))
+    assert any("(64->64 features) is called on 16 tokens" in m for m in messages)
 
     dense = linen.Dense(64, dot_general_cls=fp8jax.flax.fp8_dot_general_cls(SMALL_FP8))
     x = jnp.ones((16, 32))
-    messages = _token_warnings(lambda: jax.eval_shape(dense.init_with_output, jax.random.PRNGKey(0), x))
+    init = lambda: jax.eval_shape(dense.init_with_output, jax.random.PRNGKey(0), x)  # noqa: E731
+    messages = _token_warnings(init)
     assert len(messages) == 1 and "(32->64 features) is called on 16 tokens" in messages[0]
 
 
@@ -132,7 +136,7 @@ def test_saved_activation_bytes_of_a_vmapped_model(key):
     x = jnp.ones((32, 64))  # 32 tokens, vmapped
     for model in (
         eqx.nn.MLP(64, 64, 128, depth=1, key=key),
-        fp8jax.fp8_linear_layers(eqx.nn.Linear(64, 64, key=key), fp8jax.Fp8Config(selective=False)),
+        fp8jax.fp8_linear_layers(eqx.nn.Linear(64, 64, key=key), ALL),
     ):
         wrapped = fp8jax.saved_activation_bytes(eqx.filter_vmap(model), x, dim=32)
         assert wrapped > 0
@@ -173,6 +177,7 @@ def test_adapters_reachable_after_import_fp8jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("ImportError fp8jax.nnx") and "pip install 'fp8jax[flax]'" in lines[0]
+    assert lines[0].startswith("ImportError fp8jax.nnx")
+    assert "pip install 'fp8jax[flax]'" in lines[0]
     assert lines[1] == "Fp8DotGeneralOp fp8_linear_layers haliax_linear_dims"
     assert lines[2] == "AttributeError module 'fp8jax' has no attribute 'no_such_thing'"
