@@ -168,6 +168,26 @@ def test_resume_keeps_history_through_a_kill_and_names_option_changes(tmp_path, 
         cli.main(args + ["--resume", "--steps", "5", "--lr", "1e-3"])
 
 
+def test_resume_of_a_run_from_before_stored_configs_names_the_misfit(tmp_path, data):
+    """A checkpoint as the trainer wrote them before (one "default" item, no config): another
+    --dim fails in one line naming the checkpoint and the shapes, not an orbax traceback."""
+    import orbax.checkpoint as ocp
+
+    from fp8jax.train.loop import Trainer
+
+    out = tmp_path / "old"
+    run = cli.run_config(cli.parse_args(TINY))
+    trainer = Trainer(cli.build_model(run, "bf16"), cli.make_optimizer(run))
+    manager = ocp.CheckpointManager((out / "ckpt-bf16").resolve())
+    manager.save(2, args=ocp.args.StandardSave(dict(params=trainer.params,
+                                                    opt_state=trainer.opt_state)))  # fmt: skip
+    manager.wait_until_finished()
+    with pytest.raises(ValueError) as e:
+        cli.main(TINY + data + ["--out", str(out), "--resume", "--dim", "64"])
+    assert f"--resume: {out / 'ckpt-bf16' / '2'} holds a model of other shapes" in str(e.value)
+    assert not (out / rundir.MARKER).exists()  # a failed attempt's options are not recorded
+
+
 def _start(args):
     src = str(Path(cli.__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))

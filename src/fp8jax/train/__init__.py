@@ -1,8 +1,10 @@
 """The end-to-end example: a byte-level transformer trained in bf16 and FP8 (``fp8jax-train``).
 
 Modules by job: `config` (presets, `RunConfig`), `model`, `data`, `mesh` (``--mesh``,
-placement, multi-host), `loop` (`Trainer`, `TrainRun`), `checkpoint` (orbax),
-`metering` (peak FLOP/s, energy), `report` (table, CSV, plot, TensorBoard), `cli`."""
+placement, multi-host), `loop` (`Trainer`, `TrainRun`), `checkpoint` (orbax, with the
+history and config), `interrupts` (Ctrl-C between steps), `census` (FP8 GEMM count),
+`metering` (peak FLOP/s, energy), `report` (table, CSV, plot, TensorBoard), `rundir`
+(``--out``: ownership, atomic writes, stored options), `options` and `cli`."""
 
 from .cli import main
 from .config import PRESETS, RunConfig

@@ -74,6 +74,30 @@ def stored_config(out: Path, precision: str) -> dict | None:
     return restored["config"] or None
 
 
+def _check_shapes(path: Path, target) -> None:
+    """Refuse a checkpoint whose arrays have other shapes than ``target``'s, before orbax
+    tries (it fails with a ValueError per array, logged again by asyncio as tracebacks)."""
+    import orbax.checkpoint as ocp
+
+    try:
+        stored = ocp.StandardCheckpointHandler().metadata(path)
+    except Exception:  # no readable metadata: let the restore say what is wrong
+        return
+    tree = getattr(stored, "tree", stored)
+
+    def shapes(t):
+        leaves = jax.tree_util.tree_leaves(t)
+        return sorted(tuple(x.shape) for x in leaves if hasattr(x, "shape"))
+
+    have, want = shapes(tree), shapes(target)
+    if have and have != want:
+        raise UsageError(
+            f"--resume: {path.parent} holds a model of other shapes than these options give "
+            "(a run from before configs were stored with checkpoints: give the options it "
+            "was trained with)"
+        )
+
+
 def _target(x):
     """What to restore ``x`` as: its shape, dtype and sharding (the trainer's mesh)."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -91,6 +115,8 @@ def restore_checkpoint(out: Path, precision: str, trainer) -> tuple[int, list[di
     state = dict(params=trainer.params, opt_state=trainer.opt_state)
     target = jax.tree_util.tree_map(_target, state)
     where = out / f"ckpt-{precision}" / str(step)
+    item = "default" if _legacy(out, precision, step) else "state"
+    _check_shapes((where / item).resolve(), target)
     try:
         if _legacy(out, precision, step):
             restored = mngr.restore(step, args=ocp.args.StandardRestore(target))
@@ -105,7 +131,7 @@ def restore_checkpoint(out: Path, precision: str, trainer) -> tuple[int, list[di
     except ValueError as e:  # e.g. another --dim: "Requested shape ... is not compatible"
         if isinstance(e, UsageError):
             raise
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise UsageError(
             f"--resume: {where} does not fit the model of these options ({why})"
         ) from None

@@ -312,8 +312,12 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
         )
         for notice in notices:
             print(notice, file=sys.stderr, flush=True)
-        if todo:  # the run's options, before anything of the run is written
-            write_marker(out, {p: config_record(run, p) for p in todo}, meta["command"])
+        # A fresh run's options, before anything of it is written. A resumed run's are
+        # recorded once its checkpoint restored (`_write_outputs`): not the options of a
+        # failed attempt, which the next --resume would be compared with.
+        fresh = [p for p in todo if not resume[p]]
+        if fresh:
+            write_marker(out, {p: config_record(run, p) for p in fresh}, meta["command"])
     common = dict(
         quiet=args.quiet, interrupt_at=interrupt_at, mesh=mesh, tensorboard=not args.no_tensorboard
     )
@@ -339,6 +343,8 @@ def _write_outputs(args, run, out: Path, meta: dict, new: dict, results: dict, t
     at all) and the printed table."""
     for precision, r in new.items():
         atomic_write_text(out / f"result-{precision}.json", json.dumps(r))
+    if new:
+        write_marker(out, {p: config_record(run, p) for p in new}, meta["command"])
     atomic_write_text(
         out / "summary.md", f"{meta['command']} on {meta['device']} ({meta['date']})\n\n{table}\n"
     )
