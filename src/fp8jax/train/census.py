@@ -13,7 +13,7 @@ import re
 
 from ..inspect import GemmInfo, parse_gemms, parse_stablehlo_gemms
 
-LOWERED = "lowered program (CPU: XLA runs FP8 as upcasts)"
+LOWERED = "lowered program: on CPU, XLA runs FP8 as upcasts"
 COMPILED = "compiled program"
 
 _FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w.$\-]+)", re.M)
