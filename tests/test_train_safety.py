@@ -209,9 +209,9 @@ def test_sigint_in_training_then_resume_keeps_every_step(tmp_path, data):
     checkpoint holds every step that ran, and --resume completes the history gaplessly."""
     out = tmp_path / "run"
     loud = [a for a in TINY if a != "--quiet"]  # one stderr line per evaluation (not a tty)
-    args = loud + data + ["--steps", "60", "--eval-every", "1", "--checkpoint-every", "40"]
+    args = loud + data + ["--steps", "100", "--eval-every", "1", "--checkpoint-every", "40"]
     proc = _start(args + ["--out", str(out)])
-    _wait_for(proc.stderr, "bf16 step 3/60")
+    _wait_for(proc.stderr, "bf16 step 3/100")
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-2000:]
@@ -219,11 +219,11 @@ def test_sigint_in_training_then_resume_keeps_every_step(tmp_path, data):
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted: checkpoint of bf16 step ") and "--resume" in last, last
     cut = int(last.split("bf16 step ")[1].split(" ")[0])
-    assert 3 <= cut < 60
+    assert 3 <= cut < 100
     saved = json.loads((out / "history-bf16.json").read_text())
     assert _steps(saved) == list(range(1, cut + 1))
     result = cli.main(args + ["--quiet", "--out", str(out), "--resume"])["bf16"]
-    assert _steps(result["history"]) == list(range(1, 61)) == _csv_steps(out)
+    assert _steps(result["history"]) == list(range(1, 101)) == _csv_steps(out)
 
 
 def test_sigint_at_start_up_exits_130_in_one_line(tmp_path, data):
