@@ -234,13 +234,17 @@ def _todo(args, precisions, out, run, marker) -> tuple[dict, list[str], dict[str
 def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> dict[str, dict]:
     """Train as the command line says. ``argv`` None (``fp8jax-train``, ``python -m
     fp8jax.train``): ``sys.argv``, a bad option value is a usage error (exit status 2) and
-    Ctrl-C before training exits with status 130; with a list of arguments a bad value raises
-    `UsageError` (a ValueError) instead."""
+    Ctrl-C exits with status 130 (during training: once checkpointed and the outputs
+    written); with a list of arguments a bad value raises `UsageError` (a ValueError)
+    instead, and an interrupted run returns its results (``interrupted``: True)."""
     if argv is not None:
         return _main(list(argv), interrupt_at)
     parser = _parser()
     try:
-        return _main(sys.argv[1:], interrupt_at)
+        results = _main(sys.argv[1:], interrupt_at)
+        if _interrupted_now:  # this invocation's training, not a result read back from --out
+            raise SystemExit(INTERRUPTED)
+        return results
     except UsageError as e:
         parser.error(str(e))
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints)
@@ -248,7 +252,12 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
         raise SystemExit(INTERRUPTED) from None
 
 
+_interrupted_now = False  # whether the last `main` stopped training on Ctrl-C
+
+
 def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
+    global _interrupted_now
+    _interrupted_now = False
     args = parse_args(argv)
     run = _check_options(args)
     _usage(initialize_distributed, args.coordinator, args.num_processes, args.process_id)
@@ -331,6 +340,8 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
             new[precision] = train(run, precision, corpus, out, resume=resume[precision], **common)
             if new[precision]["interrupted"]:
                 break
+    global _interrupted_now
+    _interrupted_now = any(r["interrupted"] for r in new.values())
     results.update(new)
     table = summarize(results)
     if main_process:
@@ -380,8 +391,8 @@ def console_main() -> int:
     a console script would hand to ``sys.exit`` (printing them and exiting with status 1).
     A bad option value exits with status 2 (argparse's usage error), Ctrl-C with 130 (after
     the checkpoint, when it came during training)."""
-    results = main()
-    return INTERRUPTED if any(r.get("interrupted") for r in results.values()) else 0
+    main()
+    return 0
 
 
 if __name__ == "__main__":
