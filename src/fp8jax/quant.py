@@ -120,9 +120,10 @@ OUTLIER_KEPT_BITS = 8
 
 
 def outlier_factor(dtype) -> float:
-    """How far above the amax its scale came from an observed amax may be and still be
-    recorded in a delayed-scaling history: ``2**(floor(log2(max / smallest_normal)) - 8)``,
-    64 for e4m3 (448 / 2**-6 = 2**14.8), 2**21 for e5m2 (57344 / 2**-14 = 2**29.8).
+    """How many times the newest recorded amax an observed amax may be and still be
+    recorded in a delayed-scaling history (`fp8jax.recipe.PerTensor.screen`):
+    ``2**(floor(log2(max / smallest_normal)) - 8)``, 64 for e4m3 (448 / 2**-6 = 2**14.8),
+    2**21 for e5m2 (57344 / 2**-14 = 2**29.8).
 
     Why: a history holding ``F`` times a tensor's typical amax ``A`` scales that tensor's
     max to ``fp8_max / F``, so its values below ``A * F * smallest_normal / fp8_max`` lose
@@ -130,13 +131,12 @@ def outlier_factor(dtype) -> float:
     history's length (1024 steps). With the factor above, values down to ``A / 2**8.8``
     (e4m3: ``A / 448``) stay normal: a Gaussian tensor's amax is 4-6 sigma, so that is about
     sigma / 100, below which lie under 1% of the values and a negligible share of their
-    energy. Recording
-    an amax up to ``F * A`` therefore costs nothing measurable; above it the loss grows
-    by a bit per doubling, until (e4m3: ``F = 2**17.8``, max over smallest subnormal) the
-    tensor flushes to zero: a single 1e30 element in a batch of unit-scale activations made
-    every later step's output 99.9% wrong for the next 1023 steps (measured on CPU). A
-    smaller factor would reject more legitimate jumps (each costs one step of
-    saturation, `fp8jax.recipe.PerTensor.screen`)."""
+    energy. Recording an amax up to ``F * A`` therefore costs nothing measurable; above it
+    the loss grows by a bit per doubling, until (e4m3: ``F = 2**17.8``, max over smallest
+    subnormal) the tensor flushes to zero: a single 1e30 element in a batch of unit-scale
+    activations made every later step's output 99.9% wrong for the next 1023 steps
+    (measured on CPU). A smaller factor would reject more legitimate jumps (each costs one
+    more step of saturation)."""
     span = math.log2(fp8_max(dtype) / float(jnp.finfo(dtype).smallest_normal))
     return 2.0 ** (math.floor(span) - OUTLIER_KEPT_BITS)
 

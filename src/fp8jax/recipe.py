@@ -25,6 +25,7 @@ TE and DeepSeek).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -110,32 +111,36 @@ class PerTensor:
         """The scale a layer's state records (the one it used)."""
         return scale
 
-    def screen(self, amaxes: Array, scales: Array, newest: Array, dtypes) -> tuple[Array, Array]:
+    def screen(self, amaxes: Array, newest: Array, dtypes) -> tuple[Array, Array]:
         """Delayed scaling's outlier rule: which observed ``amaxes`` go into the histories.
         Returns ``(amaxes to record, 1.0 if one was rejected else 0.0)``.
 
-        ``amaxes``, ``scales`` (the ones this step cast with) and ``newest`` (each history's
-        newest entry, corrupt ones as 0) hold one entry per tensor, of FP8 ``dtypes``. An
-        amax above ``q.outlier_factor(dtype)`` (e4m3: 64, e5m2: 2**21) times the amax its
-        scale came from (``scale * fp8_max / 2**margin``: the history's max) is an outlier:
-        recorded as 0, a missing amax, so the scales of the next steps are those of a run
-        without it; this step's cast saturated it (to ``fp8_max * scale``), as delayed
-        scaling does with any amax above its history. Only when the newest entry is
-        positive: an amax that follows a rejected one (or a fresh history, a non-finite or
-        all-zero step) is recorded whatever its size. So one outlier batch is skipped, and
-        a real shift of the distribution, which persists, is recorded one step late: it
-        saturates for two steps instead of one (a 100x jump of the activations is tracked
-        from the third step on); growth under the factor per step (doubling every step) is
-        recorded as it comes. The factor is where recording starts to cost precision
-        (`q.outlier_factor`): a 1e30 element recorded made every output of the next 1023
-        steps 99.9% wrong; skipped, the next step's output matches a run without it.
-        Current scaling records every amax (its scale is this step's own)."""
+        ``amaxes`` and ``newest`` (each history's newest entry, corrupt ones as 0) hold one
+        entry per tensor, of FP8 ``dtypes``. An amax above ``q.outlier_factor(dtype)``
+        (e4m3: 64, e5m2: 2**21) times the newest recorded one is an outlier: recorded as 0,
+        a missing amax, so the scales of the next steps are those of a run without it. This
+        step's cast saturated it (to ``fp8_max * scale``), as delayed scaling does with any
+        amax above its history. Only when the newest entry is positive: an amax that
+        follows a rejected one (or a fresh history, a non-finite or all-zero step) is
+        recorded whatever its size. So one outlier batch is skipped, and a real shift of the
+        distribution, which persists, is recorded one step late: it saturates for two steps
+        instead of one (a 100x jump of the activations is tracked from the third step on);
+        growth under the factor per step (doubling every step) is recorded as it comes.
+        The factor is where recording starts to cost precision (`q.outlier_factor`): a 1e30
+        element recorded made every output of the next 1023 steps 99.9% wrong; skipped,
+        the next step's output matches a run without it. The reference is the newest entry,
+        not the history's max (the scale's amax, about the same in a steady state): the
+        backward's history update then needs no reduction and no scale from the forward
+        (the same GPU kernels as without the rule). Current scaling records every amax (its
+        scale is this step's own)."""
         if not self.delayed:
             return amaxes, jnp.zeros((), F32)
-        factors = [q.outlier_factor(d) * q.fp8_max(d) / 2.0**self.margin for d in dtypes]
-        bound = scales.astype(F32) * np.array(factors, np.float32)
-        outlier = (amaxes > bound) & (newest > 0)
-        return jnp.where(outlier, F32(0), amaxes), jnp.max(outlier.astype(F32))
+        factors = np.array([q.outlier_factor(d) for d in dtypes], np.float32)
+        outlier = (amaxes > newest * factors) & (newest > 0)
+        flags = outlier.astype(F32)
+        return jnp.where(outlier, F32(0), amaxes), functools.reduce(
+            jnp.maximum, [flags[i] for i in range(flags.shape[0])]
+        )
 
     def quantize_both(
         self,

@@ -441,22 +441,17 @@ def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
     histories, fused with their update: no host callback, no ``lax.cond``."""
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
     histories = (in_h, k_h, g_h)
+    stacked = len({h.shape for h in histories}) == 1 and in_h.ndim == 1
+    if stacked:  # one [3, L] array: one reduction and one update for the three
+        histories = (jnp.stack(histories),)
     repaired = _state.needs_repair((in_s, k_s, g_s), histories, nonfinite)
     histories = tuple(map(_state.clean_amax, histories))
     amaxes, rejected = observed[:3], jnp.zeros((), F32)
-    scales = (sx, sw, sg)
-    if (
-        config is not None
-        and config.recipe.kind == "tensor"
-        and all(h.ndim == 1 for h in histories)
-        and all(jnp.size(s) == 1 for s in scales)
-    ):
-        newest = jnp.stack([h[0] for h in histories])
+    if config is not None and config.recipe.kind == "tensor" and stacked:
         dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
-        used = jnp.concatenate([jnp.reshape(s, (1,)) for s in scales])
-        amaxes, rejected = config.recipe.screen(amaxes, used, newest, dtypes)
-    if len({h.shape for h in histories}) == 1 and in_h.ndim == 1:
-        histories = tuple(_state.record(jnp.stack(histories), amaxes, axis=1))
+        amaxes, rejected = config.recipe.screen(amaxes, histories[0][:, 0], dtypes)
+    if stacked:
+        histories = tuple(_state.record(histories[0], amaxes, axis=1))
     else:
         histories = tuple(_state.record(h, a) for h, a in zip(histories, amaxes))
     return (
