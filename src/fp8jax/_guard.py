@@ -118,22 +118,32 @@ def verdict(guards) -> tuple[jax.Array, jax.Array]:
 
 
 # ----------------------------------------------------------------------------- the check
-@jax.custom_vjp
-def _checked(leaves: tuple, guards: tuple) -> tuple:
-    """``leaves`` (entered state, `MAX_GRAD`) as they are, with the check of ``guards``
-    (entered too) attached: every op using them depends on it. A guard's cotangent is
-    its `advance` (its proposal, as an op proposes the other fields)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _checked(sizes: tuple[int, ...], leaves: tuple, guards: tuple) -> tuple:
+    """``leaves`` (entered state, `MAX_GRAD`; ``sizes[i]`` of them for ``guards[i]``) as
+    they are, with the check of the (entered) ``guards`` attached: every op using them
+    depends on it. A guard's cotangent is its `advance` (its proposal) where an op proposed
+    a new state for its leaves, else 0 (nothing proposed: the state stays as it was)."""
+    del sizes
     floats = eqx.branched_error_if(tuple(map(_float, leaves)), *verdict(guards), MESSAGES)
     return tuple(lax.convert_element_type(f, x.dtype) for f, x in zip(floats, leaves, strict=True))
 
 
-def _checked_fwd(leaves, guards):
-    return _checked(leaves, guards), tuple(map(_float, guards))
+def _checked_fwd(sizes, leaves, guards):
+    return _checked(sizes, leaves, guards), tuple(map(_float, guards))
 
 
-def _checked_bwd(guards, cts):
-    proposals = _state.proposal(tuple(advance(g) for g in guards))
-    return tuple(cts), proposals
+def _checked_bwd(sizes, guards, cts):
+    proposals, start = [], 0
+    for size, guard in zip(sizes, guards, strict=True):
+        stack = guard.ndim - 1
+        proposed = jnp.zeros(guard.shape[:stack], bool)
+        for ct in cts[start : start + size]:  # -inf: MAX_GRAD's zero, no use proposed
+            ct = _float(ct)
+            proposed = proposed | jnp.any(ct != -jnp.inf, axis=tuple(range(stack, ct.ndim)))
+        start += size
+        proposals.append(jnp.where(proposed[..., None], advance(guard), 0.0))
+    return tuple(cts), _state.proposal(tuple(proposals))
 
 
 _checked.defvjp(_checked_fwd, _checked_bwd)
@@ -158,14 +168,16 @@ def _remember(guards, token) -> None:
             _CHECKED[key] = (ref, token)
 
 
-def check(leaves: tuple, guards: tuple) -> tuple:
-    """Entered state ``leaves`` with the check of the entered ``guards`` not checked in
-    this trace yet attached; ``leaves`` as they are when none is left."""
-    guards = tuple(g for g in guards if not _seen(g))
-    if not guards or not leaves:
-        return tuple(leaves)
-    out = _checked(tuple(leaves), guards)
-    _remember(guards, out[0])
+def check(groups: list[tuple[tuple, Any]]) -> tuple:
+    """The entered state leaves of ``groups`` (``(leaves, entered guard)`` pairs), all in
+    one tuple, with one check of the guards not checked in this trace yet attached."""
+    groups = [(tuple(leaves), g) for leaves, g in groups if not _seen(g) and leaves]
+    flat = tuple(x for leaves, _ in groups for x in leaves)
+    if not groups:
+        return flat
+    sizes = tuple(len(leaves) for leaves, _ in groups)
+    out = _checked(sizes, flat, tuple(g for _, g in groups))
+    _remember([g for _, g in groups], out[0])
     return out
 
 
@@ -178,7 +190,9 @@ def op_state(module: Any) -> tuple:
     if guard is None or guard.dtype == _state.MAX_GRAD:
         return _state.enter(fields)
     entered = _state.enter(fields + (guard,))
-    return check(entered[:-1], entered[-1:])
+    if _seen(entered[-1]):
+        return entered[:-1]
+    return check([(entered[:-1], entered[-1])])
 
 
 def _is_state(x) -> bool:
@@ -192,8 +206,11 @@ def check_entered_tree(tree: Any) -> Any:
     guarded = [s for s in states if guard_of(s) is not None and not _seen(guard_of(s))]
     if not guarded:
         return tree
-    leaves = [x for s in guarded for x in jax.tree_util.tree_leaves(s) if x is not guard_of(s)]
-    out = iter(check(tuple(leaves), tuple(guard_of(s) for s in guarded)))
+    groups = [
+        (tuple(x for x in jax.tree_util.tree_leaves(s) if x is not guard_of(s)), guard_of(s))
+        for s in guarded
+    ]
+    out = iter(check(groups))
     replaced = {}
     for s in guarded:
         flat, treedef = jax.tree_util.tree_flatten(s)

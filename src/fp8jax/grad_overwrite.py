@@ -273,8 +273,8 @@ def optax_step(optimizer: optax.GradientTransformation, model: Any, grads: Any, 
             raise
         first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise ValueError(
-            "optax_step: opt_state does not fit this optimizer and this model's trainable "
-            "parameters; expected optimizer.init(fp8jax.trainable(model)) with this optimizer "
+            "optax_step: opt_state does not fit this model's trainable parameters and this "
+            "optimizer; expected optimizer.init(fp8jax.trainable(model)) with this optimizer "
             f"and model ({first[:200]})."
         ) from e
     return _apply_updates("optax_step", model, updates, overwrites), opt_state
