@@ -7,12 +7,51 @@ stack's leading dims, and haliax's scan slices it with the weights.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import math
+import os
+import warnings
 
 import equinox as eqx
+import jax
 
 from ..config import Fp8Config
 from ..dot_general import Fp8DotGeneral
+
+
+def _check_jax_for_haliax() -> None:
+    """An ImportError in one line when the installed haliax calls a JAX API that the installed
+    jax no longer has: haliax 1.4.dev453 (the newest on PyPI) calls ``jax.core.is_constant_dim``
+    in every ``haliax.dot``, removed in JAX 0.11.0. Without this check ``import haliax`` works
+    and the first ``haliax.nn.Linear`` call fails inside haliax. Reads haliax's source, does
+    not import it; a haliax that no longer calls it passes."""
+    spec = importlib.util.find_spec("haliax")
+    if spec is None or not spec.submodule_search_locations:
+        return  # haliax not installed: nothing here needs it
+    path = os.path.join(list(spec.submodule_search_locations)[0], "jax_utils.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            uses = "jax.core.is_constant_dim" in f.read()
+    except OSError:
+        return
+    with warnings.catch_warnings():  # deprecated (not yet removed) in JAX 0.10
+        warnings.simplefilter("ignore")
+        has = hasattr(jax.core, "is_constant_dim")
+    if uses and not has:
+        try:
+            version = importlib.metadata.version("haliax")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(unknown version)"
+        raise ImportError(
+            f"fp8jax.haliax: haliax {version} needs jax < 0.11 (it calls "
+            f"jax.core.is_constant_dim, removed in JAX 0.11.0); installed jax {jax.__version__}; "
+            "use jax<0.11 for the haliax front door, or the equinox/flax front doors "
+            "(fp8jax.fp8_linear_layers on equinox models, fp8jax.flax, fp8jax.nnx)"
+        )
+
+
+_check_jax_for_haliax()
 
 
 def _axes(spec) -> tuple:
