@@ -302,3 +302,16 @@ def test_fp8_census_counts_the_lowered_programs_calls():
 """  # fmt: skip
     gemms = lowered_gemm_calls(text)
     assert (len(gemms), sum(g.is_fp8 for g in gemms)) == (3, 2)
+
+
+def test_resume_after_one_precision_finished_starts_the_other(tmp_path):
+    """Ctrl-C after bf16's last step, before fp8 started: --resume keeps bf16's result and
+    trains fp8 from scratch; with nothing finished or checkpointed it says so in one line."""
+    args = cli.parse_args(TINY + ["--compare", "--resume", "--steps", "2"])
+    run = cli.run_config(args)
+    (tmp_path / "result-bf16.json").write_text(json.dumps(dict(steps=2, interrupted=False)))
+    results, todo, resume = cli._todo(args, ["bf16", "fp8"], tmp_path, run, {})
+    assert list(results) == ["bf16"] and todo == ["fp8"] and resume == {"fp8": False}
+    (tmp_path / "result-bf16.json").unlink()
+    with pytest.raises(ValueError, match="no checkpoint in .*ckpt-bf16 to continue from"):
+        cli._todo(args, ["bf16", "fp8"], tmp_path, run, {})

@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 
 from .. import compilation
+from . import interrupts
 from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint, stored_config
 from .config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
 from .data import check_seq, load_corpus
@@ -222,12 +223,11 @@ def _todo(args, precisions, out, run, marker) -> tuple[dict, list[str], dict[str
                 continue
         todo.append(precision)
     # --resume continues what has a checkpoint; a precision the interruption came before starts
-    # fresh (unless nothing has one: then there is nothing to resume).
+    # fresh (unless nothing has one or finished: then there is nothing to resume).
     started = [p for p in todo if has_checkpoint(out, p)]
-    resume = {p: args.resume and (p in started or not started) for p in todo}
-    for p in todo:
-        if resume[p] and p not in started:
-            raise UsageError(f"--resume: no checkpoint in {out / f'ckpt-{p}'} to continue from")
+    if args.resume and todo and not started and len(todo) == len(precisions):
+        raise UsageError(f"--resume: no checkpoint in {out / f'ckpt-{todo[0]}'} to continue from")
+    resume = {p: args.resume and p in started for p in todo}
     return results, todo, resume
 
 
@@ -258,6 +258,7 @@ _interrupted_now = False  # whether the last `main` stopped training on Ctrl-C
 def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     global _interrupted_now
     _interrupted_now = False
+    interrupts.clear()
     args = parse_args(argv)
     run = _check_options(args)
     _usage(initialize_distributed, args.coordinator, args.num_processes, args.process_id)
@@ -338,10 +339,19 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
         new = {}
         for precision in todo:
             new[precision] = train(run, precision, corpus, out, resume=resume[precision], **common)
-            if new[precision]["interrupted"]:
+            if new[precision]["interrupted"] or interrupts.requested():
                 break
     global _interrupted_now
     _interrupted_now = any(r["interrupted"] for r in new.values())
+    if interrupts.requested() and not _interrupted_now:  # Ctrl-C after a run's last step
+        _interrupted_now = True
+        rest = [p for p in todo if p not in new]
+        if main_process:
+            print(
+                f"\ninterrupted: {', '.join(new)} complete"
+                + (f", {', '.join(rest)} not started; continue with --resume" if rest else ""),
+                file=sys.stderr,
+            )
     results.update(new)
     table = summarize(results)
     if main_process:

@@ -34,6 +34,12 @@ def check() -> None:
         raise Interrupted
 
 
+def clear() -> None:
+    """Forget a request (one left by an earlier run in this process)."""
+    global _requested
+    _requested = False
+
+
 def requested() -> bool:
     """Whether SIGINT came and `check` has not raised for it yet."""
     return _requested
@@ -42,7 +48,7 @@ def requested() -> bool:
 @contextlib.contextmanager
 def deferred():
     """SIGINT sets a flag `check` reads (main thread only: elsewhere signals cannot be
-    handled, and nothing changes)."""
+    handled, and nothing changes). A request that no `check` met stays `requested` after."""
     global _requested
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -324,7 +324,10 @@ class TrainRun:
 
     def interrupt(self) -> str | None:
         """Ctrl-C (between steps: `interrupts`): record every step that ran and checkpoint,
-        so ``--resume`` continues from here with no step missing. Returns what was saved."""
+        so ``--resume`` continues from here with no step missing. Returns what was saved.
+        A run that had finished is left as it is (its result is whole)."""
+        if self.step >= self.run.steps and self.pending is None:
+            return None
         self.interrupted = True
         pending = self.pending
         if pending is not None and not (self.history and self.history[-1]["step"] == pending[0]):
@@ -435,10 +438,10 @@ def train_interleaved(
                 for r in runs:
                     if not r.done:
                         r.advance(r.step + chunk, interrupt_at)
-            interrupts.check()  # one that came during the last step's eval or save
+            # one that came in the last step's eval or save stays requested (`cli` stops there)
         except interrupts.Interrupted:
             saved = [s for s in (r.interrupt() for r in runs) if s]
-            if jax.process_index() == 0:
+            if jax.process_index() == 0 and any(r.interrupted for r in runs):
                 print(
                     f"\ninterrupted: checkpoint of {', '.join(saved)} written to {out}; continue "
                     "with --resume"
