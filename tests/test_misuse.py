@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -24,20 +25,40 @@ def setup():
     return model, x, grads
 
 
-def test_optax_step_swapped_model_and_grads(setup):
-    model, _, grads = setup
+MODES = ["nan", "raise"]
+
+
+def _poisoned(model, x, match):
+    """Mode nan: ``model`` (returned under jit) is marked: its loss is NaN and
+    `fp8jax.check_state` raises ``match``."""
+    assert np.isnan(float(eqx.filter_jit(_loss)(model, x)))
+    with pytest.raises(ValueError, match=match):
+        fp8jax.check_state(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_optax_step_swapped_model_and_grads(setup, mode, monkeypatch):
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+    model, x, grads = setup
     opt = optax.adam(1e-3)
     s = opt.init(fp8jax.trainable(model))
     with pytest.raises(ValueError, match="optax_step: .*model and grads swapped"):
-        fp8jax.optax_step(opt, grads, model, s)
+        fp8jax.optax_step(opt, grads, model, s)  # concrete: raises now in every mode
     step = eqx.filter_jit(lambda m, g, s: fp8jax.optax_step(opt, m, g, s))
-    with pytest.raises(Exception, match="model and grads swapped"):
-        jax.block_until_ready(step(grads, model, s))
-    jax.block_until_ready(step(model, grads, s))  # the right order passes under jit too
+    if mode == "raise":
+        with pytest.raises(Exception, match="model and grads swapped"):
+            jax.block_until_ready(step(grads, model, s))
+    else:
+        _poisoned(step(grads, model, s)[0], x, "check_state: .*model and grads swapped")
+    new, _ = step(model, grads, s)  # the right order passes under jit too
+    assert fp8jax.check_state(new) is None
+    assert np.isfinite(float(eqx.filter_jit(_loss)(new, x)))
 
 
-def test_optax_step_model_as_its_gradients(setup):
-    model, _, _ = setup
+@pytest.mark.parametrize("mode", MODES)
+def test_optax_step_model_as_its_gradients(setup, mode, monkeypatch):
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+    model, x, _ = setup
     opt = optax.sgd(1e-3)
     s = opt.init(fp8jax.trainable(model))
     with pytest.raises(ValueError, match="grads is the model itself"):
@@ -46,18 +67,37 @@ def test_optax_step_model_as_its_gradients(setup):
     with pytest.raises(ValueError, match="the model passed as its\\s+gradients"):
         fp8jax.optax_step(opt, model, copy, s)
     step = eqx.filter_jit(lambda m, g, s: fp8jax.optax_step(opt, m, g, s))
-    with pytest.raises(Exception, match="the model passed as its"):
-        jax.block_until_ready(step(model, copy, s))
+    if mode == "raise":
+        with pytest.raises(Exception, match="the model passed as its"):
+            jax.block_until_ready(step(model, copy, s))
+        return
+    marked, s = step(model, copy, s)
+    _poisoned(marked, x, "the model passed as its")
+    # The mark stays through later (right) steps: the first reason is kept.
+    marked, _ = step(marked, eqx.filter_grad(_loss)(marked, x), s)
+    _poisoned(marked, x, "the model passed as its")
 
 
-def test_accumulate_grads_rejects_a_model(setup):
-    model, _, grads = setup
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulate_grads_rejects_a_model(setup, mode, monkeypatch):
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+    model, x, grads = setup
     with pytest.raises(ValueError, match="accumulate_grads: .*one of them is a model"):
         fp8jax.accumulate_grads(model, grads)
     acc = eqx.filter_jit(fp8jax.accumulate_grads)
-    with pytest.raises(Exception, match="one of them is a model"):
-        jax.block_until_ready(acc(model, grads))
-    fp8jax.accumulate_grads(fp8jax.accumulate_grads(None, grads), grads)  # fine
+    if mode == "raise":
+        with pytest.raises(Exception, match="one of them is a model"):
+            jax.block_until_ready(acc(model, grads))
+    else:
+        bad = acc(model, grads)
+        with pytest.raises(ValueError, match="one of them is a model"):
+            fp8jax.check_state(bad)
+        opt = optax.sgd(1e-3)
+        s = opt.init(fp8jax.trainable(model))
+        step = eqx.filter_jit(lambda m, g, s: fp8jax.optax_step(opt, m, g, s))
+        _poisoned(step(model, bad, s)[0], x, "accumulate_grads: .*one of them is a model")
+    good = acc(acc(None, grads), grads)  # fine
+    assert fp8jax.check_state(good) is None
 
 
 def test_optax_step_with_another_optimizers_state(setup):

@@ -1,5 +1,6 @@
-"""The usual equinox optimizer loop fails loudly on an FP8 model (`fp8jax._guard`); the
-supported loops train as before."""
+"""The usual equinox optimizer loop fails loudly on an FP8 model (`fp8jax._guard`): a NaN
+loss that `fp8jax.check_state` explains (``FP8JAX_GUARD=nan``, the default, no device->host
+sync) or an error (``FP8JAX_GUARD=raise``); the supported loops train as before."""
 
 import equinox as eqx
 import jax
@@ -29,7 +30,14 @@ def _loss(m, x, y):
     return jnp.mean((jax.vmap(m)(x) - y) ** 2)
 
 
-def _usual_loop(opt, steps, jit=True):
+@pytest.fixture
+def raise_mode(monkeypatch):
+    """``FP8JAX_GUARD=raise`` (the mode is read at trace time; the fixture clears JAX's
+    caches before and after)."""
+    monkeypatch.setenv("FP8JAX_GUARD", "raise")
+
+
+def _usual_loop(opt, steps, jit=True, losses=None):
     """The equinox loop of the README's warning: the optimizer sees the FP8 state."""
     model = _model()
     opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
@@ -44,7 +52,15 @@ def _usual_loop(opt, steps, jit=True):
     for i in range(steps):
         model, opt_state, loss = step(model, opt_state, *_data(i))
         jax.block_until_ready(loss)
+        if losses is not None:
+            losses.append(float(loss))
     return model
+
+
+def _assert_trained_message(text):
+    assert "fp8jax.optax_step" in text, text
+    assert "partition_for_grad_overwrite" in text and "trainable" in text
+    assert "changed by an optimizer" in text
 
 
 OPTIMIZERS = {
@@ -55,19 +71,112 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_usual_loop_fails_by_the_second_step(name):
+def test_usual_loop_gives_nan_by_the_second_step(name):
+    """Default mode (nan): the step after the optimizer trained the state gives a NaN loss,
+    and `fp8jax.check_state` says why."""
+    losses = []
+    model = _usual_loop(OPTIMIZERS[name](), 3, losses=losses)
+    assert np.isfinite(losses[0]) and np.isnan(losses[1]) and np.isnan(losses[2]), losses
+    with pytest.raises(ValueError) as info:
+        fp8jax.check_state(model)
+    _assert_trained_message(str(info.value))
+    assert str(info.value).startswith("fp8jax.check_state: FP8 state at .layers[0]")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_usual_loop_fails_by_the_second_step(name, raise_mode):
     opt = OPTIMIZERS[name]()
     _usual_loop(opt, 1)  # the first step runs (the state is still valid)
     with pytest.raises(Exception, match="fp8jax.optax_step") as info:
         _usual_loop(opt, 2)
-    text = str(info.value)
-    assert "partition_for_grad_overwrite" in text and "trainable" in text
-    assert "changed by an optimizer" in text
+    _assert_trained_message(str(info.value))
 
 
-def test_usual_loop_fails_eagerly_too():
+def test_usual_loop_fails_eagerly_too(raise_mode):
     with pytest.raises(Exception, match="fp8jax.optax_step"):
         _usual_loop(optax.adam(1e-4), 2, jit=False)
+
+
+def test_usual_loop_eagerly_in_nan_mode():
+    """Without jit, under ``eqx.filter_value_and_grad`` the guards are tracers: the loss is
+    NaN; where an op sees its guard concrete (a plain call) it raises at once."""
+    losses = []
+    model = _usual_loop(optax.adam(1e-4), 2, jit=False, losses=losses)
+    assert np.isfinite(losses[0]) and np.isnan(losses[1]), losses
+    with pytest.raises(ValueError) as info:
+        jax.vmap(model)(_data(0)[0])
+    _assert_trained_message(str(info.value))
+    with pytest.raises(ValueError, match="changed by an optimizer"):
+        fp8jax.check_state(model)
+
+
+def test_guard_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("FP8JAX_GUARD", "loud")
+    with pytest.raises(ValueError, match="FP8JAX_GUARD='loud' is not allowed") as info:
+        eqx.filter_jit(_loss)(_model(), *_data(0))
+    assert all(m in str(info.value) for m in ("nan", "raise", "off"))
+
+
+def test_off_mode_neither_checks_nor_poisons(monkeypatch):
+    monkeypatch.setenv("FP8JAX_GUARD", "off")
+    losses = []
+    model = _usual_loop(optax.adam(1e-3), 2, losses=losses)
+    assert np.all(np.isfinite(losses)), losses
+    with pytest.raises(ValueError, match="changed by an optimizer"):
+        fp8jax.check_state(model)  # the host-side check works in every mode
+
+
+def test_nan_mode_output_is_bit_identical(monkeypatch):
+    """The poison added to a valid layer's output is -0.0: an exact identity."""
+    model, (x, y) = _model(), _data(0)
+    fn = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
+    loss, grads = fn(model, x, y)
+    monkeypatch.setenv("FP8JAX_GUARD", "off")
+    jax.clear_caches()  # the mode is read at trace time
+    loss_off, grads_off = fn(model, x, y)
+    assert float(loss) == float(loss_off)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_off)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def test_nan_mode_step_has_no_cond_or_callback():
+    """The default mode adds no ``lax.cond`` and no host callback to a training step (no
+    device->host sync); ``raise`` mode does."""
+    model, opt = _model(), optax.adamw(1e-3)
+    opt_state = opt.init(fp8jax.trainable(model))
+
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+        return fp8jax.optax_step(opt, model, grads, opt_state), loss
+
+    def acc_step(model, x, y):
+        acc = fp8jax.accumulate_grads(None, eqx.filter_grad(_loss)(model, x, y))
+        return fp8jax.accumulate_grads(acc, eqx.filter_grad(_loss)(model, x, y))
+
+    for fn, args in ((step, (model, opt_state)), (acc_step, (model,))):
+        jaxpr = eqx.filter_make_jaxpr(fn)(*args, *_data(0))[0]
+        names = _primitives(jaxpr.jaxpr)
+        assert not [n for n in names if "cond" in n or "callback" in n], sorted(names)
+        text = eqx.filter_jit(fn).lower(*args, *_data(0)).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text
+        assert "callback" not in text
+    (model, opt_state), loss = eqx.filter_jit(step)(model, opt_state, *_data(0))
+    assert np.isfinite(float(loss)) and fp8jax.check_state(model) is None
+
+
+def test_raise_mode_step_has_conds(raise_mode):
+    model = _model()
+    names = _primitives(eqx.filter_make_jaxpr(eqx.filter_grad(_loss))(model, *_data(0))[0].jaxpr)
+    assert "cond" in names
 
 
 def test_warmup_learning_rate_is_detected():
@@ -90,6 +199,7 @@ def test_optax_step_keeps_guards_valid_and_cycling():
     assert seen == [2.0**-19, 2.0**-18, 2.0**-17, 2.0**-20, 2.0**-19]
     bad, _ = _guard.verdict([s.guard for _, s in fp8jax.fp8_state(model)])
     assert not bool(bad)
+    assert fp8jax.check_state(model) is None
 
 
 def test_verdict_is_a_pure_function():
@@ -100,6 +210,11 @@ def test_verdict_is_a_pure_function():
     bad, index = _guard.verdict([jnp.array([0.0])])
     assert bool(bad) and int(index) == 1
     assert bool(_guard.verdict([jnp.array([jnp.nan])])[0])
+    # The cycle; a negative guard (a code written under jit, mode nan) stays.
+    np.testing.assert_array_equal(
+        _guard.advance(jnp.array([*_guard.VALUES, -1.0, -5.0])),
+        [2.0**-19, 2.0**-18, 2.0**-17, 2.0**-20, -1.0, -5.0],
+    )
 
 
 def _stacked(entered: bool):
@@ -120,8 +235,10 @@ def _stacked(entered: bool):
     return layers, loss
 
 
+@pytest.mark.parametrize("mode", ["nan", "raise"])
 @pytest.mark.parametrize("entered", [False, True])
-def test_scan_over_stacked_layers_usual_loop_fails(entered):
+def test_scan_over_stacked_layers_usual_loop_fails(entered, mode, monkeypatch):
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
     layers, loss = _stacked(entered)
     x = jax.random.normal(jax.random.PRNGKey(4), (16, 32))
     opt = optax.sgd(1e-2)
@@ -130,8 +247,15 @@ def test_scan_over_stacked_layers_usual_loop_fails(entered):
     assert grads.dot_general.guard.shape == (3, 1)
     updates, s = opt.update(grads, s)
     layers = eqx.apply_updates(layers, updates)
-    with pytest.raises(Exception, match="fp8jax.optax_step"):
-        jax.block_until_ready(eqx.filter_jit(eqx.filter_grad(loss))(layers, x))
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    if mode == "raise":
+        with pytest.raises(Exception, match="fp8jax.optax_step"):
+            jax.block_until_ready(value_and_grad(layers, x))
+        return
+    value, grads = value_and_grad(layers, x)
+    assert np.isnan(float(value)) and np.isnan(np.asarray(grads.weight)).all()
+    with pytest.raises(ValueError, match="fp8jax.optax_step"):
+        fp8jax.check_state(layers)
 
 
 def _checks(fn, *args, in_loops=False):
@@ -151,18 +275,25 @@ def _checks(fn, *args, in_loops=False):
 
 
 @pytest.mark.parametrize("entered", [False, True])
-def test_enter_state_checks_once_per_stack(entered):
-    """With the state entered before the scan, the ops inside it do not check again: one
-    check (a ``cond``) for the whole stack, outside the loop; else one per layer inside."""
+def test_enter_state_checks_once_per_stack(entered, monkeypatch):
+    """Mode raise: with the state entered before the scan, the ops inside it do not check
+    again: one check (a ``cond``) for the whole stack, outside the loop; else one per layer
+    inside. Mode nan (the default): no ``cond`` at all."""
     layers, loss = _stacked(entered)
     params, static = eqx.partition(layers, eqx.is_array)
     fn = jax.grad(lambda p, x: loss(eqx.combine(p, static), x))
     x = jnp.ones((16, 32))
+    assert _checks(fn, params, x) == 0
+    assert _checks(fn, params, x, in_loops=True) == 0
+    monkeypatch.setenv("FP8JAX_GUARD", "raise")
+    jax.clear_caches()  # the mode is read at trace time
     assert _checks(fn, params, x) == (1 if entered else 0)
     assert _checks(fn, params, x, in_loops=True) == (0 if entered else 1)
 
 
-def test_weight_tying_checks_once_and_trains_as_before():
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_weight_tying_checks_once_and_trains_as_before(mode, monkeypatch):
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
     lin = fp8jax.nn.Linear(32, 32, key=jax.random.PRNGKey(5), config=CFG)
     x = jax.random.normal(jax.random.PRNGKey(6), (16, 32))
 
@@ -170,7 +301,8 @@ def test_weight_tying_checks_once_and_trains_as_before():
         return jnp.mean(layer(jnp.tanh(layer(x))) ** 2)
 
     params, static = eqx.partition(lin, eqx.is_array)
-    assert _checks(jax.grad(lambda p: loss(eqx.combine(p, static), x)), params) == 1
+    checks = _checks(jax.grad(lambda p: loss(eqx.combine(p, static), x)), params)
+    assert checks == (1 if mode == "raise" else 0)
     grads = eqx.filter_grad(loss)(lin, x)
     np.testing.assert_array_equal(grads.dot_general.guard, [2.0**-19])  # max, not a sum
 
@@ -186,7 +318,8 @@ def test_accumulate_and_multisteps_keep_guards_exact():
         model, s = fp8jax.optax_step(opt, model, fp8jax.scale_grads(acc, 0.5), s)
     bad, _ = _guard.verdict([st.guard for _, st in fp8jax.fp8_state(model)])
     assert not bool(bad)
-    jax.block_until_ready(_loss(model, *_data(99)))
+    assert fp8jax.check_state(model) is None
+    assert np.isfinite(float(_loss(model, *_data(99))))
 
 
 def test_guardless_state_still_runs():
@@ -201,4 +334,5 @@ def test_guardless_state_still_runs():
     s = opt.init(fp8jax.trainable(model))
     grads = eqx.filter_grad(_loss)(model, *_data(0))
     model, s = fp8jax.optax_step(opt, model, grads, s)
-    jax.block_until_ready(_loss(model, *_data(1)))
+    assert np.isfinite(float(_loss(model, *_data(1))))
+    assert fp8jax.check_state(model) is None

@@ -7,6 +7,7 @@ _apply_at_import()
 
 
 from . import nn
+from ._guard import check_state
 from .compilation import enable_compilation_cache, skip_triton_gemm_autotuning
 from .config import Fp8Config
 from .convert import ConversionReport, fp8_linear_layers, fp8_state
@@ -37,6 +38,7 @@ __all__ = [
     "accumulate_grads",
     "apply_updates",
     "assert_fp8",
+    "check_state",
     "enable_compilation_cache",
     "enter_state",
     "fp8_gemm_report",

@@ -161,7 +161,12 @@ def _check_guards(fn: str, model: Any, overwrites: Any, order: str):
     """Where the trees carry guards (`fp8jax._guard`): the model's must be valid, and the
     overwrites' not the model's own step (a model passed as gradients) nor one behind it
     (model and gradients swapped); 0 (not entered) passes. Returns ``overwrites``, raising
-    now if the guards are concrete, else with the check attached (one ``lax.cond``)."""
+    now if the guards are concrete; else, by ``FP8JAX_GUARD``: ``nan`` (default), with the
+    verdict written into their guards (a negative code, `fp8jax._guard.mark`: the model it
+    is written into poisons its next forward; `fp8jax.check_state` says why); ``raise``,
+    with the check attached (one ``lax.cond``); ``off``, as they are."""
+    if _guard.mode() == "off":
+        return overwrites
     pairs = _guard_pairs(model, overwrites) if overwrites is not None else []
     pairs = pairs or [(_guard.guard_of(x), None) for x in _guard.guarded_states(model)]
     if not pairs:
@@ -173,27 +178,13 @@ def _check_guards(fn: str, model: Any, overwrites: Any, order: str):
             m = _guard._float(m)
             same = same | jnp.any((o == m) & (o != 0))
             behind = behind | jnp.any((_guard.advance(o) == m) & (o != 0))
-    messages = (
-        f"{fn}: " + _guard.TRAINED.removeprefix("fp8jax: "),
-        f"{fn}: the model holds gradients, not a model (its FP8 guard leaf is 0): model "
-        f"and grads swapped? The order is {order}.",
-        f"{fn}: the gradients hold the model's own FP8 state of this step (their guard leaf "
-        "equals the model's, where gradients hold the next one): the model passed as its "
-        f"gradients, or gradients of the previous step? The order is {order}, with grads "
-        "from eqx.filter_value_and_grad(loss)(model, ...).",
-        f"{fn}: the model's FP8 state is one step ahead of the gradients' (guard leaves): "
-        f"model and grads swapped? The order is {order}.",
-    )
     index = jnp.where(model_bad, model_index, jnp.where(same, 2, 3))
     bad = model_bad | same | behind
-    if _guard._concrete(bad, index):
-        if bool(bad):
-            raise ValueError(messages[int(index)])
-        return overwrites
-    if overwrites is None:  # nothing written back: the next forward checks the model
-        return overwrites
-    # Under jit: one conditional for the whole tree, attached to the state written back.
-    return eqx.branched_error_if(overwrites, bad, index, messages)
+    messages = _guard.step_messages(fn, order)
+    if overwrites is None and not _guard._concrete(bad, index):
+        return overwrites  # nothing written back: the next forward checks the model
+    # Under jit: one check (or mark) for the whole tree, on the state written back.
+    return _guard.raise_or_attach(overwrites, bad, index, messages, keep_from=model)
 
 
 def apply_updates(model: Any, updates: Any, overwrites: Any) -> Any:
@@ -301,7 +292,7 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     _check_like(
         "accumulate_grads", "gradients", accumulated, grads, ref_name="accumulated gradients"
     )
-    accumulated = _check_same_step(accumulated, grads)
+    accumulated, grads = _check_same_step(accumulated, grads)
 
     def combine(a, g):
         if _is_overwrite(a):
@@ -315,21 +306,19 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     )
 
 
-def _check_same_step(accumulated: Any, grads: Any) -> Any:
+def _check_same_step(accumulated: Any, grads: Any) -> tuple[Any, Any]:
     """Gradients of one step hold the same FP8 guard (or 0: not entered); a model's is one
-    step behind its gradients'. Raises now if concrete, else attaches the check."""
+    step behind its gradients'. Raises now if concrete; else, by ``FP8JAX_GUARD``: ``nan``
+    (default), marks the guards of both trees with code -5 (`fp8jax._guard.mark`: both, as
+    the accumulation takes their max), ``raise``, attaches the check; ``off``, nothing."""
     pairs = _guard_pairs(accumulated, grads)
-    if not pairs:
-        return accumulated
+    if not pairs or _guard.mode() == "off":
+        return accumulated, grads
     same = [jnp.all((a == g) | (a == 0) | (g == 0)) for a, g in pairs]
     bad = ~jnp.all(jnp.stack(same))
-    message = (
-        "accumulate_grads: accumulated and grads hold FP8 state of different steps (their "
-        "guard leaves differ): one of them is a model, not gradients. Pass "
-        "accumulate_grads(accumulated, grads), both gradients of the same model, with "
-        "accumulated=None for the first micro-batch."
-    )
-    return _guard.raise_or_attach(accumulated, bad, 0, (message,))
+    if _guard.mode() == "nan" and not _guard._concrete(bad):
+        return _guard.mark(accumulated, bad, -5.0), _guard.mark(grads, bad, -5.0)
+    return _guard.raise_or_attach(accumulated, bad, 0, (_guard.ACCUMULATE,)), grads
 
 
 def scale_grads(grads: Any, factor: float) -> Any:
