@@ -126,17 +126,33 @@ def parse_stablehlo_gemms(text: str) -> list[GemmInfo]:
     return gemms
 
 
-def fp8_gemm_report(fn: Callable, *args: Any, stage: str = "compiled", **kwargs: Any) -> GemmReport:
+def fp8_gemm_report(
+    fn: Callable, *args: Any, stage: str | None = None, **kwargs: Any
+) -> GemmReport:
     """Compile ``fn(*args, **kwargs)`` and list each GEMM it runs, marking the FP8 ones.
 
     On a GPU, FP8 means a cuBLASLt FP8 call (``__cublas$lt$matmul$f8``) or one of
     fp8jax's kernels. ``stage="lowered"`` inspects the program before XLA's
-    optimizations instead (dots on float8 operands), which is what a CPU can show.
-    ``fn`` may also be an already lowered or compiled program (``jax.jit(f).lower(...)``,
-    ``.compile()``), given without arguments.
+    optimizations instead (dots on float8 operands), which is what a CPU can show: a
+    CPU's XLA runs FP8 dots as float32 ones. ``fn`` may also be an already lowered or
+    compiled program (``jax.jit(f).lower(...)``, ``.compile()``), given without arguments.
+
+    Arguments:
+        fn: the function (a step, a model call) or a lowered/compiled program.
+        args, kwargs: what to call ``fn`` with (non-array leaves are static, as in
+            ``eqx.filter_jit``).
+        stage: ``"compiled"``, ``"lowered"``, or None (the default): compiled on a GPU,
+            lowered on a CPU; the report says which.
+
+    Returns:
+        A `GemmReport`: each GEMM, whether it is FP8, and the platform (and stage).
     """
     import jax
 
+    if stage is None:
+        on_cpu = jax.devices()[0].platform == "cpu"
+        compiled = isinstance(getattr(fn, "compiled", None) or fn, jax.stages.Compiled)
+        stage = "lowered" if on_cpu and not compiled else "compiled"
     if stage not in ("compiled", "lowered"):
         raise ValueError(
             f"fp8_gemm_report: stage={stage!r} is not allowed; expected 'compiled' or 'lowered'."
