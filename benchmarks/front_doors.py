@@ -47,15 +47,13 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 
 import fp8jax
 from benchmarks import common
+from benchmarks.front_doors_builders import BUILDERS, ObjectCase, Skip
 from fp8jax.inspect import parse_gemms, parse_stablehlo_gemms
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -63,7 +61,6 @@ DOORS = ("equinox", "linen", "nnx", "nnx-jit", "haliax")
 DTYPES = {"bf16": BF16, "f32": F32}
 PRECISIONS = ("bf16", "fp8")
 DEFAULT_TOKENS = (8192, 16384)
-LR = 1e-4
 COMMAND_PREFIX = "python -m benchmarks.front_doors"
 DEFAULT_OUT = common.results_path("front_doors")
 RECORD_FIELDS = (
@@ -88,204 +85,6 @@ CATEGORY_LABELS = {
     "attention": "attention",
     "other": "other",
 }
-
-
-class Skip(RuntimeError):
-    """A front door cannot run here (its framework is missing): one line, no row."""
-
-
-def mse_loss(y) -> jax.Array:
-    return jnp.mean(jnp.square(y.astype(F32)))
-
-
-# ----------------------------------------------------------------------------- doors
-# Each builder returns (state, step) with ``step(state, x) -> (state, loss)``, pure.
-def _cast_params(model, dtype):
-    """``model`` with its trainable arrays (not the FP8 state) cast to ``dtype``."""
-    cast = jax.tree_util.tree_map(lambda a: a.astype(dtype), fp8jax.trainable(model))
-    return eqx.combine(cast, model)
-
-
-def _eqx_step(model, param_dtype) -> tuple[Any, Callable]:
-    """The README's equinox step on any equinox model (``model(x)`` on ``[T, D]``)."""
-    opt = optax.adam(LR)
-    params, static = eqx.partition(model, eqx.is_array)
-
-    def loss_fn(model, x):
-        if param_dtype != BF16:
-            model = _cast_params(model, BF16)
-        return mse_loss(model(x))
-
-    def step(state, x):
-        params, opt_state = state
-        model = eqx.combine(params, static)
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
-        model, opt_state = fp8jax.optax_step(opt, model, grads, opt_state)
-        return (eqx.filter(model, eqx.is_array), opt_state), loss
-
-    return (params, opt.init(fp8jax.trainable(model))), step
-
-
-class EqxMLP(eqx.Module):
-    layers: list
-
-    def __call__(self, x):
-        for i, layer in enumerate(self.layers):
-            x = jax.vmap(layer)(x)
-            if i < len(self.layers) - 1:
-                x = jax.nn.gelu(x)
-        return x
-
-
-def build_equinox(dim, layers, param_dtype, config, key):
-    keys = jax.random.split(key, layers)
-    model = EqxMLP([eqx.nn.Linear(dim, dim, dtype=param_dtype, key=k) for k in keys])
-    if config is not None:
-        model = fp8jax.fp8_linear_layers(model, config)
-    return _eqx_step(model, param_dtype)
-
-
-class HaliaxMLP(eqx.Module):
-    layers: list
-
-    def __call__(self, x):  # x [T, D]: named (batch, embed) here
-        import haliax as hax
-
-        x = hax.named(x, (hax.Axis("batch", x.shape[0]), self.layers[0].In))
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = hax.nn.gelu(x)
-        return x.array
-
-
-def build_haliax(dim, layers, param_dtype, config, key):
-    try:
-        import haliax as hax
-    except ImportError as e:
-        raise Skip(f"haliax not installed ({e})") from None
-    axes = [hax.Axis("embed", dim)] + [hax.Axis(f"hidden{i}", dim) for i in range(layers - 1)]
-    axes.append(axes[0])
-    keys = jax.random.split(key, layers)
-    mlp = HaliaxMLP([hax.nn.Linear.init(axes[i], axes[i + 1], key=keys[i]) for i in range(layers)])
-    mlp = jax.tree_util.tree_map(lambda a: a.astype(param_dtype), mlp)
-    if config is not None:
-        mlp = fp8jax.fp8_linear_layers(mlp, config)
-    return _eqx_step(mlp, param_dtype)
-
-
-def build_linen(dim, layers, param_dtype, config, key):
-    import flax.linen as nn
-    from flax.training.train_state import TrainState
-
-    cls = None if config is None else fp8jax.flax.fp8_dot_general_cls(config)
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i in range(layers):
-                kw = {} if cls is None else dict(dot_general_cls=cls)
-                x = nn.Dense(dim, dtype=BF16, param_dtype=param_dtype, **kw)(x)
-                if i < layers - 1:
-                    x = nn.gelu(x)
-            return x
-
-    model = MLP()
-    variables = model.init(key, jnp.zeros((8, dim), BF16))
-    state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(LR))
-
-    def step(state, x):
-        loss, grads = jax.value_and_grad(lambda v: mse_loss(state.apply_fn(v, x)))(state.params)
-        # flax's TrainState: the optimizer on "params", "_overwrite_with_gradient" overwritten.
-        return state.apply_gradients(grads=grads), loss
-
-    return state, step
-
-
-def build_nnx(dim, layers, param_dtype, config, key, objects=False):
-    from flax import nnx
-
-    rngs = nnx.Rngs(key)
-
-    class MLP(nnx.Module):
-        def __init__(self):
-            self.layers = nnx.List(
-                [
-                    nnx.Linear(dim, dim, dtype=BF16, param_dtype=param_dtype, rngs=rngs)
-                    for _ in range(layers)
-                ]
-            )
-
-        def __call__(self, x):
-            for i, layer in enumerate(self.layers):
-                x = layer(x)
-                if i < layers - 1:
-                    x = nnx.gelu(x)
-            return x
-
-    model = MLP()
-    if config is not None:
-        fp8jax.nnx.fp8_linear_layers(model, config)
-    optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
-    if objects:
-        return model, optimizer
-    graphdef, state = nnx.split((model, optimizer))
-
-    def step(state, x):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(
-            lambda m: mse_loss(m(x)), argnums=fp8jax.nnx.diff_state(0)
-        )(model)
-        fp8jax.nnx.update(model, optimizer, grads)  # Params: optimizer; Fp8State: overwrite
-        return nnx.state((model, optimizer)), loss
-
-    return state, step
-
-
-def build_nnx_jit(dim, layers, param_dtype, config, key):
-    """The nnx step exactly as the README writes it: ``@nnx.jit`` over the model and the
-    optimizer objects (nnx's per-call graph traversal included in the time)."""
-    from flax import nnx
-
-    model, optimizer = build_nnx(dim, layers, param_dtype, config, key, objects=True)
-
-    @nnx.jit
-    def step(model, optimizer, x):
-        loss, grads = nnx.value_and_grad(
-            lambda m: mse_loss(m(x)), argnums=fp8jax.nnx.diff_state(0)
-        )(model)
-        fp8jax.nnx.update(model, optimizer, grads)
-        return loss
-
-    return (model, optimizer), step
-
-
-BUILDERS = dict(
-    equinox=build_equinox,
-    linen=build_linen,
-    nnx=build_nnx,
-    haliax=build_haliax,
-    **{"nnx-jit": build_nnx_jit},
-)
-
-
-class ObjectCase:
-    """A step that takes mutable objects (``nnx.jit``): timed as called, its program's GEMMs
-    not read here (the same program as the ``nnx`` door's)."""
-
-    def __init__(self, objects, step, x):
-        self.objects, self.step = objects, step
-        self.state = objects
-        self.run(x)
-
-    def run(self, x):
-        return self.step(*self.objects, x)
-
-    def gemms(self) -> tuple[int, int]:
-        return 0, 0
-
-    def peak_mem_mb(self) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -146,11 +146,17 @@ def test_saved_activation_bytes_of_a_vmapped_model(key):
         )
 
 
-def test_traced_negative_group_sizes_raise(key):
+def test_traced_negative_group_sizes_are_loud(key, monkeypatch):
+    """Under jit a negative group size makes the output NaN by default (no device->host
+    sync), and raises with ``FP8JAX_GUARD=raise``."""
     layer = fp8jax.nn.GroupedLinear(4, 32, 64, key=key, fp8=False)
     x = jnp.ones((50, 32))
     apply = eqx.filter_jit(lambda layer, x, sizes: layer(x, sizes))
-    assert apply(layer, x, jnp.array([10, 0, 20, 5])).shape == (50, 64)  # rows past: zeros
+    good = apply(layer, x, jnp.array([10, 0, 20, 5]))
+    assert good.shape == (50, 64) and bool(jnp.all(jnp.isfinite(good)))  # rows past: zeros
+    assert bool(jnp.all(jnp.isnan(apply(layer, x, jnp.array([10, -1, 20, 5])))))
+    monkeypatch.setenv("FP8JAX_GUARD", "raise")
+    apply = eqx.filter_jit(lambda layer, x, sizes: layer(x, sizes))
     with pytest.raises(Exception, match=r"group_sizes must be >= 0 .*at most the 50 rows"):
         jax.block_until_ready(apply(layer, x, jnp.array([10, -1, 20, 5])))
 

@@ -33,8 +33,9 @@ class Fp8DotGeneral(Fp8GemmState):
     each step with the newest at index 0 (flax's and haliax's layout);
     ``nonfinite_count`` counts steps that saw NaN/Inf. The new state is returned as the
     state's gradient (see `apply_updates`); uses of one layer in a step combine by max.
-    ``guard`` (``[*stack, 1]``, not a `STATE_FIELDS` field) makes a state that an optimizer
-    trained fail at the next call (`fp8jax._guard`); None (adapters, older models): unchecked.
+    ``guard`` (``[*stack, 1]``, not a `STATE_FIELDS` field) marks a state that an optimizer
+    trained: the next call's output is NaN (``FP8JAX_GUARD=raise``: an error) and
+    `fp8jax.check_state` says why (`fp8jax._guard`); None (adapters, older models): unchecked.
     """
 
     input_scale: Float[Array, "*stack 1"]

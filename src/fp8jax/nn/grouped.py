@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .. import checks
+from .. import _guard, checks
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
 from ..ops import grouped as gr
@@ -226,7 +226,10 @@ def _apply_sorted(module, first: GroupedLinear, x_sorted, group_sizes):
     sizes = gr.clip_group_sizes(group_sizes, x_sorted.shape[0])
     layout = make_layout(sizes, x_sorted.shape[0], row_align(first, x_sorted.shape[0]))
     y = module.apply_padded(gr.pad_rows(x_sorted, layout), layout)
-    return gr.unpad_rows(y, layout, x_sorted.shape[0])
+    y = gr.unpad_rows(y, layout, x_sorted.shape[0])
+    if isinstance(group_sizes, jax.core.Tracer) and _guard.mode() == "nan":
+        y = y + gr.negative_sizes_poison(group_sizes).astype(y.dtype)
+    return y
 
 
 def make_layout(
