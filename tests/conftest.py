@@ -41,18 +41,6 @@ def sqnr_db(actual, reference) -> float:
     return float(10 * np.log10(np.sum(ref**2) / max(np.sum(err**2), 1e-300)))
 
 
-# The longest tests (trainer runs, notebooks, benchmark harnesses, subprocess starts) go
-# first, so that xdist's workers do not end on one of them while the other idles.
-SLOW_FIRST = (
-    "test_train.py", "test_train_mesh.py", "test_notebooks.py", "test_compile.py",
-    "test_benchmarks.py", "test_train_safety.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in SLOW_FIRST)  # stable: order otherwise kept
-
-
 @pytest.fixture
 def key(request):
     # A fresh key per test, derived from its name with a stable hash (Python's str hash
