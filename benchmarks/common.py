@@ -218,6 +218,14 @@ def append_records(
     return written
 
 
+def print_records_written(record: bool, written: int, path: Path, quick: bool) -> None:
+    """The last line of a harness's run: how many records went where, or why none did."""
+    if record:
+        print(f"\nappended {written} records to {path}")
+    else:
+        print(f"\n(no records written: {'--quick' if quick else 'not on a GPU'})")
+
+
 def run_cases(
     cases, run_one, table, path: Path, fields, record: bool = True, optional=()
 ) -> list[dict]:

@@ -356,10 +356,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         bad = [r for r in rows if r["variant"] == "fp8" and r.get("ms") and not r["fp8_gemms"]]
         for r in bad:
             print(f"WARNING: {r['params']} fp8 ran {r['fp8_gemm_count']}/{r['gemm_count']} FP8")
-    if record:
-        print(f"\nappended {written} records to {path}")
-    else:
-        print(f"\n(no records written: {'--quick' if args.quick else 'not on a GPU'})")
+    common.print_records_written(record, written, path, args.quick)
     return rows
 
 

@@ -61,6 +61,7 @@ from benchmarks.common import (
     markdown_rows,
     on_gpu,
     peak_mem_mb,
+    print_records_written,
     results_path,
     run_meta,
     time_step,
@@ -453,10 +454,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.crossover and "fp8jax-delayed" in variants and "bf16" in variants:
         print(crossover_grid(rows), flush=True)
     print("\n" + markdown_table(rows), flush=True)
-    if record:
-        print(f"\nappended {written} records to {path}")
-    else:
-        print(f"\n(no records written: {'--quick' if args.quick else 'not on a GPU'})")
+    print_records_written(record, written, path, args.quick)
     return rows
 
 

@@ -246,11 +246,24 @@ def check(groups: list[tuple[tuple, Any]]) -> tuple:
     return out
 
 
+def poison_if(bad) -> jax.Array:
+    """A float32 scalar to add to an output: NaN where ``bad``, else ``-0.0`` (``x + -0.0`` is
+    ``x``, signed zeros included). A loud result without a device->host sync."""
+    return jnp.where(bad, jnp.asarray(jnp.nan, F32), jnp.asarray(-0.0, F32))
+
+
+def add_poison(y, poison):
+    """``y`` plus ``poison`` (`poison_if`'s scalar) outside the gradient (the backward does
+    no reduction for it); ``y`` as it is where ``poison`` is None."""
+    if poison is None:
+        return y
+    return y + lax.stop_gradient(poison).astype(y.dtype)
+
+
 @jax.custom_vjp
 def _poison(guard) -> jax.Array:
-    """A float32 scalar: ``-0.0`` (``x + -0.0`` is ``x``, signed zeros included) where every
-    value of ``guard`` (float32 or `MAX_GRAD`) is valid, else NaN. No cotangent."""
-    return jnp.where(jnp.all(valid(guard)), jnp.asarray(-0.0, F32), jnp.asarray(jnp.nan, F32))
+    """`poison_if` of an invalid value in ``guard`` (float32 or `MAX_GRAD`). No cotangent."""
+    return poison_if(~jnp.all(valid(guard)))
 
 
 def _poison_fwd(guard):

@@ -173,8 +173,7 @@ class Fp8DotGeneral(Fp8GemmState):
         )
         state, poison = _guard.op_state(self)
         y3 = _dot.fp8_dot3(spec, x3, w3, state)
-        if poison is not None:  # FP8JAX_GUARD=nan: NaN where the guard is invalid, else -0.0
-            y3 = y3 + jax.lax.stop_gradient(poison).astype(y3.dtype)
+        y3 = _guard.add_poison(y3, poison)  # FP8JAX_GUARD=nan: NaN where the guard is invalid
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)
 
 

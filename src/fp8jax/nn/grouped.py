@@ -228,7 +228,7 @@ def _apply_sorted(module, first: GroupedLinear, x_sorted, group_sizes):
     y = module.apply_padded(gr.pad_rows(x_sorted, layout), layout)
     y = gr.unpad_rows(y, layout, x_sorted.shape[0])
     if isinstance(group_sizes, jax.core.Tracer) and _guard.mode() == "nan":
-        y = y + gr.negative_sizes_poison(group_sizes).astype(y.dtype)
+        y = _guard.add_poison(y, _guard.poison_if(jnp.any(group_sizes < 0)))
     return y
 
 

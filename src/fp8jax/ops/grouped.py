@@ -133,7 +133,7 @@ def check_group_sizes(group_sizes, num_rows: int, num_experts: int):
     negative or summing past ``num_rows``. Traced ones (under ``jit``; sums past the rows
     are cut at the last row, `clip_group_sizes`): with ``FP8JAX_GUARD=raise`` one
     ``eqx.error_if`` fails the call when a size is negative (a device->host sync per call);
-    by default the caller adds `negative_sizes_poison` to its output instead (NaN, no sync).
+    by default the caller poisons its output instead (`fp8jax._guard.poison_if`: NaN, no sync).
 
     Arguments:
         group_sizes: rows per expert, ``[num_experts]`` integers.
@@ -152,7 +152,7 @@ def check_group_sizes(group_sizes, num_rows: int, num_experts: int):
         raise TypeError(f"group_sizes must be integers, got dtype {jnp.asarray(group_sizes).dtype}")
     if isinstance(group_sizes, jax.core.Tracer):
         if _guard.mode() != "raise":
-            return group_sizes  # the caller adds `negative_sizes_poison` to its output
+            return group_sizes  # the caller poisons its output (`_guard.poison_if`)
         return eqx.error_if(
             group_sizes,
             jnp.any(group_sizes < 0),
@@ -167,14 +167,6 @@ def check_group_sizes(group_sizes, num_rows: int, num_experts: int):
             f"group_sizes sum to {int(sizes.sum())}, more than the {num_rows} rows of x"
         )
     return group_sizes
-
-
-def negative_sizes_poison(group_sizes) -> Array:
-    """``-0.0``, or NaN where a size is negative, to add to a grouped layer's output under
-    ``jit`` (``FP8JAX_GUARD=nan``, the default): bad sizes give a NaN output and loss,
-    without the device->host sync of an error check; adding ``-0.0`` changes no value."""
-    bad = jnp.any(jnp.asarray(group_sizes) < 0)
-    return jax.lax.stop_gradient(jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(-0.0)))
 
 
 def source_rows(layout: GroupLayout) -> Int[Array, " M_pad"]:
