@@ -13,13 +13,20 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
   partitioned HLO (`fp8jax.distributed.hlo_collectives`; layers are unrolled so that each
   layer's gathers are counted), and ``allgather_dtypes`` (count per element type: FSDP
   weights move as ``f8e4m3fn`` in the FP8 variant);
+* ``collective_bytes`` and ``collective_dtypes``: the same per collective kind (all-gather,
+  reduce-scatter, all-reduce, ...): which move FP8 and which bf16/f32;
+* ``exposed_comm_ms`` and ``comm_ms``: per step, the time a collective kernel runs with no
+  compute kernel beside it, and all collective time (a profile of 3 steps on the GPUs,
+  `benchmarks.comm_profile`);
+* ``speedup_vs_bf16`` (FP8 rows: over the bf16 row of the same run and ``--overlap``);
 * ``peak_mem_mb`` of the compiled step.
 
-``allgather_ms`` is not reported yet: it needs a multi-GPU profile (on one device there
-is no collective), which waits for the multi-GPU machines.
+``--overlap on off`` times each variant with fp8jax's overlap option (the latency-hiding
+scheduler on multi-device programs, `fp8jax.compilation`) and with ``FP8JAX_OVERLAP=0``.
 
     python -m benchmarks.distributed --preset 1b              # 1 GPU: a mesh of one
     python -m benchmarks.distributed --mesh data=2,fsdp=4     # 8 devices
+    python -m benchmarks.distributed --preset 8b --mesh fsdp=4 --no-baseline  # 128k vocab
     python -m benchmarks.distributed --quick                  # CPU smoke run, writes nothing
 
 Records (GPU, not ``--quick``) go to ``benchmarks/results/distributed.jsonl``.
@@ -31,6 +38,7 @@ import argparse
 import collections
 import dataclasses
 import math
+import os
 import re
 import sys
 import time
@@ -44,8 +52,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from benchmarks import common
-from fp8jax import distributed
+from benchmarks import comm_profile, common
+from fp8jax import compilation, distributed
 from fp8jax.train import cli
 from fp8jax.train.mesh import check_sequence_parallel, place_model
 from fp8jax.train.model import ModelConfig, cast_for_compute
@@ -62,8 +70,13 @@ RECORD_FIELDS = (
     "ms",
     "tokens_per_s",
     "scaling_efficiency",
+    "speedup_vs_bf16",
     "allgather_bytes",
     "allgather_dtypes",
+    "collective_bytes",
+    "collective_dtypes",
+    "exposed_comm_ms",
+    "comm_ms",
     "peak_mem_mb",
 )
 
@@ -113,26 +126,31 @@ def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
     return jax.jit(step, donate_argnums=(0, 1)), params, opt_state
 
 
-def gather_summary(collectives) -> tuple[int, dict[str, int]]:
-    """(bytes of all all-gather results, count per element type)."""
-    total, kinds = 0, collections.Counter()
+def collective_summary(collectives) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """(bytes of the results per collective kind, count per kind and element type)."""
+    total, kinds = collections.Counter(), collections.defaultdict(collections.Counter)
     for c in collectives:
-        if c.kind != "all-gather":
-            continue
         for dtype, shape in zip(c.dtype.split(","), re.findall(r"\[([\d,]*)\]", c.shape)):
             dims = [int(d) for d in shape.split(",") if d]
-            total += math.prod(dims) * DTYPE_BYTES.get(dtype, 4)
-            kinds[dtype] += 1
-    return total, dict(kinds)
+            total[c.kind] += math.prod(dims) * DTYPE_BYTES.get(dtype, 4)
+            kinds[c.kind][dtype] += 1
+    return dict(total), {k: dict(v) for k, v in kinds.items()}
+
+
+def gather_summary(collectives) -> tuple[int, dict[str, int]]:
+    """(bytes of all all-gather results, count per element type)."""
+    total, kinds = collective_summary(collectives)
+    return total.get("all-gather", 0), kinds.get("all-gather", {})
 
 
 def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True) -> dict:
-    """Step time, tokens/s, all-gathers and peak memory of one variant on ``mesh``."""
+    """Step time, tokens/s, collectives (and their exposed time on GPUs) and peak memory of
+    one variant on ``mesh``."""
     step, params, opt_state = build_step(run, precision, mesh)
     rng = np.random.default_rng(0)
     data_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     batch = jax.device_put(
-        rng.integers(0, 256, (batch_size, run.model.seq + 1), dtype=np.int32),
+        rng.integers(0, run.model.vocab, (batch_size, run.model.seq + 1), dtype=np.int32),
         NamedSharding(mesh, P(data_axes)),
     )
     lowered = step.lower(params, opt_state, batch)
@@ -140,6 +158,7 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
     if hlo and mesh.size > 1:
         compiled, collectives = distributed.compile_with_collectives(lowered)
         row["allgather_bytes"], row["allgather_dtypes"] = gather_summary(collectives)
+        row["collective_bytes"], row["collective_dtypes"] = collective_summary(collectives)
     else:  # one device: no collectives
         compiled = lowered.compile()
         row["allgather_bytes"], row["allgather_dtypes"] = (0, {}) if hlo else (None, None)
@@ -151,6 +170,17 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
         params, opt_state, loss = compiled(params, opt_state, batch)
     jax.block_until_ready(loss)
     ms = (time.perf_counter() - t0) / steps * 1e3
+    if hlo and mesh.size > 1 and common.on_gpu():
+        state = [params, opt_state]
+
+        def one_step():
+            state[0], state[1], out = compiled(state[0], state[1], batch)
+            jax.block_until_ready(out)
+
+        comm = comm_profile.profile_exposed_comm(one_step)
+        params, opt_state = state
+        if comm is not None:
+            row["exposed_comm_ms"], row["comm_ms"] = comm
     try:
         stats = compiled.memory_analysis()
         mem = (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
@@ -162,9 +192,17 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
 
 def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
     mesh = make_mesh(sizes, devices)
-    params = dict(mesh=",".join(f"{a}={sizes[a]}" for a in AXES), gpus=len(devices))
+    params = dict(
+        mesh=",".join(f"{a}={sizes[a]}" for a in AXES),
+        gpus=len(devices),
+        processes=jax.process_count(),
+        vocab=run.model.vocab,
+        batch=run.batch,
+    )
     if run.sequence_parallel:
         params["sequence_parallel"] = True
+    if run.fp8_head:
+        params["fp8_head"] = True
     try:
         row = measure(run, precision, mesh, run.batch, steps)
         row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
@@ -184,12 +222,15 @@ def table(rows) -> str:
     return "\n".join(
         common.markdown_rows(
             rows,
-            "mesh",
-            lambda r: r["params"]["mesh"],
+            "mesh | overlap",
+            lambda r: f"{r['params']['mesh']} | {r['params'].get('overlap', 'on')}",
             [
                 ("ms", lambda r: common.fmt(r["ms"], ".1f")),
                 ("tokens/s", lambda r: common.fmt(r["tokens_per_s"], ",.0f")),
+                ("vs bf16", lambda r: common.fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
                 ("scaling eff.", lambda r: common.fmt(r.get("scaling_efficiency"), ".2f")),
+                ("exposed comm ms", lambda r: common.fmt(r.get("exposed_comm_ms"), ".1f")),
+                ("comm ms", lambda r: common.fmt(r.get("comm_ms"), ".1f")),
                 ("all-gather MB", lambda r: common.fmt(_mb(r.get("allgather_bytes")), ".2f")),
                 ("all-gathers", lambda r: str(r.get("allgather_dtypes", "-"))),
                 ("peak MiB", lambda r: common.fmt(r.get("peak_mem_mb"), ".0f")),
@@ -216,6 +257,17 @@ def main(argv=None):
         action="store_true",
         help="Megatron sequence parallelism over the tensor axis (fp8jax-train's option)",
     )
+    p.add_argument(
+        "--vocab", type=int, default=None, help="vocabulary size (default: the preset's)"
+    )
+    p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
+    p.add_argument(
+        "--overlap",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="with fp8jax's overlap option (on) and/or FP8JAX_OVERLAP=0 (off)",
+    )
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")
     args = p.parse_args(argv)
@@ -225,9 +277,15 @@ def main(argv=None):
     model = QUICK_MODEL if args.quick else run.model
     # unrolled layers: each layer's all-gathers appear (and are counted) in the HLO
     model = dataclasses.replace(model, scan_unroll=model.layers)
+    if args.vocab is not None:
+        model = dataclasses.replace(model, vocab=args.vocab)
     batch = args.batch or (2 * len(devices) if args.quick else run.batch)
     run = dataclasses.replace(
-        run, model=model, batch=batch, sequence_parallel=args.sequence_parallel
+        run,
+        model=model,
+        batch=batch,
+        sequence_parallel=args.sequence_parallel,
+        fp8_head=args.fp8_head,
     )
     if args.sequence_parallel:
         check_sequence_parallel(run, make_mesh(sizes, devices))
@@ -235,14 +293,28 @@ def main(argv=None):
     print(f"{devices[0].device_kind} x{len(devices)}, jax {jax.__version__}, {sizes}", flush=True)
     meta = common.run_meta(argv, bench="distributed", prefix=COMMAND_PREFIX)
     preset = "quick" if args.quick else args.preset
+    bf16_ms = {}
 
-    def run_one(precision):
-        row = run_variant(run, precision, sizes, devices, steps, not args.no_baseline)
-        row["params"] = dict(preset=preset, **row["params"])
+    def run_one(case):
+        overlap, precision = case
+        saved = os.environ.get(compilation.OVERLAP_ENV)
+        os.environ[compilation.OVERLAP_ENV] = "1" if overlap == "on" else "0"
+        try:
+            row = run_variant(run, precision, sizes, devices, steps, not args.no_baseline)
+        finally:
+            if saved is None:
+                del os.environ[compilation.OVERLAP_ENV]
+            else:
+                os.environ[compilation.OVERLAP_ENV] = saved
+        row["params"] = dict(preset=preset, **row["params"], overlap=overlap)
+        if precision == "bf16":
+            bf16_ms[overlap] = row.get("ms")
+        elif row.get("ms") and bf16_ms.get(overlap):
+            row["speedup_vs_bf16"] = bf16_ms[overlap] / row["ms"]
         return [dict(meta, **row)]
 
     return common.run_cases(
-        args.variants,
+        [(o, v) for o in args.overlap for v in args.variants],
         run_one,
         table,
         Path(args.out),

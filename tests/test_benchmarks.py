@@ -217,7 +217,41 @@ def test_distributed_quick_runs_both_variants_on_a_mesh(tmp_path):
     assert all(r["params"]["sequence_parallel"] for r in rows)
     by = {r["variant"]: r["allgather_bytes"] for r in rows}
     assert by["fp8"] < by["bf16"]  # weights gathered at 1 byte/element instead of 2
+    for r in rows:  # every kind's bytes; the all-gathers' are the ones above
+        assert r["collective_bytes"]["all-gather"] == r["allgather_bytes"]
+        assert r["collective_dtypes"]["all-gather"] == r["allgather_dtypes"]
+        assert r["params"]["vocab"] == 256 and r["params"]["overlap"] == "on"
+    assert rows[1]["speedup_vs_bf16"] == pytest.approx(rows[0]["ms"] / rows[1]["ms"])
     assert not out.exists()
+
+
+def test_exposed_communication_is_the_collective_time_no_compute_covers():
+    from benchmarks import comm_profile as cp
+
+    comm = [(0, 10), (5, 15), (30, 40), (50, 60)]  # union: [0, 15], [30, 40], [50, 60]
+    compute = [(2, 4), (12, 35), (50, 60), (70, 90)]
+    # covered: 2..4 (2), 12..15 (3), 30..35 (5), 50..60 (10) of 35
+    assert cp.exposed(comm, compute) == (35 - 20, 35)
+    assert cp.exposed([], compute) == (0, 0)
+    assert cp.exposed(comm, []) == (35, 35)
+    assert cp.is_collective("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+    assert not cp.is_collective("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128")
+
+
+def test_distributed_vocab_and_overlap_options(tmp_path):
+    """``--vocab`` sizes the embedding and head (the tokens drawn from all of it);
+    ``--overlap on off`` times each variant both ways, each FP8 row against its own bf16."""
+    from benchmarks import distributed
+
+    args = ["--quick", "--mesh", "fsdp=2,tensor=4", "--no-baseline", "--vocab", "1000",
+            "--overlap", "on", "off", "--out", str(tmp_path / "d.jsonl")]
+    rows = distributed.main(args)
+    assert [(r["params"]["overlap"], r["variant"]) for r in rows] == [
+        ("on", "bf16"), ("on", "fp8"), ("off", "bf16"), ("off", "fp8")]
+    for r in rows:
+        assert r.get("error") is None, r.get("error")
+        assert r["params"]["vocab"] == 1000
+    assert rows[3]["speedup_vs_bf16"] == pytest.approx(rows[2]["ms"] / rows[3]["ms"])
 
 
 def test_blockwise_gemm_quick_runs_all_variants(tmp_path):

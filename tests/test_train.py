@@ -296,6 +296,27 @@ def test_8b_preset_is_llama3_8b_shaped():
     model = cli.PRESETS["8b"]["model"]
     assert (model.dim, model.layers, model.ffn, model.heads, model.kv_heads) == (4096, 32, 14336, 32, 8)
     assert model.non_embedding_params() == pytest.approx(6.98e9, rel=1e-3)
+    assert model.vocab == 128256  # LLaMA-3's tokenizer (issue 48)
+
+
+def test_vocab_sizes_embedding_and_head_and_fp8_head_converts_the_head():
+    """``--vocab``: embedding rows and logits (byte data uses the first 256); ``--fp8-head``:
+    the fp8 run's head GEMMs in FP8 too (bf16 head by default; the bf16 run never)."""
+    import jax.numpy as jnp
+
+    run = cli.run_config(cli.parse_args(SMALL + ["--vocab", "512", "--fp8-head"]))
+    bf16, fp8 = cli.build_model(run, "bf16"), cli.build_model(run, "fp8")
+    assert bf16.embed.shape == (512, 64) and fp8.head.weight.shape == (512, 64)
+    paths = [p for p, _ in fp8jax.fp8_state(fp8)]
+    assert any(p.startswith("head") for p in paths), paths
+    assert fp8jax.fp8_state(bf16) == []
+    default = cli.build_model(cli.run_config(cli.parse_args(SMALL + ["--vocab", "512"])), "fp8")
+    assert not any(p.startswith("head") for p, _ in fp8jax.fp8_state(default))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 33)))
+    logits = cli.cast_for_compute(fp8, cli.compute_dtype())(tokens[:, :-1])
+    assert logits.shape == (2, 32, 512) and bool(jnp.isfinite(logits).all())
+    loss_fp8, loss_bf16 = cli.lm_loss(fp8, tokens), cli.lm_loss(bf16, tokens)
+    assert float(loss_fp8) == pytest.approx(float(loss_bf16), rel=0.02)
 
 
 # --steps 1, no compile cache: cheap (and no side effects) should a check be missing and it train.
@@ -310,6 +331,7 @@ QUICK = SMALL + ["--steps", "1", "--eval-every", "1", "--no-plot", "--no-tensorb
     (["--interleave", "-1"], "--interleave -1: K must be > 0"),
     (["--heads", "3"], "--heads 3 --kv-heads 1 --ffn 64 --seq 32: dim (64) must divide by heads (3)"),
     (["--warmup", "5", "--steps", "2"], "--warmup 5 is larger than --steps 2"),
+    (["--vocab", "100"], "vocab=100 must be >= 256 (the byte tokens)"),
 ])
 def test_bad_option_values_are_usage_errors(tmp_path, monkeypatch, capsys, args, message):
     """On the command line (`main` reading sys.argv, as ``python -m fp8jax.train`` and the console

@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
 def run_config(args) -> RunConfig:
     preset = dict(PRESETS[args.preset])
     model = preset.pop("model")
-    names = ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k", "scan_unroll")
+    names = ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k", "vocab")
+    names = (*names, "scan_unroll")
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     model = dataclasses.replace(model, **overrides)
     for k in ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every"):
@@ -110,6 +111,7 @@ def run_config(args) -> RunConfig:
         fast_accumulation=args.fast_accumulation,
         cast_kernel=args.cast_kernel,
         fp8_attention=args.fp8_attention,
+        fp8_head=args.fp8_head,
         sequence_parallel=args.sequence_parallel,
         **preset,
     )
@@ -140,7 +142,7 @@ def _usage(fn, *args, prefix: str = "", **kwargs):
 
 def _check_options(args) -> RunConfig:
     """The run's config, and the checks that need no devices, before JAX's backend starts."""
-    sizes = ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k")
+    sizes = ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k", "vocab")
     given = " ".join(
         f"--{k.replace('_', '-')} {getattr(args, k)}" for k in sizes if getattr(args, k) is not None
     )

@@ -11,7 +11,7 @@ import optax
 
 from ..config import Fp8Config
 from ..convert import fp8_linear_layers
-from .model import ModelConfig, Transformer
+from .model import LLAMA3_VOCAB, ModelConfig, Transformer
 
 PRESETS = {
     # CPU: a few minutes on 2 cores for both precisions. FP8 everywhere (the size
@@ -54,13 +54,20 @@ PRESETS = {
         checkpoint_every=500,
         selective=False,
     ),
-    # LLaMA-3-8B-shaped (dim 4096, 32 layers, ffn 14336, GQA 32/8 heads, rope base 5e5;
-    # byte-level vocabulary): a multi-GPU config (e.g. 16 GPUs, --mesh data=2,fsdp=8: one
-    # 4096-token sequence per GPU), not run yet. The layer scan is kept rolled (32 unrolled
-    # layers compile slowly; not measured).
+    # LLaMA-3-8B: dim 4096, 32 layers, ffn 14336, GQA 32/8 heads, rope base 5e5 and its
+    # 128,256-entry vocabulary (the embedding and head are 1.05B of the 8.0B parameters; the
+    # data's byte tokens use the first 256 rows). A multi-GPU config (4x H200: --mesh fsdp=4).
+    # The layer scan is kept rolled (32 unrolled layers compile slowly; not measured).
     "8b": dict(
         model=ModelConfig(
-            dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, seq=4096, rope_base=500000.0
+            dim=4096,
+            layers=32,
+            heads=32,
+            kv_heads=8,
+            ffn=14336,
+            seq=4096,
+            rope_base=500000.0,
+            vocab=LLAMA3_VOCAB,
         ),
         batch=16,
         steps=1000,
@@ -92,18 +99,21 @@ class RunConfig:
     fast_accumulation: str = "forward"  # Fp8Config.fast_accumulation
     cast_kernel: bool = True  # Fp8Config.cast_kernel: one-pass Pallas cast + transpose + amax
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
+    fp8_head: bool = False  # the fp8 run also runs the LM head's GEMMs in FP8
     sequence_parallel: bool = False  # Megatron sequence parallelism over the mesh's tensor axis
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
-    """FP8 for the linears inside the blocks; embedding and LM head stay bf16 (as in TE)."""
+    """FP8 for the linears inside the blocks; embedding and LM head stay bf16 (as in TE)
+    unless ``run.fp8_head``: the head is the one linear whose output is the loss's input, and
+    at a 128k vocabulary also the largest GEMM (1.05B parameters at 8b)."""
     return Fp8Config(
         scaling=run.scaling,
         recipe=run.recipe,
         selective=run.selective,
         fast_accumulation=run.fast_accumulation,
         cast_kernel=run.cast_kernel,
-        targets=r"blocks\..*",
+        targets=r"blocks\..*|head" if run.fp8_head else r"blocks\..*",
         on_unsupported="silent",
     )
 

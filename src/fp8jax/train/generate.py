@@ -32,7 +32,7 @@ from ..nn.attention import rotary
 from ..nn.linear import Linear, apply_linear
 from ..nn.mlp import normalize
 from . import cli
-from .model import ModelConfig, MoE, Transformer, split_qkv
+from .model import VOCAB, ModelConfig, MoE, Transformer, split_qkv
 
 F32 = jnp.float32
 
@@ -113,7 +113,7 @@ def _attend(attn, x, cache_k, cache_v, pos):
 
 
 def forward_cached(model: Transformer, tokens, cache: KVCache, pos):
-    """Logits ``[B, T, 256]`` (float32) of ``tokens [B, T]`` at positions ``pos .. pos+T-1``
+    """Logits ``[B, T, vocab]`` (float32) of ``tokens [B, T]`` at positions ``pos .. pos+T-1``
     and the cache with their keys and values added; the blocks' MLPs are the model's own."""
     x = model.embed[tokens]
     params, static = eqx.partition(model.blocks, eqx.is_array)
@@ -131,7 +131,9 @@ def forward_cached(model: Transformer, tokens, cache: KVCache, pos):
 
 
 def sample(logits, key, sampling: Sampling):
-    """Next tokens ``[B]`` from ``logits [B, vocab]``."""
+    """Next tokens ``[B]`` from ``logits [B, vocab]``, among the byte tokens only (a
+    vocabulary larger than 256 has rows the byte-level data never trains)."""
+    logits = logits[:, :VOCAB]
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature

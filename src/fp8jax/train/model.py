@@ -1,6 +1,6 @@
 """A decoder-only transformer in plain equinox: RMSNorm, rotary attention (GQA),
 SwiGLU MLP (`fp8jax.nn.FusedMLP`) or a top-k MoE (`fp8jax.nn.MoE`, grouped experts),
-layers stacked and run with ``jax.lax.scan``. Byte-level (vocabulary 256). FP8 is
+layers stacked and run with ``jax.lax.scan``. Vocabulary ``ModelConfig.vocab`` (256: bytes). FP8 is
 applied from outside with `fp8jax.fp8_linear_layers`, like a user would; the MoE's
 grouped experts carry their own FP8 state (``ModelConfig.moe_fp8``)."""
 
@@ -21,7 +21,8 @@ from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
 from ..state import OverwriteWithGradient, enter_tree
 
-VOCAB = 256
+VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
+LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class ModelConfig:
     rope_base: float = 10000.0
     attention: str = "bf16"  # or "fp8_dpa": `fp8jax.nn.DotProductAttention` (cuDNN FP8 on Hopper)
     scan_unroll: int = 1  # layers per scan iteration (`jax.lax.scan(unroll=...)`); same math
+    # Embedding rows and logits. Byte data (ids < 256) trains at any size >= 256; a larger
+    # vocabulary costs what a real tokenizer's would (embedding, head GEMMs, softmax).
+    vocab: int = VOCAB
 
     def __post_init__(self):
         if self.dim % self.heads or self.heads % self.kv_heads:
@@ -48,6 +52,8 @@ class ModelConfig:
             )
         if self.attention not in ("bf16", "fp8_dpa"):
             raise ValueError(f"attention must be 'bf16' or 'fp8_dpa', got {self.attention!r}")
+        if self.vocab < VOCAB:
+            raise ValueError(f"vocab={self.vocab} must be >= {VOCAB} (the byte tokens)")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
 
@@ -67,7 +73,7 @@ class ModelConfig:
         kv = self.kv_heads * self.head_dim
         active_mlp = 3 * self.dim * self.ffn * (self.top_k if self.experts else 1)
         dense = self.layers * (self.dim * (self.dim + 2 * kv) + self.dim * self.dim + active_mlp)
-        dense += self.dim * VOCAB
+        dense += self.dim * self.vocab
         return 6 * dense + 12 * self.layers * self.dim * self.seq
 
 
@@ -207,10 +213,10 @@ class Transformer(eqx.Module):
 
     def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
         ke, kb, kh = jax.random.split(key, 3)
-        self.embed = jax.random.normal(ke, (VOCAB, cfg.dim)) * 0.02
+        self.embed = jax.random.normal(ke, (cfg.vocab, cfg.dim)) * 0.02
         self.blocks = eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kb, cfg.layers))
         self.norm = jnp.ones((cfg.dim,))
-        self.head = eqx.nn.Linear(cfg.dim, VOCAB, use_bias=False, key=kh)
+        self.head = eqx.nn.Linear(cfg.dim, cfg.vocab, use_bias=False, key=kh)
         self.cfg = cfg
         self.token_split = None
 

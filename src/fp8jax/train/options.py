@@ -110,6 +110,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         ("seq", "bytes per training sequence"),
         ("experts", "MoE experts per block (0: a dense MLP)"),
         ("top-k", "MoE experts per token"),
+        ("vocab", "embedding rows and logits (>= 256; the data's tokens are bytes)"),
     ):
         add(f"--{name}", type=_at_least(1), default=None, help=f"{what}; {_preset_default(name)}")
     add(
@@ -154,6 +155,12 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         action="store_true",
         help="the fp8 run also runs attention in FP8 (cuDNN FP8 flash attention on H100: pays "
         "from seq 8192 on, slower below; needs head_dim 128 and seq a multiple of 128 on GPU)",
+    )
+    add(
+        "--fp8-head",
+        action="store_true",
+        help="the fp8 run also runs the LM head's GEMMs in FP8 (default bf16, as Transformer "
+        "Engine and torchao leave it: the logits feed the softmax directly)",
     )
     add(
         "--mesh",

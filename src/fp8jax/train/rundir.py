@@ -171,20 +171,18 @@ MODEL_KEYS = (
     "aux_loss_coef", "rope_base", "vocab", "precision",
 )  # fmt: skip
 FP8_KEYS = ("scaling", "recipe", "selective", "fp8_attention")
-FP8_ONLY = (*FP8_KEYS, "fast_accumulation", "cast_kernel")
+FP8_ONLY = (*FP8_KEYS, "fast_accumulation", "cast_kernel", "fp8_head")
 _OPTION = dict(selective="--fp8-everywhere (selective)", cast_kernel="--cast-kernel")
-_NO_OPTION = ("aux_loss_coef", "rope_base", "vocab")
+_NO_OPTION = ("aux_loss_coef", "rope_base")
 
 
 def config_record(run, precision: str) -> dict:
     """``run``'s options as one flat JSON object (what a checkpoint and `MARKER` store)."""
-    from .model import VOCAB
-
     record = {k: v for k, v in dataclasses.asdict(run).items() if k != "model"}
     record.update(dataclasses.asdict(run.model))
     for derived in ("moe_fp8", "attention"):  # set by build_model from the options above
         record.pop(derived, None)
-    record.update(precision=precision, vocab=VOCAB)
+    record.update(precision=precision)
     return record
 
 
