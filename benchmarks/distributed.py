@@ -18,11 +18,8 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
 * ``exposed_comm_ms`` and ``comm_ms``: per step, the time a collective kernel runs with no
   compute kernel beside it, and all collective time (a profile of 3 steps on the GPUs,
   `benchmarks.comm_profile`);
-* ``speedup_vs_bf16`` (FP8 rows: over the bf16 row of the same run and ``--overlap``);
+* ``speedup_vs_bf16`` (FP8 rows: over the bf16 row of the same run);
 * ``peak_mem_mb`` of the compiled step.
-
-``--overlap on off`` times each variant with fp8jax's overlap option (the latency-hiding
-scheduler on multi-device programs, `fp8jax.compilation`) and with ``FP8JAX_OVERLAP=0``.
 
     python -m benchmarks.distributed --preset 1b              # 1 GPU: a mesh of one
     python -m benchmarks.distributed --mesh data=2,fsdp=4     # 8 devices
@@ -38,7 +35,6 @@ import argparse
 import collections
 import dataclasses
 import math
-import os
 import re
 import sys
 import time
@@ -53,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax
 from benchmarks import comm_profile, common
-from fp8jax import compilation, distributed
+from fp8jax import distributed
 from fp8jax.train import cli
 from fp8jax.train.mesh import check_sequence_parallel, place_model
 from fp8jax.train.model import ModelConfig, cast_for_compute
@@ -222,8 +218,8 @@ def table(rows) -> str:
     return "\n".join(
         common.markdown_rows(
             rows,
-            "mesh | overlap",
-            lambda r: f"{r['params']['mesh']} | {r['params'].get('overlap', 'on')}",
+            "mesh",
+            lambda r: r["params"]["mesh"],
             [
                 ("ms", lambda r: common.fmt(r["ms"], ".1f")),
                 ("tokens/s", lambda r: common.fmt(r["tokens_per_s"], ",.0f")),
@@ -261,13 +257,6 @@ def main(argv=None):
         "--vocab", type=int, default=None, help="vocabulary size (default: the preset's)"
     )
     p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
-    p.add_argument(
-        "--overlap",
-        nargs="+",
-        choices=("on", "off"),
-        default=["on"],
-        help="with fp8jax's overlap option (on) and/or FP8JAX_OVERLAP=0 (off)",
-    )
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")
     args = p.parse_args(argv)
@@ -293,28 +282,19 @@ def main(argv=None):
     print(f"{devices[0].device_kind} x{len(devices)}, jax {jax.__version__}, {sizes}", flush=True)
     meta = common.run_meta(argv, bench="distributed", prefix=COMMAND_PREFIX)
     preset = "quick" if args.quick else args.preset
-    bf16_ms = {}
+    bf16_ms = []
 
-    def run_one(case):
-        overlap, precision = case
-        saved = os.environ.get(compilation.OVERLAP_ENV)
-        os.environ[compilation.OVERLAP_ENV] = "1" if overlap == "on" else "0"
-        try:
-            row = run_variant(run, precision, sizes, devices, steps, not args.no_baseline)
-        finally:
-            if saved is None:
-                del os.environ[compilation.OVERLAP_ENV]
-            else:
-                os.environ[compilation.OVERLAP_ENV] = saved
-        row["params"] = dict(preset=preset, **row["params"], overlap=overlap)
+    def run_one(precision):
+        row = run_variant(run, precision, sizes, devices, steps, not args.no_baseline)
+        row["params"] = dict(preset=preset, **row["params"])
         if precision == "bf16":
-            bf16_ms[overlap] = row.get("ms")
-        elif row.get("ms") and bf16_ms.get(overlap):
-            row["speedup_vs_bf16"] = bf16_ms[overlap] / row["ms"]
+            bf16_ms.append(row.get("ms"))
+        elif row.get("ms") and bf16_ms and bf16_ms[-1]:
+            row["speedup_vs_bf16"] = bf16_ms[-1] / row["ms"]
         return [dict(meta, **row)]
 
     return common.run_cases(
-        [(o, v) for o in args.overlap for v in args.variants],
+        args.variants,
         run_one,
         table,
         Path(args.out),

@@ -37,9 +37,8 @@ def add_compile_options(extra: Callable[[dict], dict]) -> bool:
     module has no ``get_compile_options`` of the expected form.
 
     Arguments:
-        extra: maps the caller's options (a dict, possibly empty) and the program's device
-            count (replicas x partitions) to the options to compile with; it must return a
-            new dict and leave keys the caller set alone.
+        extra: maps the caller's options (a dict, possibly empty) to the options to compile
+            with; it must return a new dict and leave keys the caller set alone.
 
     Returns:
         Whether the hook is installed.
@@ -58,9 +57,7 @@ def add_compile_options(extra: Callable[[dict], dict]) -> bool:
     def get_compile_options(*args, **kwargs):
         if len(args) < 4:  # env_options_overrides is the fourth parameter
             given = kwargs.get("env_options_overrides") or {}
-            replicas = args[0] if args else kwargs.get("num_replicas", 1)
-            partitions = args[1] if len(args) > 1 else kwargs.get("num_partitions", 1)
-            kwargs["env_options_overrides"] = extra(dict(given), replicas * partitions)
+            kwargs["env_options_overrides"] = extra(dict(given))
         return original(*args, **kwargs)
 
     get_compile_options._fp8jax_extra = extra

@@ -13,14 +13,6 @@ imports does not matter. The user's own choice wins: ``XLA_FLAGS`` naming the fl
 ``jax.jit(..., compiler_options=...)`` naming it, or ``FP8JAX_KEEP_TRITON_GEMM=1``. bf16 GEMMs
 then run in cuBLAS instead of Triton fusions too (~2% faster bf16 steps on the H100:
 ``benchmarks/RESULTS.md``).
-
-**Overlapped collectives.** XLA's GPU default (jax 0.11.2) schedules each asynchronous
-collective's start right before its done, so FSDP all-gathers, gradient reduce-scatters and
-all-reduces and tensor-parallel collectives run with no GEMM beside them. Programs over more
-than one device compile with ``xla_gpu_enable_latency_hiding_scheduler=true``, which moves the
-starts early (prefetching a layer's all-gather under the previous layer's GEMMs) and the
-dones late. Single-device programs are left as they were. The user's ``XLA_FLAGS`` or a jit's
-``compiler_options`` naming the flag win, and ``FP8JAX_OVERLAP=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -35,8 +27,6 @@ from . import _jax_compat
 TRITON_GEMM_OPTION = "xla_gpu_enable_triton_gemm"
 TRITON_GEMM_OFF = f"--{TRITON_GEMM_OPTION}=false"
 KEEP_ENV = "FP8JAX_KEEP_TRITON_GEMM"
-OVERLAP_OPTION = "xla_gpu_enable_latency_hiding_scheduler"
-OVERLAP_ENV = "FP8JAX_OVERLAP"
 CACHE_ENV = "FP8JAX_CACHE_DIR"
 DEFAULT_CACHE = Path.home() / ".cache" / "fp8jax" / "jax-compile"
 
@@ -50,19 +40,8 @@ def _users_choice() -> bool:
     return TRITON_GEMM_OPTION in flags.replace(TRITON_GEMM_OFF, "")
 
 
-def _overlap_on(options: dict, devices: int) -> dict:
-    """Per-compile options of a multi-device program: the latency-hiding scheduler on unless
-    the caller, ``XLA_FLAGS`` or ``FP8JAX_OVERLAP=0`` chose."""
-    chosen = OVERLAP_OPTION in options or OVERLAP_OPTION in os.environ.get("XLA_FLAGS", "")
-    if devices < 2 or chosen or os.environ.get(OVERLAP_ENV, "1") == "0":
-        return options
-    return {**options, OVERLAP_OPTION: True}
-
-
-def _compile_options(options: dict, devices: int = 1) -> dict:
-    """Per-compile options: `_overlap_on`, and Triton GEMMs off unless the caller or the
-    user chose."""
-    options = _overlap_on(options, devices)
+def _triton_gemm_off(options: dict) -> dict:
+    """Per-compile options: Triton GEMMs off unless the caller or the user chose."""
     if TRITON_GEMM_OPTION in options or _users_choice():
         return options
     return {**options, TRITON_GEMM_OPTION: False}
@@ -79,9 +58,9 @@ def skip_triton_gemm_autotuning(warn: bool = True) -> bool:
     Returns:
         Whether the setting is in force (False where the user chose otherwise).
     """
-    hooked = _jax_compat.add_compile_options(_compile_options)  # also the overlap option
     if _users_choice():
         return False
+    hooked = _jax_compat.add_compile_options(_triton_gemm_off)
     if not _jax_compat.backend_started():
         flags = os.environ.get("XLA_FLAGS", "")
         if TRITON_GEMM_OFF not in flags:
