@@ -43,13 +43,13 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
 from benchmarks import comm_profile, common
 from fp8jax import distributed
+from fp8jax.nn import cross_entropy
 from fp8jax.train import cli
 from fp8jax.train.mesh import check_sequence_parallel, place_model
 from fp8jax.train.model import ModelConfig, cast_for_compute
@@ -101,8 +101,8 @@ def make_mesh(sizes: dict[str, int], devices) -> Mesh:
 
 def _loss(model, batch):
     """The trainer's next-byte cross-entropy (plus the MoE load-balancing loss)."""
-    logits, aux = cast_for_compute(model, cli.compute_dtype()).forward(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean() + aux
+    logits, aux = cast_for_compute(model, cli.compute_dtype()).forward(batch[:, :-1], None)
+    return cross_entropy(logits, batch[:, 1:]).mean() + aux
 
 
 def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):

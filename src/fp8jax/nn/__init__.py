@@ -18,6 +18,7 @@ from .grouped import (
     row_align,
 )
 from .linear import Linear
+from .losses import cross_entropy
 from .mlp import ACTIVATIONS, FusedMLP
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "RoutingInfo",
     "FusedMLP",
     "Linear",
+    "cross_entropy",
     "MultiHeadAttention",
     "dot_product_attention",
     "make_layout",

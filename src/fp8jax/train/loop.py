@@ -12,12 +12,12 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from ..grad_overwrite import optax_step, trainable
+from ..nn.losses import cross_entropy
 from . import interrupts
 from .census import step_gemms
 from .checkpoint import restore_checkpoint, save_checkpoint
@@ -31,8 +31,8 @@ from .rundir import clear_outputs, config_record
 
 def lm_loss(model, batch, with_aux: bool = True):
     """Next-byte cross-entropy, plus the MoE load-balancing loss when training."""
-    logits, aux = cast_for_compute(model, compute_dtype()).forward(batch[:, :-1])
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    logits, aux = cast_for_compute(model, compute_dtype()).forward(batch[:, :-1], None)
+    loss = cross_entropy(logits, batch[:, 1:]).mean()
     return loss + aux if with_aux else loss
 
 

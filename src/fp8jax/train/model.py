@@ -230,10 +230,11 @@ class Transformer(eqx.Module):
         return jax.lax.with_sharding_constraint(x, sequence_sharding(mesh, x.shape, batch, axis))
 
     def forward(
-        self, tokens: Int[Array, "B T"]
+        self, tokens: Int[Array, "B T"], logits_dtype=jnp.float32
     ) -> tuple[Float[Array, "B T vocab"], Float[Array, ""]]:
-        """Logits and the auxiliary loss summed over layers (MoE load balancing,
-        already weighted by ``aux_loss_coef``; 0 without experts)."""
+        """Logits (in ``logits_dtype``; None: the head's compute dtype, what
+        `fp8jax.nn.cross_entropy` wants) and the auxiliary loss summed over layers (MoE load
+        balancing, already weighted by ``aux_loss_coef``; 0 without experts)."""
         x = self._split_tokens(self.embed[tokens])
         # The stacked FP8 state enters once, outside the scan, instead of once per layer
         # inside it: its float32 -> MAX_GRAD conversion and the backward's keep-or-replace
@@ -250,7 +251,10 @@ class Transformer(eqx.Module):
             layer, (x, jnp.zeros((), jnp.float32)), params, unroll=self.cfg.scan_unroll
         )
         x = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        return apply_linear(self.head, x).astype(jnp.float32), self.cfg.aux_loss_coef * aux
+        logits = apply_linear(self.head, x)
+        if logits_dtype is not None:
+            logits = logits.astype(logits_dtype)
+        return logits, self.cfg.aux_loss_coef * aux
 
 
 def cast_for_compute(model, dtype):
