@@ -1,4 +1,4 @@
-r"""Compare lowering choices of the fp8jax linear step (``fp8jax.kernels.gemm.TUNING``) on a
+r"""Compare lowering choices of the fp8jax linear step (``fp8jax.kernels.gemm.tuning``) on a
 GPU.
 
     python -m benchmarks.linear_tuning --set f32_gemm_out=1 cast_transposed=0 \
@@ -12,6 +12,7 @@ same process, and the kernels XLA launches.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from benchmarks import hlo, linear
@@ -22,7 +23,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--set", nargs="*", default=[], help="TUNING entries, key=0|1|text")
+    parser.add_argument("--set", nargs="*", default=[], help="Tuning fields, key=0|1|text")
     parser.add_argument(
         "--shapes", nargs="+", type=linear.parse_shape, default=linear.ANCHOR_SHAPES[:3]
     )
@@ -32,12 +33,19 @@ def main(argv=None):
         "--dump", default=None, help="write each shape's compiled fp8 step HLO into this folder"
     )
     args = parser.parse_args(argv)
+    known = sorted(f.name for f in dataclasses.fields(_gemm.Tuning))
+    choices = {}
     for item in args.set:
         key, value = item.split("=")
-        if key not in _gemm.TUNING:
-            raise SystemExit(f"unknown tuning key {key}; known: {sorted(_gemm.TUNING)}")
-        _gemm.TUNING[key] = bool(int(value)) if value in ("0", "1") else value
-    print("TUNING", _gemm.TUNING)
+        if key not in known:
+            raise SystemExit(f"unknown tuning key {key}; known: {known}")
+        choices[key] = bool(int(value)) if value in ("0", "1") else value
+    with _gemm.tuning(**choices) as chosen:
+        print("TUNING", chosen)
+        _run(args)
+
+
+def _run(args) -> None:
     for shape in args.shapes:
         rows = linear.run_shape(shape, ["bf16", args.variant], args.iters, 5, meta={})
         bf16, fp8 = rows

@@ -187,5 +187,5 @@ def test_cublaslt_takes_scales_only_of_kernel_cast_bf16_gemms(monkeypatch):
     assert not _gemm.takes_scales(ok, bad, True)
     assert not _gemm.takes_scales(ok, ok, False)
     assert not _gemm.takes_scales(ok, ok, True, jnp.float32)
-    monkeypatch.setitem(_gemm.TUNING, "scaled_gemm", False)
-    assert not _gemm.takes_scales(ok, ok, True)
+    with _gemm.tuning(scaled_gemm=False):
+        assert not _gemm.takes_scales(ok, ok, True)

@@ -181,6 +181,43 @@ def test_user_placed_weights_zero_configuration(reference):
     np.testing.assert_allclose(losses, reference[1], rtol=LOSS_RTOL)
 
 
+def _gathered_over(model) -> set:
+    """The axes each FP8 weight gather of a newly traced step gathers over (a new function:
+    no outer trace to reuse; `fp8jax.ops.fsdp.gather_fsdp`'s static argument)."""
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "custom_partitioning":
+                yield eqn.params["static_args"][0]
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+
+    fresh = lambda m, x: eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(m)  # noqa: E731
+    return set(walk(eqx.filter_make_jaxpr(fresh)(model, _data()[0])[0].jaxpr))
+
+
+def test_set_fsdp_axes_after_a_trace_is_not_served_a_stale_trace():
+    """`set_fsdp_axes` after a step was traced under other axes: the next trace gathers over
+    the new ones. The op's cached trace (`fp8jax.ops.dot._traced_once`) is keyed by the FSDP
+    axes; it used to be reused, gathering over the old axes."""
+    model = _model()
+    assert _gathered_over(model) == {("fsdp",)}
+    try:
+        distributed.set_fsdp_axes(["shard", "fsdp"])
+        assert _gathered_over(model) == {("shard", "fsdp")}
+    finally:
+        distributed.set_fsdp_axes(["fsdp"])
+    assert _gathered_over(model) == {("fsdp",)}
+    with distributed.fsdp_axes(("shard",)):  # for one block
+        assert _gathered_over(model) == {("shard",)}
+    assert _gathered_over(model) == {("fsdp",)}
+    with pytest.raises(TypeError, match="set_fsdp_axes: expected a sequence of axis names"):
+        distributed.set_fsdp_axes("shard")
+
+
 def _collectives(model, mesh, batch_spec=P(("data", "fsdp"), None)):
     batch = NamedSharding(mesh, batch_spec)
     x, y = (jax.device_put(a, batch) for a in _data())

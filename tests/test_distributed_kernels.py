@@ -55,9 +55,7 @@ def test_fused_mlp_core_runs_per_device_on_its_rows():
     from fp8jax.nn import mlp as mlp_module
     from fp8jax.ops import gated
 
-    saved = dict(gated.MODE)
-    gated.MODE["activation"] = "interpret"
-    try:
+    with gated.tuning(activation="interpret"):
         kx, km, kc = jax.random.split(jax.random.PRNGKey(6), 3)
         mlp = fp8jax.nn.FusedMLP(64, 128, config=CFG, gate_block=64, key=km)
         x, c = (jax.random.normal(k, (512, 64)) for k in (kx, kc))
@@ -73,8 +71,6 @@ def test_fused_mlp_core_runs_per_device_on_its_rows():
         assert [c.shape for c in collectives if c.op_name == "pmax"] == ["[]", "[]"], collectives
         assert not [c for c in collectives if "512" in c.shape], collectives  # no token gather
         loss, grads = step(model, xs, cs)
-    finally:
-        gated.MODE.update(saved)
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     assert_grads_match(grads, ref_grads)
 

@@ -123,3 +123,28 @@ def test_gradients_come_back_in_operand_dtypes(key, m):
     assert op(lhs, rhs, dn).dtype == jnp.float32  # like lax.dot_general's promotion
     g_lhs, g_rhs = jax.grad(lambda a, b: jnp.sum(op(a, b, dn)), argnums=(0, 1))(lhs, rhs)
     assert g_lhs.dtype == jnp.bfloat16 and g_rhs.dtype == jnp.float32
+
+
+def test_gemm_tuning_holds_in_its_block_and_keys_the_ops_trace(key):
+    """`fp8jax.kernels.gemm.tuning` changes the next trace of the FP8 op though the op's
+    forward was traced already (its cached trace is keyed by the tuning), and ends with its
+    ``with`` block."""
+    from fp8jax.kernels import gemm as _gemm
+
+    op = fp8jax.Fp8DotGeneral(CURRENT)
+    lhs, rhs = normal(key, (64, 32)), normal(jax.random.fold_in(key, 1), (48, 32))
+    dn = (((1,), (1,)), ((), ()))
+
+    def bitcasts():  # `gemm_scale` rounds a scale to bf16 (bit operations) for scaled_gemm
+        jaxpr = jax.make_jaxpr(lambda a, b: op(a, b, dn))(lhs, rhs)  # a new outer trace
+        return str(jaxpr).count("bitcast_convert_type")
+
+    assert _gemm.current_tuning() == _gemm.Tuning()
+    default = bitcasts()
+    with _gemm.tuning(scaled_gemm=False) as tuning:
+        assert _gemm.current_tuning() is tuning and not tuning.scaled_gemm
+        assert default and not bitcasts()
+    assert bitcasts() == default and _gemm.current_tuning() == _gemm.Tuning()
+    with pytest.raises(TypeError):
+        with _gemm.tuning(no_such_choice=True):
+            pass

@@ -1,5 +1,7 @@
 """fp8jax.ops.gated: the gated FP8 MLP core (one custom VJP, Pallas activation kernels)."""
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -21,14 +23,9 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 @pytest.fixture
 def mode():
-    """Set `_gated.MODE` for one test and restore it."""
-    saved = dict(_gated.MODE)
-
-    def set_mode(value):
-        _gated.MODE["activation"] = value
-
-    yield set_mode
-    _gated.MODE.update(saved)
+    """Set the activation's mode (`_act.tuning`) for the rest of one test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda value: stack.enter_context(_act.tuning(activation=value))
 
 
 def _block(key, activation="swiglu", **kw):
@@ -232,3 +229,14 @@ def test_core_runs_only_where_it_applies(key, mode):
     mlp = _block(km)
     xs = x.reshape(2, TOKENS // 2, HIDDEN)
     np.testing.assert_allclose(jax.vmap(mlp)(xs), mlp_module._checkpointed_call(mlp, xs), rtol=1e-5, atol=1e-5)
+
+
+def test_activation_tuning_is_checked_and_ends_with_its_block():
+    """`fp8jax.kernels.gated_activation.tuning`: its values inside the block, the defaults
+    after; a mode it does not know is refused."""
+    with _act.tuning(activation="xla", rows=128) as tuning:
+        assert _act.current_tuning() is tuning
+        assert _act._rows(256) == 128 and _act._rows(192) == _act.BLOCK
+    assert _act.current_tuning() == _act.Tuning() and _act._rows(256) == 64
+    with pytest.raises(ValueError, match="activation must be one of"):
+        _act.Tuning(activation="fast")

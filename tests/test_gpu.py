@@ -322,13 +322,13 @@ def test_cublaslt_takes_the_scales_of_kernel_cast_operands(key, scaling, monkeyp
     x = normal(key, (4096, 1024), jnp.bfloat16)
     c = normal(jax.random.fold_in(key, 1), (4096, 2048), jnp.float32)
 
-    def compiled():  # a fresh trace: TUNING is read while tracing
+    def compiled():  # a fresh trace: the tuning is read while tracing
         fp8jax.assert_fp8(lambda *args: _step(*args), model, x, c, expected=3)
         return jax.jit(lambda *args: _step(*args)).lower(model, x, c).compile()
 
     scaled = compiled()
-    monkeypatch.setitem(_gemm.TUNING, "scaled_gemm", False)
-    plain = compiled()
+    with _gemm.tuning(scaled_gemm=False):
+        plain = compiled()
     calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"__cublas\$lt\$matmul\$f8\"",
                        scaled.as_text())
     assert len(calls) == 3, calls
@@ -347,23 +347,20 @@ def test_gated_mlp_core_runs_its_kernels_with_six_fp8_gemms(key, activation, mon
     from fp8jax.ops import gated as _gated
     from fp8jax.nn import mlp as mlp_module
 
-    if activation not in _gated.GPU_TESTED:  # not taken in "auto" mode until this test has passed
-        monkeypatch.setitem(_gated.MODE, "activation", "kernel")
+    # "auto" does not take an activation's kernels until this test has passed for it
+    mode = "auto" if activation in _gated.GPU_TESTED else "kernel"
     mlp = fp8jax.nn.FusedMLP(512, 1024, activation=activation, norm="rmsnorm", residual=True, dtype=jnp.bfloat16,
                              config=ALL, key=key)
     x = normal(key, (2, 1024, 512), jnp.bfloat16)
     c = normal(jax.random.fold_in(key, 1), (2, 1024, 512), jnp.float32)
-    assert mlp_module._gated_core_runs(mlp, x)
-    fp8jax.assert_fp8(_step, mlp, x, c, expected=6)
-    text = jax.jit(_step).lower(mlp, x, c).compile().as_text()
-    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') >= 2
-    _, (g_kernel, gx_kernel) = jax.jit(_step)(mlp, x, c)
-    saved = dict(_gated.MODE)
-    try:
-        _gated.MODE["activation"] = "xla"
+    with _gated.tuning(activation=mode):
+        assert mlp_module._gated_core_runs(mlp, x)
+        fp8jax.assert_fp8(_step, mlp, x, c, expected=6)
+        text = jax.jit(_step).lower(mlp, x, c).compile().as_text()
+        assert text.count('custom_call_target="__gpu$xla.gpu.triton"') >= 2
+        _, (g_kernel, gx_kernel) = jax.jit(_step)(mlp, x, c)
+    with _gated.tuning(activation="xla"):
         _, (g_xla, gx_xla) = jax.jit(lambda *args: _step(*args))(mlp, x, c)  # a fresh trace
-    finally:
-        _gated.MODE.update(saved)
     assert sqnr_db(gx_kernel, gx_xla) >= 30.0
     assert sqnr_db(g_kernel.fc1.weight, g_xla.fc1.weight) >= 30.0
     assert sqnr_db(g_kernel.fc2.weight, g_xla.fc2.weight) >= 30.0

@@ -155,7 +155,7 @@ def test_stacked_fp8_state_enters_once_outside_the_layer_scan():
     import dataclasses
 
     import equinox as eqx
-    from jax._src import core
+    from jax.extend import core
 
     base = cli.RunConfig(**cli.PRESETS["tiny"])
     layers = base.model.layers

@@ -58,8 +58,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax._src import core
+from jax import core, lax
 
 from . import state as _state
 

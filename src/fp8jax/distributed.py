@@ -9,6 +9,7 @@ stays bit-identical. `hlo_collectives` lists a step's collectives with their dty
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Sequence
 
@@ -244,12 +245,18 @@ def _record_experts(model: Any, experts: ExpertSharding) -> Any:
 def set_fsdp_axes(axes: Sequence[str]) -> None:
     """Mesh axis names meaning FSDP for weights placed by the user (default ``("fsdp",)``):
     an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
-    it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced: set it first."""
+    it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced: set it first. From
+    now on in this thread (its context); `fsdp_axes` sets them for a ``with`` block."""
     from .ops import fsdp
 
-    if isinstance(axes, str) or not all(isinstance(a, str) for a in axes):
-        raise TypeError(f"set_fsdp_axes: expected a sequence of axis names, got {axes!r}.")
-    fsdp.FSDP_AXES[:] = list(axes)
+    fsdp.set_axes(axes, "set_fsdp_axes")
+
+
+def fsdp_axes(axes: Sequence[str]) -> contextlib.AbstractContextManager:
+    """`set_fsdp_axes` for the steps traced inside a ``with`` block."""
+    from .ops import fsdp
+
+    return fsdp.axes(axes, "fsdp_axes")
 
 
 def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:

@@ -155,7 +155,7 @@ def _placed_sharding(path: str, layer, mesh: Mesh) -> WeightSharding:
     from .ops import fsdp
 
     spec, _ = _placed(path, layer, mesh)
-    return WeightSharding(mesh, spec, tuple(a for a in fsdp.FSDP_AXES if a in mesh.shape))
+    return WeightSharding(mesh, spec, tuple(a for a in fsdp.current_axes() if a in mesh.shape))
 
 
 def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> Any:

@@ -27,9 +27,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax._src import core, dtypes
+from jax import core, lax
 from jaxtyping import Array
+
+from . import _jax_compat
 
 if TYPE_CHECKING:
     from .config import Fp8Config
@@ -139,22 +140,19 @@ class _MaxGradRules:
 
     @staticmethod
     def global_sharded_result_handler(aval, out_sharding, committed):
-        from jax._src import earray
-        from jax._src.interpreters import pxla
-
-        physical = pxla.global_result_handlers[core.ShapedArray](
-            core.physical_aval(aval), out_sharding, committed
+        physical = _jax_compat.global_result_handlers[core.ShapedArray](
+            _jax_compat.physical_aval(aval), out_sharding, committed
         )
-        return lambda bufs: earray.EArray(aval, physical(bufs))
+        return lambda bufs: _jax_compat.EArray(aval, physical(bufs))
 
 
-class max_grad(dtypes.extended):  # noqa: N801  (a dtype's scalar type, as jax names them)
+class max_grad(jax.dtypes.extended):  # noqa: N801  (a dtype's scalar type, as jax names them)
     """Scalar type of `MAX_GRAD` (for ``jnp.issubdtype``)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class _MaxGradDType(dtypes.ExtendedDType):
-    float_dtype: dtypes.DType
+class _MaxGradDType(_jax_compat.ExtendedDType):
+    float_dtype: np.dtype
     _rules: type = _MaxGradRules
     type: type = max_grad
 
@@ -176,12 +174,9 @@ def _add_eagerly(x, y):
 
 def _register_eager_add() -> None:
     """Outside ``jit`` JAX adds cotangents by the array's Python type; an extended-dtype
-    array has none registered (jax 0.10-0.11), so add `MAX_GRAD` arrays under ``jit``."""
-    try:
-        from jax._src import ad_util, earray
-    except ImportError:  # a JAX without these: jit-only then
-        return
-    ad_util.raw_jaxval_adders.setdefault(earray.EArray, _add_eagerly)
+    array has none registered (jax 0.10-0.11), so add `MAX_GRAD` arrays under ``jit``
+    (a JAX without that table: under ``jit`` only)."""
+    _jax_compat.add_eager_adder(_add_eagerly)
 
 
 _register_eager_add()
@@ -240,7 +235,7 @@ def _convert(leaves: list) -> dict[int, jax.Array]:
         if not isinstance(group[0], core.Tracer):
             values = _to_max_grad(tuple(jnp.asarray(leaf, F32) for leaf in group))
         else:
-            with core.set_current_trace(group[0]._trace):
+            with _jax_compat.set_current_trace(group[0]._trace):
                 values = _to_max_grad(tuple(leaf.astype(F32) for leaf in group))
             for leaf, value in zip(group, values, strict=True):
                 key = id(leaf)

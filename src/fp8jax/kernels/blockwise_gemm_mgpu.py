@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import _jax_compat
 from . import blockwise_gemm as _bg
 from . import grouped_gemm as _gg
 
@@ -450,9 +451,7 @@ def _single_warpgroup(a, sa, b, sb, out_dtype, config: Config, interpret: bool):
 
     extra = {}
     if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        extra = dict(interpret=InterpretGPUParams())
+        extra = dict(interpret=_jax_compat.interpret_gpu_params()())
     ctas = 2 if interpret else _gg._num_sms() * config.ctas_per_sm
     kernel = plgpu.kernel(
         body,

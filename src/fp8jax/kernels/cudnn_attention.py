@@ -1,9 +1,10 @@
 """The one place that touches JAX's private cuDNN FP8 flash-attention primitives.
 
-``jax._src.cudnn.fused_attention_stablehlo`` has had FP8 forward/backward primitives
-since jax 0.4.35 (cuDNN >= 9.1); the public ``jax.nn.dot_product_attention`` has no
-FP8 path. We bind the primitives directly (not its ``custom_vjp``) so that the
-gradient of the output can be quantized with our own scale and every scale is ours.
+JAX's private cuDNN fused-attention module (`fp8jax._jax_compat.cudnn_attention`) has had
+FP8 forward/backward primitives since jax 0.4.35 (cuDNN >= 9.1); the public
+``jax.nn.dot_product_attention`` has no FP8 path. We bind the primitives directly (not its
+``custom_vjp``) so that the gradient of the output can be quantized with our own scale and
+every scale is ours.
 Everything here is checked once by `availability` and fails with a clear message.
 """
 
@@ -13,6 +14,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from .. import _jax_compat
 
 F32 = jnp.float32
 MIN_CUDNN = 90100
@@ -28,16 +31,9 @@ def availability() -> tuple[bool, str]:
     """``(True, "")`` when the cuDNN FP8 attention primitives can run here, else
     ``(False, why)``."""
     try:
-        from jax._src.cudnn import fused_attention_stablehlo as fa
+        fa = _jax_compat.cudnn_attention()
     except ImportError as e:  # pragma: no cover - depends on the jax build
-        return False, f"jax has no cuDNN fused attention module ({e})"
-    for name in (
-        "_dot_product_attention_fp8_fwd_p_wrapper",
-        "_dot_product_attention_fp8_bwd_p_wrapper",
-        "AttentionLayout",
-    ):
-        if not hasattr(fa, name):
-            return False, f"jax {jax.__version__} lacks {name} in its cuDNN attention module"
+        return False, str(e)
     try:
         device = jax.devices()[0]
     except RuntimeError as e:  # pragma: no cover
@@ -57,9 +53,7 @@ def availability() -> tuple[bool, str]:
 
 
 def _fa():
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    return fa
+    return _jax_compat.cudnn_attention()
 
 
 def limits(head_dim: int, seq_q: int, seq_kv: int) -> str | None:

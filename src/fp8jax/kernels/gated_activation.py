@@ -17,8 +17,12 @@ arithmetic only so that every one lowers to Triton as silu does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +35,44 @@ pl = _cast_kernel.pl  # the guarded Pallas import (None where it does not import
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 BLOCK = 64  # tile width of the kernels in features, and the interleaving block of fc1's rows
-TILE = {
-    "rows": 64,
-    "num_warps": 4,
-}  # token rows per tile and warps (module-level for the tuning probe)
-# "auto": kernels where `_cast_kernel.supported` says Pallas Triton runs (Hopper), else
-# the plain-JAX activation; "kernel": the kernels (compiled); "interpret": kernels in
-# interpret mode (CPU tests); "xla": the plain-JAX activation.
-MODE = {"activation": "auto"}
+MODES = ("auto", "kernel", "interpret", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the activation runs, read when the MLP core is traced; `tuning` sets it for a
+    block of code."""
+
+    # "auto": kernels where `_cast_kernel.supported` says Pallas Triton runs (Hopper), else
+    # the plain-JAX activation; "kernel": the kernels (compiled); "interpret": kernels in
+    # interpret mode (CPU tests); "xla": the plain-JAX activation.
+    activation: str = "auto"
+    rows: int = 64  # token rows per tile
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.activation not in MODES:
+            raise ValueError(f"activation must be one of {MODES}, got {self.activation!r}")
+
+
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gated", default=Tuning())
+
+
+def current_tuning() -> Tuning:
+    """The `Tuning` in effect here (the defaults outside any `tuning` block)."""
+    return _TUNING.get()
+
+
+@contextlib.contextmanager
+def tuning(**changes) -> Iterator[Tuning]:
+    """Trace the MLP core with these `Tuning` fields changed, inside the ``with`` block
+    (``with tuning(activation="interpret"): ...``); a step jitted before the block is not
+    traced again by entering it. A field `Tuning` does not have raises TypeError."""
+    token = _TUNING.set(dataclasses.replace(_TUNING.get(), **changes))
+    try:
+        yield _TUNING.get()
+    finally:
+        _TUNING.reset(token)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -93,7 +127,7 @@ _GELU_K = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_K *
 ACTIVATIONS = ("swiglu", "geglu", "qgeglu", "reglu", "sreglu")
 # Those whose kernels have passed tests/test_gpu.py on a Hopper GPU (all five: H100, jax
 # 0.11.2, 2026-11-23) and are taken in "auto" mode. An activation added to ACTIVATIONS stays
-# on `FusedMLP`'s XLA path until it is listed here (``MODE["activation"] = "kernel"`` forces
+# on `FusedMLP`'s XLA path until it is listed here (``tuning(activation="kernel")`` forces
 # the kernels, as the GPU test does).
 GPU_TESTED = ACTIVATIONS
 
@@ -165,8 +199,9 @@ def _bwd_kernel(
 
 
 def _rows(m: int) -> int:
-    """Token rows per tile: `TILE` where it divides ``m``, else `BLOCK`."""
-    return TILE["rows"] if m % TILE["rows"] == 0 else BLOCK
+    """Token rows per tile: `Tuning.rows` where it divides ``m``, else `BLOCK`."""
+    rows = current_tuning().rows
+    return rows if m % rows == 0 else BLOCK
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, num_warps, *args):
@@ -299,7 +334,7 @@ def _bwd_pallas(
 
 
 def _mode(shape) -> str:
-    mode = MODE["activation"]
+    mode = current_tuning().activation
     if mode == "auto":
         return "kernel" if _cast_kernel.supported((1, *shape))[0] else "xla"
     return mode
@@ -321,7 +356,7 @@ def activation_fp8(h, h_scale, a_scale, dtype, activation="swiglu", transposed=T
             activation,
             interpret=mode == "interpret",
             rows=_rows(h.shape[0]),
-            num_warps=TILE["num_warps"],
+            num_warps=current_tuning().num_warps,
             transposed=transposed,
         )
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))
@@ -355,7 +390,7 @@ def activation_grad_fp8(
             activation,
             interpret=mode == "interpret",
             rows=_rows(h.shape[0]),
-            num_warps=TILE["num_warps"],
+            num_warps=current_tuning().num_warps,
             dht_block=dht_block,
         )
     gate, up = _halves(h.astype(F32) * h_scale.reshape(()))

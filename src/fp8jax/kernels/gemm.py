@@ -7,6 +7,11 @@ Operands are ``[B, P, C]`` with both GEMM operands contracting on their minor di
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,23 +21,47 @@ from . import cast as _cast_kernel
 from . import dispatch
 
 F32 = jnp.float32
-# Lowering choices measured on H100 (benchmarks/RESULTS.md); module-level so the
-# tuning harness can compare them in one run.
-TUNING = {
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Lowering choices measured on H100 (benchmarks/RESULTS.md), read when an op is traced;
+    `tuning` sets them for a block of code (the tuning harness compares them in one run)."""
+
     # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
     # cuBLASLt call: on H100 it was 5-12% slower than writing bf16 directly.
-    "f32_gemm_out": False,
+    f32_gemm_out: bool = False
     # Produce the transposed (column-wise) FP8 copies by casting the transposed
     # high-precision tensor (one fused read) rather than transposing the FP8 copy.
-    "cast_transposed": False,
+    cast_transposed: bool = False
     # Hand the scales to cuBLASLt (`scaled_fp8_gemm`) instead of a multiply after the GEMM,
     # where both operands come from the cast kernel (`takes_scales`). On an H100 the linear
     # step got 2-5% faster (8192^3: 3.12 -> 2.96 ms) with every GEMM still FP8; operands of
     # XLA's casts lose the pattern at some shapes (8192^3: 1 of 3 GEMMs stayed FP8, the
     # others fell back to bf16), so those keep the multiply (benchmarks/RESULTS.md,
     # 2026-11-26 twelfth session).
-    "scaled_gemm": True,
-}
+    scaled_gemm: bool = True
+
+
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gemm", default=Tuning())
+
+
+def current_tuning() -> Tuning:
+    """The `Tuning` in effect here (the defaults outside any `tuning` block)."""
+    return _TUNING.get()
+
+
+@contextlib.contextmanager
+def tuning(**choices: bool) -> Iterator[Tuning]:
+    """Trace FP8 ops with these `Tuning` fields changed, inside the ``with`` block
+    (``with tuning(scaled_gemm=False): ...``). The ops' cached traces are keyed by it
+    (`fp8jax.ops.dot`); a step jitted before the block is not traced again by entering it.
+    A field `Tuning` does not have raises TypeError."""
+    token = _TUNING.set(dataclasses.replace(_TUNING.get(), **choices))
+    try:
+        yield _TUNING.get()
+    finally:
+        _TUNING.reset(token)
 
 
 def gemm(a, b, out_dtype, precision=None):
@@ -58,7 +87,7 @@ def fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
     sign: 2.9e-2 relative error against 2.4e-3; the promoted one costs 5-8% more
     GEMM time; benchmarks/RESULTS.md).
     """
-    acc_dtype = F32 if TUNING["f32_gemm_out"] else out_dtype
+    acc_dtype = F32 if current_tuning().f32_gemm_out else out_dtype
     y = gemm(a, b, acc_dtype, gemm_precision(fast_accumulation))
     scale = (a_scale * b_scale).reshape(()).astype(F32)
     return (y.astype(F32) * scale).astype(out_dtype)
@@ -71,7 +100,7 @@ def gemm_scale(scale):
     cast and dequantization exactly consistent, and rounding up never overflows FP8).
     Scales are positive and finite: adding 0xFFFF to the float32 bits and clearing the low
     16 rounds the magnitude up to the bf16 grid."""
-    if not TUNING["scaled_gemm"]:
+    if not current_tuning().scaled_gemm:
         return scale
     # lax ops on numpy constants: traced several times per op, a quarter of jnp's cost
     bits = jax.lax.bitcast_convert_type(scale.astype(F32), np.uint32)
@@ -81,10 +110,10 @@ def gemm_scale(scale):
 
 def takes_scales(a_shape, b_shape, cast_kernel: bool, out_dtype=jnp.bfloat16) -> bool:
     """Whether `scaled_fp8_gemm` hands the scales to cuBLASLt for operands of these
-    ``[B, P, C]`` shapes: on the GPU, with ``TUNING["scaled_gemm"]``, a bf16 output, and
+    ``[B, P, C]`` shapes: on the GPU, with `Tuning.scaled_gemm`, a bf16 output, and
     both operands from the Pallas cast kernel (its support is the same for a tensor and its
     transpose). XLA's GEMM rewriter took the pattern for those at every shape measured."""
-    if not (TUNING["scaled_gemm"] and cast_kernel) or jax.default_backend() != "gpu":
+    if not (current_tuning().scaled_gemm and cast_kernel) or jax.default_backend() != "gpu":
         return False
     if jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
         return False
@@ -123,6 +152,6 @@ def quantize_both(t, scale, dtype, cast_kernel: bool = False):
     ):
         return _cast_kernel.cast_transpose(t, scale, dtype, tiles=True)
     tq = q.quantize(t, scale, dtype)
-    if TUNING["cast_transposed"]:
+    if current_tuning().cast_transposed:
         return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype), q.amax(t)
     return tq, jnp.swapaxes(tq, 1, 2), q.amax(t)

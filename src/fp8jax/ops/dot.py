@@ -16,6 +16,7 @@ one layer in a step combine their proposals by max.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import warnings
 from typing import NamedTuple
@@ -113,12 +114,13 @@ def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
 
 
 _WARNED: set[str] = set()
-_QUIET = [0]  # >0 while custom_vmap traces the per-example function only to get its shapes
+# >0 while custom_vmap traces the per-example function only to get its shapes
+_QUIET: contextvars.ContextVar[int] = contextvars.ContextVar("fp8jax_quiet", default=0)
 
 
 def unsupported(config: Fp8Config, message: str) -> None:
     """Apply ``config.on_unsupported`` to a call FP8 cannot run (raise, warn once, or not)."""
-    if _QUIET[0]:
+    if _QUIET.get():
         return
     if config.on_unsupported == "raise":
         raise ValueError(message)
@@ -138,7 +140,7 @@ def uses_fp8(spec: Spec, m: int, k: int = 0, n: int = 0) -> bool:
         )
         return False
     if cfg.selective and m < cfg.min_tokens:
-        if not _QUIET[0]:
+        if not _QUIET.get():
             warn_below_min_tokens(cfg, m, k, n, spec.x_dtype)
         return False
     return True
@@ -323,11 +325,11 @@ def _quiet_when_vmapped(fn, probe_arg):
     @functools.wraps(fn)
     def call(*args):
         quiet = _under_vmap(jax.tree_util.tree_leaves(args[probe_arg])[0])
-        _QUIET[0] += quiet
+        token = _QUIET.set(_QUIET.get() + quiet)
         try:
             return fn(*args)
         finally:
-            _QUIET[0] -= quiet
+            _QUIET.reset(token)
 
     return call
 
@@ -335,11 +337,11 @@ def _quiet_when_vmapped(fn, probe_arg):
 def _decide_loudly(probe, fn, *args):
     """``fn(*args)`` from a vmap rule (the real rows known): the policy's warnings are not
     muted there, unless ``probe`` is still vmapped (an outer ``jax.vmap`` decides)."""
-    saved, _QUIET[0] = _QUIET[0], int(_under_vmap(probe))
+    token = _QUIET.set(int(_under_vmap(probe)))
     try:
         return fn(*args)
     finally:
-        _QUIET[0] = saved
+        _QUIET.reset(token)
 
 
 def _traced_once(impl, name: str):
@@ -348,8 +350,9 @@ def _traced_once(impl, name: str):
     calls that one function (issue 21: tracing and lowering are much of a small FP8 step's
     extra compile time). What the trace reads besides its arguments is part of the cache key:
     whether warnings are muted (`_QUIET`, so custom_vmap's per-example trace is never the one
-    a real call reuses) and `fp8jax.kernels.gemm.TUNING`. ``vmap`` over the state or the
-    weight (`_fallback_vmap`) maps the plain ``impl``."""
+    a real call reuses), `fp8jax.kernels.gemm.tuning` and the FSDP axes
+    (`fp8jax.distributed.fsdp_axes`). ``vmap`` over the state or the weight
+    (`_fallback_vmap`) maps the plain ``impl``."""
 
     def run(settings: tuple, *args):
         del settings
@@ -360,7 +363,8 @@ def _traced_once(impl, name: str):
 
     @functools.wraps(impl)
     def call(*args):
-        return jitted((bool(_QUIET[0]), *sorted(_gemm.TUNING.items())), *args)
+        settings = (bool(_QUIET.get()), _gemm.current_tuning(), _fsdp_op.current_axes())
+        return jitted(settings, *args)
 
     return call
 

@@ -4,7 +4,7 @@ Under ``jit`` a weight the user placed with a `NamedSharding` on a GSPMD (Auto) 
 carries no sharding at trace time (``jax.typeof(w).sharding`` is unspecified), so the
 op cannot name it in a sharding constraint. `gather_fsdp` is a `custom_partitioning`
 identity: the SPMD partitioner calls it back with the operand's real sharding, and it
-all-gathers its (FP8) operand over the FSDP mesh axes (`FSDP_AXES`), keeping every
+all-gathers its (FP8) operand over the FSDP mesh axes (`current_axes`), keeping every
 other axis (tensor parallel) sharded. So a converted model stepped by a plain
 ``eqx.filter_jit`` casts each weight shard to FP8 and moves 1 byte/element, with no
 helper call. On one device (or inside a fully manual ``shard_map``) it is the identity.
@@ -12,16 +12,47 @@ helper call. On one device (or inside a fully manual ``shard_map``) it is the id
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Mesh axis names that mean FSDP (the weight is gathered over them before its GEMM).
-# `fp8jax.distributed.set_fsdp_axes` changes them; read when a step is traced.
-FSDP_AXES: list[str] = ["fsdp"]
+# Mesh axis names that mean FSDP (the weight is gathered over them before its GEMM), read
+# when a step is traced: `axes` (``fp8jax.distributed.fsdp_axes``) or `set_axes`.
+_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "fp8jax_fsdp_axes", default=("fsdp",)
+)
+
+
+def current_axes() -> tuple[str, ...]:
+    """The mesh axis names meaning FSDP here (default ``("fsdp",)``)."""
+    return _AXES.get()
+
+
+def _checked(owner: str, names: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(names, str) or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"{owner}: expected a sequence of axis names, got {names!r}.")
+    return tuple(names)
+
+
+def set_axes(names: Sequence[str], owner: str = "set_fsdp_axes") -> None:
+    """Make ``names`` the FSDP axes from now on, in this thread (its context)."""
+    _AXES.set(_checked(owner, names))
+
+
+@contextlib.contextmanager
+def axes(names: Sequence[str], owner: str = "fsdp_axes") -> Iterator[tuple[str, ...]]:
+    """``names`` are the FSDP axes inside the ``with`` block."""
+    token = _AXES.set(_checked(owner, names))
+    try:
+        yield _AXES.get()
+    finally:
+        _AXES.reset(token)
 
 
 def _entries(spec, ndim: int) -> tuple:
@@ -85,11 +116,11 @@ def _op(ndim: int):
 
 
 def gather_fsdp(w: jax.Array) -> jax.Array:
-    """``w`` all-gathered over the `FSDP_AXES` it is sharded over (decided when the
-    step is compiled; the identity where it is not sharded over them)."""
+    """``w`` all-gathered over the FSDP axes (`current_axes`) it is sharded over (decided when
+    the step is compiled; the identity where it is not sharded over them)."""
     if not 1 <= w.ndim <= 8:
         return w
-    return _op(w.ndim)(w, tuple(FSDP_AXES))
+    return _op(w.ndim)(w, current_axes())
 
 
 def check_auto_axes(owner: str, **arrays) -> None:

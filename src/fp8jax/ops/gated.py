@@ -36,14 +36,14 @@ from ..kernels.gated_activation import (  # noqa: F401  (re-exported: the core's
     ACTIVATIONS,
     BLOCK,
     GPU_TESTED,
-    MODE,
-    TILE,
     _gate,  # the activations' math, which `fp8jax.nn.elementwise` shares
     activation_fp8,
     activation_grad_fp8,
+    current_tuning,
     deinterleave,
     interleave,
     relayout_rows,
+    tuning,
 )
 from . import dot as _dot
 from . import rows as _split
@@ -84,7 +84,7 @@ def usable(
         return False
     m //= n
     local = rows is not None
-    if MODE["activation"] == "auto" and (
+    if current_tuning().activation == "auto" and (
         activation not in GPU_TESTED or not _cast_kernel.supported((1, m, 2 * ffn), None, local)[0]
     ):
         return False  # the plain-JAX activation is no faster than XLA's own fusions
@@ -130,8 +130,8 @@ def _local_amax(rows, fn, index: int):
 def _scaled_gemm(a, sa, b, sb, out_dtype, fast: bool, config: Fp8Config):
     """`fp8jax.kernels.gemm.scaled_fp8_gemm` of the core's operands: cuBLASLt takes the
     scales where every operand came from a Pallas kernel (the casts and the activation
-    kernels run on the same shapes, ``MODE["activation"]`` not ``"xla"``)."""
-    kernels = config.cast_kernel and MODE["activation"] in ("auto", "kernel")
+    kernels run on the same shapes, `current_tuning`'s activation not ``"xla"``)."""
+    kernels = config.cast_kernel and current_tuning().activation in ("auto", "kernel")
     return _gemm.scaled_fp8_gemm(a, sa, b, sb, out_dtype, fast, kernels)
 
 
