@@ -4,7 +4,7 @@ axes, name lists, layer-path patterns."""
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Sequence
+from typing import Sequence
 
 from jax.sharding import Mesh
 
@@ -68,12 +68,3 @@ def _kinds(fn: str, paths, column_parallel, row_parallel, noun: str) -> dict[str
                 if kinds.setdefault(path, kind) != kind:
                     raise ValueError(f"{fn}: layer {path!r} is both column- and row-parallel.")
     return kinds
-
-
-def _copy_with(module: Any, name: str, value: Any) -> Any:
-    """A shallow copy of an equinox module with one (static) field set."""
-    new = object.__new__(type(module))
-    for key, v in vars(module).items():
-        object.__setattr__(new, key, v)
-    object.__setattr__(new, name, value)
-    return new

@@ -7,6 +7,7 @@ import inspect
 import numbers
 import re
 import sys
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
@@ -27,8 +28,25 @@ BLOCKWISE_ONLY = (
 MAX_HISTORY = 1 << 16  # amax history entries kept per tensor (flax and TE use 1024 or less)
 
 
+class _Normalising(type):
+    """`Fp8Config`'s constructor: numpy scalars become Python ones, a list of targets a
+    tuple and the recipe's name its object (`Fp8Config._normalised`) before the frozen
+    dataclass stores the arguments; its ``__post_init__`` then validates them."""
+
+    def __call__(cls, *args, **kwargs):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if len(args) <= len(names) and not set(names[: len(args)]) & set(kwargs):
+            args, kwargs = (), cls._normalised({**dict(zip(names, args)), **kwargs})
+        return super().__call__(*args, **kwargs)  # anything else: __init__'s own TypeError
+
+    @property
+    def __signature__(cls) -> inspect.Signature:  # the dataclass's, not __call__'s
+        sig = inspect.signature(cls.__init__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
 @dataclasses.dataclass(frozen=True)
-class Fp8Config:
+class Fp8Config(metaclass=_Normalising):
     """How FP8 is applied.
 
     Recipe:
@@ -137,9 +155,7 @@ class Fp8Config:
             bad("fast_accumulation", self.fast_accumulation, "'forward', 'all' or 'none'")
         for name in ("cast_kernel", "selective", "power_of_two_scales"):
             value = getattr(self, name)
-            if isinstance(value, np.bool_):
-                object.__setattr__(self, name, bool(value))
-            elif not isinstance(value, bool):
+            if not isinstance(value, bool):
                 bad(name, value, "True or False")
         if self.on_unsupported not in ("warn", "silent", "raise"):
             bad("on_unsupported", self.on_unsupported, "'warn', 'silent' or 'raise'")
@@ -157,7 +173,6 @@ class Fp8Config:
                 bad(name, value, f"an int >= {low}")
             if value < low:
                 bad(name, value, f"an int >= {low}")
-            object.__setattr__(self, name, int(value))
         if self.amax_history_length > MAX_HISTORY:  # one float per step per tensor and layer
             bad("amax_history_length", self.amax_history_length, f"an int in [1, {MAX_HISTORY}]")
         margin = self.margin
@@ -165,15 +180,12 @@ class Fp8Config:
             bad("margin", margin, "a number in [0, 8]")
         if not 0 <= margin <= 8:  # also rejects nan
             bad("margin", margin, "a number in [0, 8]")
-        if isinstance(margin, np.generic):
-            object.__setattr__(self, "margin", float(margin))
         if self.block_size % 16:
             bad("block_size", self.block_size, "a multiple of 16 (the FP8 GEMMs' alignment)")
         self._check_targets(bad)
         kind = getattr(self.recipe, "kind", self.recipe)
         if kind not in RECIPES:
             bad("recipe", self.recipe, " or ".join(repr(r) for r in RECIPES))
-        object.__setattr__(self, "recipe", self._build_recipe(kind))
         if kind != "blockwise":  # set by hand, they would do nothing: say so
             unused = [
                 f"{name}={getattr(self, name)!r}"
@@ -184,8 +196,34 @@ class Fp8Config:
                 warnings.warn(
                     f"Fp8Config: {', '.join(unused)} apply to recipe='blockwise' only; "
                     f"recipe={kind!r} ignores them.",
-                    stacklevel=3,
+                    stacklevel=4,  # the caller of Fp8Config(...), through _Normalising
                 )
+
+    @classmethod
+    def _normalised(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` (keyword arguments) with numpy bools, ints and floats as Python ones
+        (a numpy ``margin`` a float), a list of targets (names) as a tuple and the recipe's
+        name (or object) as the recipe object built from the fields; invalid values are
+        left for ``__post_init__`` to name."""
+        out = dict(values)
+        for name, value in values.items():
+            if isinstance(value, np.bool_):
+                out[name] = bool(value)
+            elif isinstance(value, np.floating) or (
+                name == "margin" and isinstance(value, np.integer)
+            ):
+                out[name] = float(value)
+            elif isinstance(value, np.integer):
+                out[name] = int(value)
+        targets = out.get("targets")
+        if isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+            out["targets"] = tuple(targets)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        fields = types.SimpleNamespace(**{**defaults, **out})
+        kind = getattr(fields.recipe, "kind", fields.recipe)
+        if isinstance(kind, str) and kind in RECIPES:
+            out["recipe"] = cls._build_recipe(fields, kind)
+        return out
 
     def _build_recipe(self, kind: str):
         """The recipe object of ``kind``, from this config's fields."""
@@ -224,7 +262,6 @@ class Fp8Config:
             for i, t in enumerate(targets):
                 if not isinstance(t, str):
                     bad(f"targets[{i}]", t, "a string (an exact dotted path or a regex)")
-            object.__setattr__(self, "targets", tuple(targets))
         else:
             bad(
                 "targets",

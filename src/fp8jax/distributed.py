@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import sequence as _sequence
-from ._placement import _axis_size, _check_auto, _check_mesh, _copy_with, _kinds, _matches, _names
+from ._placement import _axis_size, _check_auto, _check_mesh, _kinds, _matches, _names
 from .collectives import (  # noqa: F401  (public here too)
     Collective,
     compile_with_collectives,
@@ -236,7 +236,7 @@ def _record_experts(model: Any, experts: ExpertSharding) -> Any:
 
     is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
     return jax.tree_util.tree_map(
-        lambda x: _copy_with(x, "expert_sharding", experts) if is_grouped(x) else x,
+        lambda x: x.with_expert_sharding(experts) if is_grouped(x) else x,
         model,
         is_leaf=is_grouped,
     )
@@ -276,7 +276,7 @@ def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
         _check_auto(sharding.mesh, "record_fsdp")
         spec = tuple(sharding.spec) + (None,) * (layer.weight.ndim - len(sharding.spec))
         ws = WeightSharding(sharding.mesh, spec[-2:], fsdp_axes)
-        op = _copy_with(layer.dot_general, "weight_sharding", ws)
+        op = layer.dot_general.with_weight_sharding(ws)
         return eqx.tree_at(lambda lin: lin.dot_general, layer, op)
 
     return jax.tree_util.tree_map(record, model, is_leaf=lambda x: isinstance(x, Linear))

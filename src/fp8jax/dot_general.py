@@ -52,36 +52,39 @@ class Fp8DotGeneral(Fp8GemmState):
     # Last: the seven fields keep their leaf positions. None: no guard (`from_state`).
     guard: Float[Array, "*stack 1"] | None = None
 
-    def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        config: Fp8Config | None = None,
+        *,
+        stack_shape: tuple[int, ...] = (),
+        state: dict[str, Array] | None = None,
+        weight_sharding: _dot.WeightSharding | None = None,
+    ):
+        """Fresh state (scales 1, histories 0) with leading ``stack_shape`` dims; or, with
+        ``state``, the arrays given (a dict of `STATE_FIELDS`, optionally a ``guard``: None
+        without one), no new arrays made."""
         config = resolve_config(config)
-        if not isinstance(stack_shape, (tuple, list)) or not all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1
-            for d in stack_shape
-        ):
-            raise ValueError(
-                f"Fp8DotGeneral: stack_shape={stack_shape!r} is not allowed; expected a tuple "
-                "of ints >= 1 (the leading dims of a stacked layer's weight), e.g. () or (4,)."
-            )
-        for name, value in _init_state(config, tuple(stack_shape)).items():
-            setattr(self, name, value)
+        if state is None:
+            state = _fresh_state(config, stack_shape)
+        missing = [name for name in STATE_FIELDS if name not in state]
+        if missing:
+            raise ValueError(f"Fp8DotGeneral: missing state fields {missing}")
+        for name in STATE_FIELDS:
+            setattr(self, name, state[name])
         self.config = config
-        self.weight_sharding = None
-        self.guard = _guard.init(tuple(stack_shape))
+        self.weight_sharding = weight_sharding
+        self.guard = state.get("guard")
 
     @classmethod
     def from_state(cls, config: Fp8Config, state: dict[str, Array]) -> "Fp8DotGeneral":
         """An op over existing state arrays (a dict of `STATE_FIELDS`, optionally a
         ``guard``), e.g. an adapter's variables; no new arrays are made."""
-        missing = [name for name in STATE_FIELDS if name not in state]
-        if missing:
-            raise ValueError(f"Fp8DotGeneral.from_state: missing state fields {missing}")
-        op = object.__new__(cls)
-        for name in STATE_FIELDS:
-            object.__setattr__(op, name, state[name])
-        object.__setattr__(op, "config", resolve_config(config))
-        object.__setattr__(op, "weight_sharding", None)
-        object.__setattr__(op, "guard", state.get("guard"))
-        return op
+        return cls(config, state=state)
+
+    def with_weight_sharding(self, weight_sharding: _dot.WeightSharding | None) -> "Fp8DotGeneral":
+        """The same op (shared state arrays) with ``weight_sharding`` recorded."""
+        state = {name: getattr(self, name) for name in STATE_FIELDS + ("guard",)}
+        return type(self)(self.config, state=state, weight_sharding=weight_sharding)
 
     # ------------------------------------------------------------------ inspection
     def ordered_amax_history(self, which: str = "input") -> Array:
@@ -175,6 +178,19 @@ class Fp8DotGeneral(Fp8GemmState):
         y3 = _dot.fp8_dot3(spec, x3, w3, state)
         y3 = _guard.add_poison(y3, poison)  # FP8JAX_GUARD=nan: NaN where the guard is invalid
         return y3[:, :m].reshape(batch_shape + m_shape + n_shape)
+
+
+def _fresh_state(config: Fp8Config, stack_shape) -> dict[str, Array]:
+    """New state arrays (and a guard) with leading ``stack_shape`` dims."""
+    if not isinstance(stack_shape, (tuple, list)) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in stack_shape
+    ):
+        raise ValueError(
+            f"Fp8DotGeneral: stack_shape={stack_shape!r} is not allowed; expected a tuple "
+            "of ints >= 1 (the leading dims of a stacked layer's weight), e.g. () or (4,)."
+        )
+    stack_shape = tuple(stack_shape)
+    return dict(_init_state(config, stack_shape), guard=_guard.init(stack_shape))
 
 
 def _check_state_shapes(op: Fp8DotGeneral) -> None:

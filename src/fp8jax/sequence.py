@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from ._placement import _axis_size, _check_mesh, _copy_with, _kinds, _names
+from ._placement import _axis_size, _check_mesh, _kinds, _names
 from .convert import _path_str
 from .ops.dot import WeightSharding
 
@@ -172,7 +172,7 @@ def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> 
         op = layer.dot_general
         ws = op.weight_sharding or _placed_sharding(path, layer, mesh)
         sp = SequenceParallel(mesh, kind, batch, tensor_axis)
-        new[id(layer)] = _copy_with(op, "weight_sharding", ws._replace(sequence=sp))
+        new[id(layer)] = op.with_weight_sharding(ws._replace(sequence=sp))
 
     def record(layer):
         if id(layer) not in new:

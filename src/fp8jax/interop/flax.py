@@ -52,11 +52,9 @@ def _op(module: nn.Module, config: Fp8Config, sequence=None) -> Fp8DotGeneral:
     }
     # Not a flax variable: a fresh zero each call, its "gradient" dropped.
     state["nonfinite_count"] = jnp.zeros((1,), jnp.float32)
-    op = Fp8DotGeneral.from_state(template.config, state)
-    if sequence is not None:  # the weight's own sharding stays the partitioner's (spec None)
-        ws = WeightSharding(sequence.mesh, None, (), sequence)
-        object.__setattr__(op, "weight_sharding", ws)
-    return op
+    # The weight's own sharding stays the partitioner's (spec None).
+    ws = None if sequence is None else WeightSharding(sequence.mesh, None, (), sequence)
+    return Fp8DotGeneral(template.config, state=state, weight_sharding=ws)
 
 
 class Fp8DotGeneralOp(nn.Module):

@@ -101,24 +101,39 @@ class GroupedLinear(eqx.Module):
         in_features: int,
         out_features: int,
         *,
-        key: PRNGKeyArray,
+        key: PRNGKeyArray | None = None,
         fp8: bool = True,
         config: Fp8Config | None = None,
         dtype=F32,
         backend: str = "auto",
+        weight: Array | None = None,
+        fp8_state: Fp8GroupedState | None = None,
+        expert_sharding: gr.ExpertSharding | None = None,
     ):
+        """``weight`` (``[*stack, experts, in, out]``) and ``fp8_state``: use these (shared,
+        no ``key``) instead of initialising; ``fp8_state`` None with ``fp8``: a fresh one."""
         num_experts = checks.count("GroupedLinear", "num_experts", num_experts)
         in_features = checks.count("GroupedLinear", "in_features", in_features)
         out_features = checks.count("GroupedLinear", "out_features", out_features)
         backend = _check_backend("GroupedLinear", backend)
         config = checks.config("GroupedLinear", config)
-        bound = 1.0 / math.sqrt(in_features)
-        self.weight = jax.random.uniform(
-            key, (num_experts, in_features, out_features), dtype, -bound, bound
-        )
-        self.fp8_state = Fp8GroupedState(num_experts, config) if fp8 else None
+        shape = (num_experts, in_features, out_features)
+        if weight is None:
+            if key is None:
+                raise TypeError("GroupedLinear: pass key= (to initialise the weight) or weight=.")
+            bound = 1.0 / math.sqrt(in_features)
+            weight = jax.random.uniform(key, shape, dtype, -bound, bound)
+        elif tuple(weight.shape[-3:]) != shape:
+            raise ValueError(
+                f"GroupedLinear: weight has shape {tuple(weight.shape)}; expected "
+                f"[..., num_experts, in_features, out_features] = [..., {shape}]."
+            )
+        if fp8_state is None and fp8:
+            fp8_state = Fp8GroupedState(num_experts, config)
+        self.weight = weight
+        self.fp8_state = fp8_state
         self.backend = gr.check_backend(backend)
-        self.expert_sharding = None
+        self.expert_sharding = expert_sharding
 
     @property
     def num_experts(self) -> int:
@@ -134,11 +149,23 @@ class GroupedLinear(eqx.Module):
 
     def with_backend(self, backend: str) -> GroupedLinear:
         """The same layer (shared arrays) running on ``backend``."""
-        new = object.__new__(type(self))
-        for name in ("weight", "fp8_state", "expert_sharding"):
-            object.__setattr__(new, name, getattr(self, name))
-        object.__setattr__(new, "backend", _check_backend("GroupedLinear.with_backend", backend))
-        return new
+        return self._replace(backend=_check_backend("GroupedLinear.with_backend", backend))
+
+    def with_expert_sharding(self, expert_sharding: gr.ExpertSharding | None) -> GroupedLinear:
+        """The same layer (shared arrays) with ``expert_sharding`` recorded."""
+        return self._replace(expert_sharding=expert_sharding)
+
+    def _replace(self, **changes) -> GroupedLinear:
+        """A layer built by ``__init__`` from this one's arrays and fields, ``changes`` applied."""
+        fields = dict(
+            weight=self.weight,
+            fp8_state=self.fp8_state,
+            fp8=self.fp8_state is not None,
+            backend=self.backend,
+            expert_sharding=self.expert_sharding,
+        )
+        sizes = (self.num_experts, self.in_features, self.out_features)
+        return type(self)(*sizes, **(fields | changes))
 
     @jax.named_scope("fp8jax.nn.GroupedLinear")
     def __call__(

@@ -36,8 +36,13 @@ class Linear(eqx.Module):
         dtype=None,
         config: Fp8Config | None = None,
         *,
-        key: PRNGKeyArray,
+        key: PRNGKeyArray | None = None,
+        weight: Array | None = None,
+        bias: Array | None = None,
     ):
+        """``weight`` (``[*stack, out, in]``) and ``bias`` (``[*stack, out]``, or None): use
+        these arrays (shared, no ``key``) instead of initialising; a stacked weight gets
+        state with the same leading ``stack`` dims."""
         owner = "fp8jax.nn.Linear"
         in_features = checks.count(owner, "in_features", in_features)
         out_features = checks.count(owner, "out_features", out_features)
@@ -53,10 +58,16 @@ class Linear(eqx.Module):
                 f"{owner}: dtype={jnp.dtype(dtype)} is not allowed; "
                 "expected a floating dtype (bfloat16, float16 or float32) for the weights."
             )
-        base = eqx.nn.Linear(in_features, out_features, use_bias, dtype=dtype, key=key)
-        self.weight, self.bias = base.weight, base.bias
+        if weight is None:
+            if key is None:
+                raise TypeError(f"{owner}: pass key= (to initialise the weights) or weight=.")
+            base = eqx.nn.Linear(in_features, out_features, use_bias, dtype=dtype, key=key)
+            weight, bias = base.weight, base.bias
+        else:
+            _check_linear_arrays(owner, out_features, in_features, weight, bias)
+        self.weight, self.bias = weight, bias
         self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
-        self.dot_general = Fp8DotGeneral(config)
+        self.dot_general = Fp8DotGeneral(config, stack_shape=tuple(weight.shape[:-2]))
 
     @classmethod
     def from_linear(cls, linear: eqx.nn.Linear, config: Fp8Config | None = None) -> "Linear":
@@ -72,16 +83,18 @@ class Linear(eqx.Module):
             )
         if linear.in_features == "scalar" or linear.out_features == "scalar":
             raise ValueError("fp8jax.nn.Linear does not support 'scalar' features.")
-        _check_linear_arrays(linear)
-        self = object.__new__(cls)
-        stack_shape = tuple(linear.weight.shape[:-2])
-        object.__setattr__(self, "weight", linear.weight)
-        object.__setattr__(self, "bias", linear.bias)
-        object.__setattr__(self, "dot_general", Fp8DotGeneral(config, stack_shape=stack_shape))
-        object.__setattr__(self, "in_features", linear.in_features)
-        object.__setattr__(self, "out_features", linear.out_features)
-        object.__setattr__(self, "use_bias", linear.use_bias)
-        return self
+        owner = "fp8jax.nn.Linear.from_linear"
+        _check_linear_arrays(
+            owner, linear.out_features, linear.in_features, linear.weight, linear.bias
+        )
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            linear.use_bias,
+            config=config,
+            weight=linear.weight,
+            bias=linear.bias,
+        )
 
     def to_linear(self) -> eqx.nn.Linear:
         """The plain `eqx.nn.Linear` with the same arrays (drops the FP8 state)."""
@@ -110,28 +123,22 @@ class Linear(eqx.Module):
         return y
 
 
-def _check_linear_arrays(linear: eqx.nn.Linear) -> None:
+def _check_linear_arrays(owner: str, out_f: int, in_f: int, w, b) -> None:
     """Weight ``[*stack, out, in]`` and bias ``[*stack, out]`` of a floating dtype."""
-    out_f, in_f = linear.out_features, linear.in_features
-    w, b = linear.weight, linear.bias
     if not hasattr(w, "shape"):  # e.g. a partitioned-out (None) weight: nothing to check
         return
     if len(w.shape) < 2 or tuple(w.shape[-2:]) != (out_f, in_f):
         raise ValueError(
-            f"fp8jax.nn.Linear.from_linear: weight has shape {tuple(w.shape)}; expected "
+            f"{owner}: weight has shape {tuple(w.shape)}; expected "
             f"[..., out_features={out_f}, in_features={in_f}] (eqx.nn.Linear's layout)."
         )
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(
-            f"fp8jax.nn.Linear.from_linear: weight dtype {w.dtype} is not allowed; "
-            "expected a floating dtype."
+            f"{owner}: weight dtype {w.dtype} is not allowed; expected a floating dtype."
         )
     expected_bias = tuple(w.shape[:-2]) + (out_f,)
     if hasattr(b, "shape") and tuple(b.shape) != expected_bias:
-        raise ValueError(
-            f"fp8jax.nn.Linear.from_linear: bias has shape {tuple(b.shape)}; "
-            f"expected {expected_bias}."
-        )
+        raise ValueError(f"{owner}: bias has shape {tuple(b.shape)}; expected {expected_bias}.")
 
 
 def apply_linear(layer: "Linear | eqx.nn.Linear", x: Array) -> Array:

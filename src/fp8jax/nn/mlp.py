@@ -19,7 +19,6 @@ intermediates for debugging.
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import equinox as eqx
@@ -101,22 +100,31 @@ class FusedMLP(eqx.Module):
         config: Fp8Config | None = None,
         gate_block: int | None = None,
         dtype=None,
-        key: PRNGKeyArray,
+        key: PRNGKeyArray | None = None,
+        parts: tuple | None = None,
     ):
+        """``parts``: ``(norm_weight, norm_bias, fc1, fc2)`` to use as they are (shared, no
+        copies; ``norm_bias`` may be None) instead of initialising, which needs ``key``;
+        ``norm_bias``, ``fc1_bias``, ``fc2_bias`` and ``dtype`` are then unused."""
         hidden = checks.count("FusedMLP", "hidden", hidden)
         ffn = checks.count("FusedMLP", "ffn", ffn)
         _check_kinds(norm, activation)
-        gated = ACTIVATIONS[activation][1]
-        k1, k2 = jax.random.split(key)
-        fc1 = eqx.nn.Linear(
-            hidden, ffn * (2 if gated else 1), use_bias=fc1_bias, dtype=dtype, key=k1
-        )
-        fc2 = eqx.nn.Linear(ffn, hidden, use_bias=fc2_bias, dtype=dtype, key=k2)
-        param_dtype = fc1.weight.dtype
-        gamma = jnp.zeros if zero_centered_gamma else jnp.ones
-        weight = gamma((hidden,), param_dtype)
-        use_norm_bias = norm == "layernorm" if norm_bias is None else norm_bias
-        bias = jnp.zeros((hidden,), param_dtype) if use_norm_bias else None
+        if parts is None:
+            if key is None:
+                raise TypeError("FusedMLP: pass key= (to initialise the weights) or parts=.")
+            gated = ACTIVATIONS[activation][1]
+            k1, k2 = jax.random.split(key)
+            fc1 = eqx.nn.Linear(
+                hidden, ffn * (2 if gated else 1), use_bias=fc1_bias, dtype=dtype, key=k1
+            )
+            fc2 = eqx.nn.Linear(ffn, hidden, use_bias=fc2_bias, dtype=dtype, key=k2)
+            param_dtype = fc1.weight.dtype
+            gamma = jnp.zeros if zero_centered_gamma else jnp.ones
+            weight = gamma((hidden,), param_dtype)
+            use_norm_bias = norm == "layernorm" if norm_bias is None else norm_bias
+            bias = jnp.zeros((hidden,), param_dtype) if use_norm_bias else None
+            parts = (weight, bias, fc1, fc2)
+        weight, bias, fc1, fc2 = parts
         _init(
             self,
             weight,
@@ -131,6 +139,7 @@ class FusedMLP(eqx.Module):
             fused=fused,
             fp8=fp8,
             config=config,
+            hidden=hidden,
             gate_block=gate_block,
         )
 
@@ -174,25 +183,20 @@ class FusedMLP(eqx.Module):
                     f"FusedMLP.from_modules: {name} must be eqx.nn.Linear or fp8jax.nn.Linear, "
                     f"got {type(layer).__name__}"
                 )
-        self = object.__new__(cls)
-        _init(
-            self,
-            norm.weight,
-            norm.bias,
-            fc1,
-            fc2,
-            norm=kind,
+        return cls(
+            shape[0],
+            fc2.in_features,
             activation=activation,
-            eps=float(norm.eps),
+            norm=kind,
+            eps=norm.eps,
             zero_centered_gamma=zero_centered_gamma,
             residual=residual,
             fused=fused,
             fp8=fp8,
             config=config,
-            hidden=shape[0],
             gate_block=gate_block,
+            parts=(norm.weight, norm.bias, fc1, fc2),
         )
-        return self
 
     def with_gate_block(self, gate_block: int | None) -> "FusedMLP":
         """The same block with fc1's rows (weight, bias) moved to layout ``gate_block``
@@ -205,16 +209,29 @@ class FusedMLP(eqx.Module):
         )
         if fc1.bias is not None:
             fc1 = eqx.tree_at(lambda f: f.bias, fc1, relayout_rows(fc1.bias, -1, src, gate_block))
-        new = copy.copy(self)
-        object.__setattr__(new, "fc1", fc1)
-        object.__setattr__(new, "gate_block", gate_block)
-        return new
+        return self._replace(fc1=fc1, gate_block=gate_block)
 
     def with_fused(self, fused: bool) -> "FusedMLP":
         """The same block (same arrays and state) with fusion on or off."""
-        new = copy.copy(self)
-        object.__setattr__(new, "fused", bool(fused))
-        return new
+        return self._replace(fused=fused)
+
+    def _replace(self, *, fc1=None, **changes) -> "FusedMLP":
+        """A block built by ``__init__`` from this one's arrays and fields (``fc1``, if
+        given, in place of its own), ``changes`` applied. Its linears are kept as they are
+        (``fp8=False``: no conversion, no alignment check)."""
+        parts = (self.norm_weight, self.norm_bias, self.fc1 if fc1 is None else fc1, self.fc2)
+        fields = dict(
+            activation=self.activation,
+            norm=self.norm,
+            eps=self.eps,
+            zero_centered_gamma=self.zero_centered_gamma,
+            residual=self.residual,
+            fused=self.fused,
+            fp8=False,
+            gate_block=self.gate_block,
+            parts=parts,
+        )
+        return type(self)(self.hidden, self.ffn, **(fields | changes))
 
     # ------------------------------------------------------------------ math
     def _unfused(self, x):
@@ -302,7 +319,7 @@ def _init(
     hidden=None,
     gate_block=None,
 ):
-    """Validate shapes and set the fields (shared by ``__init__`` and ``from_modules``)."""
+    """Validate shapes and set the fields (``__init__``'s body)."""
     _check_kinds(norm, activation)
     eps = checks.positive_number("FusedMLP", "eps", eps)
     try:
@@ -333,9 +350,11 @@ def _init(
             f"FusedMLP: residual=True needs fc2 to output hidden={hidden} features, "
             f"got {fc2.out_features}"
         )
+    # A stacked block (`eqx.filter_vmap`) has fc1's leading dims on its norm arrays too.
+    expected = tuple(getattr(fc1.weight, "shape", ())[:-2]) + (hidden,)
     for name, arr in (("norm weight", weight), ("norm bias", bias)):
-        if arr is not None and arr.shape != (hidden,):
-            raise ValueError(f"FusedMLP: {name} has shape {arr.shape}, expected ({hidden},)")
+        if arr is not None and arr.shape != expected:
+            raise ValueError(f"FusedMLP: {name} has shape {arr.shape}, expected {expected}")
     if fp8:
         dims = dict(hidden=hidden, fc1_out=width, ffn=ffn, fc2_out=fc2.out_features)
         bad = {k: v for k, v in dims.items() if v % config.alignment}
@@ -361,7 +380,7 @@ def _init(
         fused=bool(fused),
         gate_block=gate_block,
     ).items():
-        object.__setattr__(self, name, value)
+        setattr(self, name, value)
 
 
 # ----------------------------------------------------------------------------- fused path

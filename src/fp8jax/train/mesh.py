@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed import _copy_with, sequence_sharding, shard_model
+from ..distributed import sequence_sharding, shard_model
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over these; replicated over "tensor"
@@ -97,7 +97,7 @@ def place_model(model, mesh: Mesh, sequence_parallel: bool = False):
     )
     if not sequence_parallel:
         return model
-    return _copy_with(model, "token_split", (mesh, BATCH_AXES, "tensor"))
+    return model.with_token_split((mesh, BATCH_AXES, "tensor"))
 
 
 def check_sequence_parallel(run, mesh: Mesh | None) -> None:

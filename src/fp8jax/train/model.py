@@ -211,14 +211,34 @@ class Transformer(eqx.Module):
     # tokens between the blocks (`fp8jax.train.mesh.place_model`), or None.
     token_split: tuple | None = eqx.field(static=True)
 
-    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
-        ke, kb, kh = jax.random.split(key, 3)
-        self.embed = jax.random.normal(ke, (cfg.vocab, cfg.dim)) * 0.02
-        self.blocks = eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kb, cfg.layers))
-        self.norm = jnp.ones((cfg.dim,))
-        self.head = eqx.nn.Linear(cfg.dim, cfg.vocab, use_bias=False, key=kh)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        key: PRNGKeyArray | None = None,
+        token_split: tuple | None = None,
+        parts: tuple | None = None,
+    ):
+        """``parts``: ``(embed, blocks, norm, head)`` to use as they are instead of
+        initialising them from ``key``."""
+        if parts is None:
+            if key is None:
+                raise TypeError("Transformer: pass key= (to initialise the weights) or parts=.")
+            ke, kb, kh = jax.random.split(key, 3)
+            parts = (
+                jax.random.normal(ke, (cfg.vocab, cfg.dim)) * 0.02,
+                eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kb, cfg.layers)),
+                jnp.ones((cfg.dim,)),
+                eqx.nn.Linear(cfg.dim, cfg.vocab, use_bias=False, key=kh),
+            )
+        self.embed, self.blocks, self.norm, self.head = parts
         self.cfg = cfg
-        self.token_split = None
+        self.token_split = token_split
+
+    def with_token_split(self, token_split: tuple | None) -> "Transformer":
+        """The same model (shared arrays) splitting its tokens by ``token_split``."""
+        parts = (self.embed, self.blocks, self.norm, self.head)
+        return type(self)(self.cfg, token_split=token_split, parts=parts)
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
         return self.forward(tokens)[0]
