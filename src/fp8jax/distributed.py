@@ -26,7 +26,10 @@ from .collectives import (  # noqa: F401  (public here too)
     parse_collectives,
 )
 from .convert import _path_str
+from .nn.grouped import GroupedLinear
 from .nn.linear import Linear
+from .nn.mlp import ACTIVATIONS, FusedMLP
+from .ops import fsdp
 from .ops.dot import WeightSharding
 from .ops.expert_parallel import ExpertSharding
 from .sequence import _batch_axes, _record_sequence
@@ -171,8 +174,6 @@ def shard_model(
 def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) -> None:
     """A column-parallel gated `FusedMLP` fc1 must split into whole gate/up pairs
     (``gate_block``); with ``[gate | up]`` rows it works but reshuffles every step: warn."""
-    from .nn.mlp import ACTIVATIONS, FusedMLP
-
     n = _axis_size(mesh, tensor_axis)
     if n == 1:
         return
@@ -203,8 +204,6 @@ def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) ->
 
 def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, NamedSharding]:
     """Each `GroupedLinear` weight ``[*stack, E, in, out]`` sharded over ``axis`` along E."""
-    from .nn.grouped import GroupedLinear
-
     if axis is None:
         return {}
     is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
@@ -231,8 +230,6 @@ def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, Na
 
 def _record_experts(model: Any, experts: ExpertSharding) -> Any:
     """Every `GroupedLinear` runs its FP8 GEMMs per device on its own experts."""
-    from .nn.grouped import GroupedLinear
-
     is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
     return jax.tree_util.tree_map(
         lambda x: _copy_with(x, "expert_sharding", experts) if is_grouped(x) else x,
@@ -245,8 +242,6 @@ def set_fsdp_axes(axes: Sequence[str]) -> None:
     """Mesh axis names meaning FSDP for weights placed by the user (default ``("fsdp",)``):
     an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
     it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced: set it first."""
-    from .ops import fsdp
-
     if isinstance(axes, str) or not all(isinstance(a, str) for a in axes):
         raise TypeError(f"set_fsdp_axes: expected a sequence of axis names, got {axes!r}.")
     fsdp.FSDP_AXES[:] = list(axes)

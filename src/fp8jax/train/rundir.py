@@ -17,6 +17,8 @@ import shutil
 import socket
 from pathlib import Path
 
+from .model import VOCAB
+
 MARKER = "fp8jax-run.json"
 PROBE = ".fp8jax-probe"
 
@@ -178,8 +180,6 @@ _NO_OPTION = ("aux_loss_coef", "rope_base", "vocab")
 
 def config_record(run, precision: str) -> dict:
     """``run``'s options as one flat JSON object (what a checkpoint and `MARKER` store)."""
-    from .model import VOCAB
-
     record = {k: v for k, v in dataclasses.asdict(run).items() if k != "model"}
     record.update(dataclasses.asdict(run.model))
     for derived in ("moe_fp8", "attention"):  # set by build_model from the options above
