@@ -69,6 +69,7 @@ def _grouped(a8, sa, b8, sb):
     """(function, args, backend) of the grouped variant: the rows split into equal experts
     (fewer than `EXPERTS` where M is small), each expert's weight a copy of ``b``."""
     from fp8jax.ops import grouped as gr
+    from fp8jax.ops import grouped_gemms as gemms
     from fp8jax.recipe import BlockWise
 
     m, k = a8.shape[1:]
@@ -92,7 +93,7 @@ def _grouped(a8, sa, b8, sb):
 
     def reference(a, sa, b, sb):
         deq_a = recipe.dequantize(a, sa, jnp.float32)[0]
-        return gr._rows_reference(
+        return gemms._rows_reference(
             deq_a, recipe.dequantize(b, sb, jnp.float32), layout, ones, jnp.bfloat16
         )
 

@@ -10,6 +10,7 @@ from helpers import normal, recorded, sqnr_db, take_state
 
 import fp8jax
 from fp8jax.ops import grouped as gr
+from fp8jax.ops import grouped_gemms as gemms
 from fp8jax import nn
 
 G, D, F = 4, 32, 64
@@ -324,4 +325,4 @@ def test_pinned_kernel_configs_are_found():
         assert gr.kernel_configs(jnp.float8_e4m3fn, 7, (1024, 512, 256)) == (rows, wgrad)
         assert gr.kernel_configs(jnp.float8_e4m3fn, 8, (1024, 512, 256)) != (rows, wgrad)
     finally:
-        gr._TUNED.clear()
+        gemms._TUNED.clear()

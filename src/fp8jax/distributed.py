@@ -27,7 +27,10 @@ from .collectives import (  # noqa: F401  (public here too)
     parse_collectives,
 )
 from .convert import _path_str
+from .nn.grouped import GroupedLinear
 from .nn.linear import Linear
+from .nn.mlp import ACTIVATIONS, FusedMLP
+from .ops import fsdp
 from .ops.dot import WeightSharding
 from .ops.expert_parallel import ExpertSharding
 from .sequence import _batch_axes, _record_sequence
@@ -172,8 +175,6 @@ def shard_model(
 def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) -> None:
     """A column-parallel gated `FusedMLP` fc1 must split into whole gate/up pairs
     (``gate_block``); with ``[gate | up]`` rows it works but reshuffles every step: warn."""
-    from .nn.mlp import ACTIVATIONS, FusedMLP
-
     n = _axis_size(mesh, tensor_axis)
     if n == 1:
         return
@@ -204,8 +205,6 @@ def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) ->
 
 def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, NamedSharding]:
     """Each `GroupedLinear` weight ``[*stack, E, in, out]`` sharded over ``axis`` along E."""
-    from .nn.grouped import GroupedLinear
-
     if axis is None:
         return {}
     is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
@@ -232,8 +231,6 @@ def _expert_placements(model: Any, mesh: Mesh, axis: str | None) -> dict[int, Na
 
 def _record_experts(model: Any, experts: ExpertSharding) -> Any:
     """Every `GroupedLinear` runs its FP8 GEMMs per device on its own experts."""
-    from .nn.grouped import GroupedLinear
-
     is_grouped = lambda x: isinstance(x, GroupedLinear)  # noqa: E731
     return jax.tree_util.tree_map(
         lambda x: x.with_expert_sharding(experts) if is_grouped(x) else x,
@@ -247,15 +244,11 @@ def set_fsdp_axes(axes: Sequence[str]) -> None:
     an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
     it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced: set it first. From
     now on in this thread (its context); `fsdp_axes` sets them for a ``with`` block."""
-    from .ops import fsdp
-
     fsdp.set_axes(axes, "set_fsdp_axes")
 
 
 def fsdp_axes(axes: Sequence[str]) -> contextlib.AbstractContextManager:
     """`set_fsdp_axes` for the steps traced inside a ``with`` block."""
-    from .ops import fsdp
-
     return fsdp.axes(axes, "fsdp_axes")
 
 

@@ -12,7 +12,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from ._placement import _axis_size, _check_mesh, _kinds, _names
 from .convert import _path_str
+from .dot_general import Fp8DotGeneral
+from .ops import fsdp
 from .ops.dot import WeightSharding
+from .ops.sequence_parallel import SequenceParallel, activation_spec
 
 
 def sequence_sharding(
@@ -27,8 +30,6 @@ def sequence_sharding(
     With one sequence per batch shard that is the sequence dim over ``tensor_axis``
     (Megatron's split); with several, the batch dim over the batch axes and the tensor
     axis. Raises ``ValueError`` naming the shape and axis when neither divides."""
-    from .ops.sequence_parallel import activation_spec
-
     batch = _sequence_axes("sequence_sharding", mesh, tensor_axis, batch_axes)
     return NamedSharding(mesh, activation_spec(mesh, tuple(shape), batch, tensor_axis))
 
@@ -90,7 +91,6 @@ def sequence_parallel(
 
 def _fp8_layers(model: Any) -> list[tuple[str, Any]]:
     """(path, layer) of every module holding an `Fp8DotGeneral` as its ``dot_general``."""
-    from .dot_general import Fp8DotGeneral
 
     def is_layer(x):
         return isinstance(getattr(x, "dot_general", None), Fp8DotGeneral) and hasattr(x, "weight")
@@ -152,8 +152,6 @@ def _check_split(path: str, layer, kind: str, mesh: Mesh, tensor_axis: str) -> N
 def _placed_sharding(path: str, layer, mesh: Mesh) -> WeightSharding:
     """The `WeightSharding` of a layer's placed weight, gathered over the FSDP axes
     (`set_fsdp_axes`) as the unrecorded path would."""
-    from .ops import fsdp
-
     spec, _ = _placed(path, layer, mesh)
     return WeightSharding(mesh, spec, tuple(a for a in fsdp.current_axes() if a in mesh.shape))
 
@@ -161,8 +159,6 @@ def _placed_sharding(path: str, layer, mesh: Mesh) -> WeightSharding:
 def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> Any:
     """Each FP8 layer in ``kinds`` (path -> "column"/"row") moves its tokens as Megatron's
     sequence parallelism does (`fp8jax.ops.sequence_parallel`)."""
-    from .ops.sequence_parallel import SequenceParallel
-
     layers = dict(_fp8_layers(model))
     new = {}
     for path, kind in kinds.items():

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import weakref
 from functools import partial
-from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -31,9 +30,6 @@ from jax import core, lax
 from jaxtyping import Array
 
 from . import _jax_compat
-
-if TYPE_CHECKING:
-    from .config import Fp8Config
 
 F32 = jnp.float32
 # The per-tensor GEMM state, in this order in every op's state tuple.
@@ -76,11 +72,11 @@ class Fp8GemmState(OverwriteWithGradient):
 
 
 def _init_state(
-    config: "Fp8Config", stack_shape: tuple[int, ...] = (), experts: int | None = None
+    config, stack_shape: tuple[int, ...] = (), experts: int | None = None
 ) -> dict[str, Array]:
-    """Fresh values of the seven `STATE_FIELDS`: scales 1, histories 0. With
-    ``experts``, the kernel's scale and history get a trailing ``[experts]`` dim (one
-    per expert, `fp8jax.nn.Fp8GroupedState`)."""
+    """Fresh values of the seven `STATE_FIELDS`: scales 1, histories 0 (``config``: an
+    `fp8jax.Fp8Config`; its ``history_length``). With ``experts``, the kernel's scale and
+    history get a trailing ``[experts]`` dim (one per expert, `fp8jax.nn.Fp8GroupedState`)."""
     length = config.history_length
     kernel = () if experts is None else (experts,)
 
@@ -261,34 +257,6 @@ def enter(state: tuple) -> tuple:
     all of a state's new leaves in one call): what every FP8 op takes as its state
     argument."""
     return tuple(_enter_leaves(list(state)))
-
-
-def enter_tree(tree):
-    """``tree`` with the leaves of every FP8 state in it `enter`ed (``fp8jax.enter_state``):
-    what to pass into a ``jax.checkpoint`` region (a state passed in as float32 would become
-    a new leaf inside, and its uses in two regions would add), and into a ``lax.scan`` over
-    stacked layers: the conversion and its backward then run once on the ``[layers, ...]``
-    arrays instead of once per layer, which an unrolled scan repeats per layer (fewer HLO
-    instructions, faster compiles; same values)."""
-
-    def is_state(x):
-        return isinstance(x, OverwriteWithGradient)
-
-    def enter_state(x):
-        if not is_state(x):
-            return x
-        leaves, treedef = jax.tree_util.tree_flatten(x)
-        return jax.tree_util.tree_unflatten(treedef, _enter_leaves(leaves))
-
-    return _check_guards(jax.tree_util.tree_map(enter_state, tree, is_leaf=is_state))
-
-
-def _check_guards(entered):
-    """``entered`` with one check of its states' guards attached (`fp8jax._guard`): the
-    states that `enter_tree` enters are checked there, once, not again in each op."""
-    from . import _guard
-
-    return _guard.check_entered_tree(entered)
 
 
 def values(state: tuple) -> tuple:

@@ -28,6 +28,7 @@ from ..config import Fp8Config
 from ..dot_general import Fp8DotGeneral, fp8_einsum
 from ..ops.dot import WeightSharding
 from ..ops.sequence_parallel import SequenceParallel
+from ..sequence import _sequence_axes
 
 # flax's Fp8DotGeneralBase.setup order.
 FLAX_STATE = (
@@ -145,8 +146,6 @@ def fp8_dot_general_cls(
         raise ValueError(
             f"{name}: sequence_parallel needs mesh=, a jax.sharding.Mesh; got {mesh!r}."
         )
-    from ..sequence import _sequence_axes
-
     batch = _sequence_axes(name, mesh, tensor_axis, batch_axes)
     sp = SequenceParallel(mesh, sequence_parallel, batch, tensor_axis)
     return functools.partial(Fp8DotGeneralOp, config=config, sequence=sp)

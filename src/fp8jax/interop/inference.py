@@ -3,7 +3,7 @@ inference dot the haliax and nnx paths share.
 
 A ``haliax.nn.Linear`` with an `fp8jax.Fp8DotGeneral` (what `fp8_linear_layers` made) becomes
 a `HaliaxInferenceLinear`: its weight a NamedArray of e4m3 values, its ``dot_general`` an
-`fp8jax.inference.Fp8InferenceDot` holding the scales.
+`fp8jax.inference_dot.Fp8InferenceDot` holding the scales.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import equinox as eqx
 
-from ..inference import Fp8InferenceDot, _frozen_input_scale, quantize_kernel
+from ..inference_dot import Fp8InferenceDot, _frozen_input_scale, quantize_kernel
 
 
 class HaliaxInferenceLinear(eqx.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from ..inference import Fp8InferenceDot, quantize_kernel
+from ..inference_dot import Fp8InferenceDot, quantize_kernel
 from .inference import inference_dot
 from .nnx import Fp8DotGeneralOp
 
@@ -20,7 +20,7 @@ class Fp8InferenceScale(nnx.Variable):
 
 
 class Fp8InferenceDotOp(nnx.Module):
-    """`fp8jax.inference.Fp8InferenceDot` as an nnx module (its scales nnx variables)."""
+    """`fp8jax.inference_dot.Fp8InferenceDot` as an nnx module (its scales nnx variables)."""
 
     def __init__(self, dot: Fp8InferenceDot):
         self.weight_scale = Fp8InferenceScale(dot.weight_scale)

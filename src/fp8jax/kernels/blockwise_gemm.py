@@ -22,24 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import blockwise_gemm_mgpu as mgpu
 from . import dispatch
+from .block_scales import row_scales
 
 F32 = jnp.float32
 BACKENDS = ("auto", "kernel", "reference", "pallas")
-
-
-def row_scales(scale, rows: int, block_size: int):
-    """``scale [B, rows or ceil(rows/bs), nk]`` -> one per row ``[B, rows, nk]`` (a weight's
-    ``bs x bs`` block scale repeated over the block's rows)."""
-    if scale.shape[1] == rows:
-        return scale.astype(F32)
-    blocks = -(-rows // block_size)
-    if scale.shape[1] != blocks:
-        raise ValueError(
-            f"blockwise GEMM: a scale of shape {scale.shape} fits neither {rows} rows nor "
-            f"{blocks} blocks of {block_size} rows"
-        )
-    return jnp.repeat(scale.astype(F32), block_size, axis=1)[:, :rows]
 
 
 def check_operands(a, a_scale, b, b_scale, block_size: int) -> None:
@@ -94,10 +82,6 @@ def reference(a, a_scale, b, b_scale, out_dtype, block_size: int = 128):
 
 def kernel_reason(a, a_scale, b, b_scale, out_dtype, block_size: int) -> str | None:
     """Why the Hopper kernel cannot run this call (version, platform, shape, dtype), or None."""
-    try:
-        from . import blockwise_gemm_mgpu as mgpu
-    except Exception as e:  # pragma: no cover - depends on the installed JAX
-        return f"the kernel module does not import: {e}"
     trace = getattr(a, "_trace", None)
     if trace is not None and "Batch" in type(trace).__name__:
         return "under jax.vmap (the kernel is one GEMM)"
@@ -120,8 +104,6 @@ def blockwise_gemm(a, a_scale, b, b_scale, out_dtype, block_size: int = 128, bac
         why = kernel_reason(a, a_scale, b, b_scale, out_dtype, block_size)
     if dispatch.choose("blockwise GEMM", backend, why, BACKENDS) == "reference":
         return reference(a, a_scale, b, b_scale, out_dtype, block_size)
-    from . import blockwise_gemm_mgpu as mgpu
-
     sa = row_scales(a_scale, a.shape[1], block_size)
     with jax.named_scope(BLOCKWISE_SCOPE):  # b's scale per row or per block: either fits
         return mgpu.gemm(a[0], sa[0], b[0], b_scale[0], out_dtype=out_dtype)[None]

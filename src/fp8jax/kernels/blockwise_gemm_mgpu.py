@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _jax_compat
-from . import blockwise_gemm as _bg
 from . import grouped_gemm as _gg
+from .block_scales import row_scales
 
 pl, plgpu = _gg.pl, _gg.plgpu
 BLOCK_K = 128  # the K chunk promoted to float32: the recipe's block size
@@ -169,7 +169,7 @@ def gemm(a, a_scale, b, b_scale, *, out_dtype, config: Config | None = None, int
     if two and b_blocks and config.tile_n == BLOCK_K:
         sb = _block_scales_per_row(b_scale, config.tile_m)
         return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=True)
-    sb = _chunk_major(_bg.row_scales(b_scale[None], n, BLOCK_K)[0])  # one per row: [nk * N]
+    sb = _chunk_major(row_scales(b_scale[None], n, BLOCK_K)[0])  # one per row: [nk * N]
     if two:
         return _warp_specialized(a, sa, b, sb, out_dtype, config, b_blocks=False)
     if config.math_warpgroups != 1:

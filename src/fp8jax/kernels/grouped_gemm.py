@@ -19,7 +19,7 @@ layout Hopper's FP8 tensor-core instructions accept:
 Both accept bf16 or FP8 (e4m3/e5m2, mixed allowed on jax >= 0.11) operands. These
 kernels are written against the Pallas Mosaic GPU API of jax 0.10-0.11; `available`
 says whether this JAX and device can run them, and everything else falls back to the
-plain-JAX reference in `fp8jax.ops.grouped`.
+plain-JAX reference in `fp8jax.ops.grouped_gemms`.
 """
 
 from __future__ import annotations

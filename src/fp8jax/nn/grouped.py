@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .. import _guard, checks
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
+from ..ops import group_layout as gl
 from ..ops import grouped as gr
 from ..ops.grouped import ROW_ALIGN, GroupLayout
 from ..state import Fp8GemmState, _init_state
@@ -463,10 +464,10 @@ class MoE(eqx.Module):
             rows = gr.padded_rows(num_assign, g, align)
         else:
             kept_sizes, keep_sorted = jnp.minimum(counts, cap), rank < cap
-            rows = min(gr.padded_rows(num_assign, g, align), g * gr._round_up(cap, align))
+            rows = min(gr.padded_rows(num_assign, g, align), g * gl._round_up(cap, align))
         layout = gr.layout_from_sizes(kept_sizes, rows, align)
 
-        big = gr._BIG
+        big = gl._BIG
         pos_sorted = jnp.where(keep_sorted, layout.starts[sorted_expert] + rank, big)
         pos = (
             jnp.zeros((num_assign,), jnp.int32).at[order].set(pos_sorted)

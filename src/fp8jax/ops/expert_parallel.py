@@ -2,7 +2,7 @@
 
 An MoE's experts (``W [G, ...]``) sharded over a mesh axis would leave the grouped
 kernel (a custom call the SPMD partitioner cannot split) to be run on gathered weights.
-Here the two GEMM shapes of `fp8jax.ops.grouped` run under ``shard_map`` instead: the
+Here the two GEMM shapes of `fp8jax.ops.grouped_gemms` run under ``shard_map`` instead: the
 rows (every expert's, in the padded layout) come in whole, each device shifts its own
 experts' rows to the front (their groups are contiguous and start at a multiple of the
 row alignment), runs the kernel on its ``G / n`` local weights with the local layout,
@@ -20,6 +20,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from . import grouped_gemms
+from .group_layout import layout_from_sizes
+
 
 class ExpertSharding(NamedTuple):
     """Experts (dim ``-3`` of a grouped weight) sharded over ``axis`` of ``mesh``."""
@@ -30,8 +33,6 @@ class ExpertSharding(NamedTuple):
 
 def _local_layout(layout, axis: str, per: int):
     """(local layout, row shift) of this device's ``per`` experts."""
-    from .grouped import layout_from_sizes
-
     lo = jax.lax.axis_index(axis) * per
     sizes = jax.lax.dynamic_slice_in_dim(layout.group_sizes, lo, per)
     shift = jax.lax.dynamic_index_in_dim(layout.starts, lo, keepdims=False)
@@ -45,16 +46,14 @@ def _shard_map(experts: ExpertSharding, fn, in_specs, out_specs):
 
 
 def rows_gemm(experts: ExpertSharding, backend, lhs, rhs_nk, layout, scales, out_dtype):
-    """`fp8jax.ops.grouped.rows_gemm` with ``rhs_nk [G, N, K]`` and ``scales [G]`` split
+    """`fp8jax.ops.grouped_gemms.rows_gemm` with ``rhs_nk [G, N, K]`` and ``scales [G]`` split
     over ``experts.axis``: ``[M_pad, K] -> [M_pad, N]``, replicated."""
-    from . import grouped
-
     n = experts.mesh.shape[experts.axis]
     per = layout.num_groups // n
 
     def local(lhs, rhs_nk, layout, scales):
         local_layout, shift = _local_layout(layout, experts.axis, per)
-        out = grouped.rows_gemm(
+        out = grouped_gemms.rows_gemm(
             backend, jnp.roll(lhs, -shift, axis=0), rhs_nk, local_layout, scales, out_dtype
         )
         out = jnp.where(local_layout.row_valid[:, None], out, jnp.zeros((), out.dtype))
@@ -65,16 +64,14 @@ def rows_gemm(experts: ExpertSharding, backend, lhs, rhs_nk, layout, scales, out
 
 
 def wgrad_gemm(experts: ExpertSharding, backend, lhs_t, rhs_t, layout, scale, out_dtype):
-    """`fp8jax.ops.grouped.wgrad_gemm` with each device computing its own experts'
+    """`fp8jax.ops.grouped_gemms.wgrad_gemm` with each device computing its own experts'
     gradients: ``[K, M_pad] x [N, M_pad] -> [G, K, N]`` sharded over ``experts.axis``."""
-    from . import grouped
-
     n = experts.mesh.shape[experts.axis]
     per = layout.num_groups // n
 
     def local(lhs_t, rhs_t, layout, scale):
         local_layout, shift = _local_layout(layout, experts.axis, per)
-        return grouped.wgrad_gemm(
+        return grouped_gemms.wgrad_gemm(
             backend,
             jnp.roll(lhs_t, -shift, axis=1),
             jnp.roll(rhs_t, -shift, axis=1),

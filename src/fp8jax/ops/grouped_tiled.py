@@ -16,8 +16,11 @@ import jax.numpy as jnp
 
 from .. import quant as q
 from .. import state as _state
+from ..kernels import blockwise_grouped_mgpu as bgk
 from ..kernels import dispatch
-from . import grouped as _g
+from . import dot as _dot
+from . import grouped_gemms as _gemms
+from .group_layout import _masked, _zero_ct
 
 F32 = jnp.float32
 
@@ -34,12 +37,8 @@ def kernel_reason(spec, layout, k: int, n: int, operand) -> str | None:
         return f"the {cfg.recipe.kind!r} recipe has no grouped kernel"
     if spec.experts is not None:
         return "expert parallelism (the kernels run one device's groups)"
-    if _g._dot._under_vmap(operand):
+    if _dot._under_vmap(operand):
         return "under jax.vmap"
-    try:
-        from ..kernels import blockwise_grouped_mgpu as bgk
-    except Exception as e:  # pragma: no cover - depends on the installed JAX
-        return f"the kernel module does not import: {e}"
     if layout.align % bgk.BLOCK:
         return f"the layout's groups are aligned to {layout.align} rows, not {bgk.BLOCK}"
     dtypes = {jnp.dtype(cfg.input_dtype), jnp.dtype(cfg.kernel_dtype), jnp.dtype(cfg.grad_dtype)}
@@ -59,19 +58,17 @@ def _use_kernel(spec, layout, k: int, n: int, operand) -> bool:
 
 def tiled_fwd(spec, x, w, layout):
     cfg, recipe = spec.config, spec.config.recipe
-    xm = _g._masked(x, layout)
+    xm = _masked(x, layout)
     xc = recipe.quantize_both(xm[None], None, None, cfg.input_dtype)
     wc = recipe.quantize_both(w, None, None, cfg.kernel_dtype, weight=True)  # [G, in, out]
     if _use_kernel(spec, layout, w.shape[1], w.shape[2], x):
-        from ..kernels import blockwise_grouped_mgpu as bgk
-
-        with jax.named_scope(_g.GROUPED_SCOPE):
+        with jax.named_scope(_gemms.GROUPED_SCOPE):
             y = bgk.grouped_rows(
                 xc.data[0], xc.scale[0], wc.data_t, wc.scale_t, layout.block_group,
                 out_dtype=spec.x_dtype, group_align=layout.align,
             )  # fmt: skip
     else:
-        y = _g._rows_reference(
+        y = _gemms._rows_reference(
             _deq(recipe, xc.data, xc.scale)[0],
             _deq(recipe, wc.data_t, wc.scale_t),
             layout,
@@ -79,17 +76,15 @@ def tiled_fwd(spec, x, w, layout):
             spec.x_dtype,
         )
     sw = jnp.max(wc.scale, axis=(1, 2))  # per expert, for the state
-    return y, (xc.data_t, xc.scale_t, wc.data, wc.scale, xc.amax, _g._per_expert_amax(w), sw)
+    return y, (xc.data_t, xc.scale_t, wc.data, wc.scale, xc.amax, _gemms._per_expert_amax(w), sw)
 
 
 def tiled_bwd(spec, residuals, dy):
     (xTq, sxT, wq, swq, ax, aw, sw), layout, state = residuals
     cfg, recipe = spec.config, spec.config.recipe
-    gc = recipe.quantize_both(_g._masked(dy, layout)[None], None, None, cfg.grad_dtype)
+    gc = recipe.quantize_both(_masked(dy, layout)[None], None, None, cfg.grad_dtype)
     if _use_kernel(spec, layout, wq.shape[1], wq.shape[2], dy):
-        from ..kernels import blockwise_grouped_mgpu as bgk
-
-        with jax.named_scope(_g.GROUPED_SCOPE):
+        with jax.named_scope(_gemms.GROUPED_SCOPE):
             dx = bgk.grouped_rows(
                 gc.data[0], gc.scale[0], wq, swq, layout.block_group, out_dtype=spec.x_dtype,
                 group_align=layout.align,
@@ -101,10 +96,10 @@ def tiled_bwd(spec, residuals, dy):
     else:
         ones = jnp.ones((layout.num_groups,), F32)
         dy_deq = _deq(recipe, gc.data, gc.scale)[0]
-        dx = _g._rows_reference(dy_deq, _deq(recipe, wq, swq), layout, ones, spec.x_dtype)
+        dx = _gemms._rows_reference(dy_deq, _deq(recipe, wq, swq), layout, ones, spec.x_dtype)
         x_t, dy_t = _deq(recipe, xTq, sxT)[0], _deq(recipe, gc.data_t, gc.scale_t)[0]
-        dw = _g._wgrad_reference(x_t, dy_t, layout, jnp.ones((), F32), spec.w_dtype)
-    dx = _g._masked(dx, layout)
+        dw = _gemms._wgrad_reference(x_t, dy_t, layout, jnp.ones((), F32), spec.w_dtype)
+    dx = _masked(dx, layout)
     observed, bad = q.sanitize_amax(jnp.concatenate([ax.reshape(1), gc.amax.reshape(1), aw]))
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
     proposed = (
@@ -116,4 +111,4 @@ def tiled_bwd(spec, residuals, dy):
         _state.record(g_h, observed[1]),
         nonfinite + jnp.max(bad),
     )
-    return dx, dw, jax.tree_util.tree_map(_g._zero_ct, layout), _state.proposal(proposed)
+    return dx, dw, jax.tree_util.tree_map(_zero_ct, layout), _state.proposal(proposed)
