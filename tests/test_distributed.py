@@ -218,6 +218,30 @@ def test_set_fsdp_axes_after_a_trace_is_not_served_a_stale_trace():
         distributed.set_fsdp_axes("shard")
 
 
+def test_set_fsdp_axes_holds_for_the_whole_process():
+    """A notebook sets the axes in one cell and traces in the next (ipykernel runs cells in
+    copies of a context), or another thread traces: `set_fsdp_axes` holds for all of them;
+    a ``with fsdp_axes`` block overrides it inside."""
+    import contextvars
+    import threading
+
+    from fp8jax.ops import fsdp
+
+    seen = []
+    try:
+        distributed.set_fsdp_axes(["shard"])
+        contextvars.Context().run(lambda: seen.append(fsdp.current_axes()))
+        t = threading.Thread(target=lambda: seen.append(fsdp.current_axes()))
+        t.start()
+        t.join()
+        with distributed.fsdp_axes(["block"]):
+            seen.append(fsdp.current_axes())
+        seen.append(fsdp.current_axes())
+    finally:
+        distributed.set_fsdp_axes(["fsdp"])
+    assert seen == [("shard",), ("shard",), ("block",), ("shard",)]
+
+
 def _collectives(model, mesh, batch_spec=P(("data", "fsdp"), None)):
     batch = NamedSharding(mesh, batch_spec)
     x, y = (jax.device_put(a, batch) for a in _data())

@@ -242,8 +242,9 @@ def _record_experts(model: Any, experts: ExpertSharding) -> Any:
 def set_fsdp_axes(axes: Sequence[str]) -> None:
     """Mesh axis names meaning FSDP for weights placed by the user (default ``("fsdp",)``):
     an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
-    it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced: set it first. From
-    now on in this thread (its context); `fsdp_axes` sets them for a ``with`` block."""
+    it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced (and part of its cache
+    key): set it first. For the whole process, every thread and notebook cell; `fsdp_axes`
+    sets them for a ``with`` block."""
     fsdp.set_axes(axes, "set_fsdp_axes")
 
 

@@ -23,15 +23,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # Mesh axis names that mean FSDP (the weight is gathered over them before its GEMM), read
-# when a step is traced: `axes` (``fp8jax.distributed.fsdp_axes``) or `set_axes`.
-_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
-    "fp8jax_fsdp_axes", default=("fsdp",)
+# when a step is traced: inside `axes` (``fp8jax.distributed.fsdp_axes``) the block's, else
+# the process's (`set_axes`: one setting for every thread and notebook cell, which a context
+# variable alone would not be: ipykernel runs cells in copies of a context).
+_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "fp8jax_fsdp_axes", default=None
 )
+_PROCESS_AXES = {"axes": ("fsdp",)}
 
 
 def current_axes() -> tuple[str, ...]:
-    """The mesh axis names meaning FSDP here (default ``("fsdp",)``)."""
-    return _AXES.get()
+    """The mesh axis names meaning FSDP here (default ``("fsdp",)``); part of the cache key
+    of every trace that reads them (`fp8jax.ops.dot`)."""
+    return _AXES.get() or _PROCESS_AXES["axes"]
 
 
 def _checked(owner: str, names: Sequence[str]) -> tuple[str, ...]:
@@ -41,8 +45,9 @@ def _checked(owner: str, names: Sequence[str]) -> tuple[str, ...]:
 
 
 def set_axes(names: Sequence[str], owner: str = "set_fsdp_axes") -> None:
-    """Make ``names`` the FSDP axes from now on, in this thread (its context)."""
-    _AXES.set(_checked(owner, names))
+    """Make ``names`` the FSDP axes of the process from now on (a ``with axes(...)`` block
+    still overrides them inside it)."""
+    _PROCESS_AXES["axes"] = _checked(owner, names)
 
 
 @contextlib.contextmanager
