@@ -35,6 +35,7 @@ import argparse
 import collections
 import dataclasses
 import math
+import os
 import re
 import sys
 import time
@@ -48,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax
 from benchmarks import comm_profile, common
-from fp8jax import distributed
+from fp8jax import compilation, distributed
 from fp8jax.nn import cross_entropy
 from fp8jax.train import cli
 from fp8jax.train.mesh import check_sequence_parallel, place_model
@@ -199,6 +200,9 @@ def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
         params["sequence_parallel"] = True
     if run.fp8_head:
         params["fp8_head"] = True
+    flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "").strip()
+    if flags:  # the user's XLA flags change what is measured: they go with the record
+        params["xla_flags"] = flags
     try:
         row = measure(run, precision, mesh, run.batch, steps)
         row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
