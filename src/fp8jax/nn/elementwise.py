@@ -90,9 +90,10 @@ def normalize(
     With ``zero_centered_gamma`` the scale applied is ``1 + weight`` (TE's option).
 
     The backward keeps only ``x`` and two f32 numbers per row (mean and 1/rms) and
-    recomputes the rest: differentiating the f32 formula directly keeps three f32 copies of
-    ``x`` (48 KiB per token at width 4096, against ``x``'s 8 KiB in bf16), and where the
-    output feeds an FP8 GEMM, that GEMM keeps its own FP8 copy (issue 49)."""
+    recomputes the rest, whatever the compiler does: the jaxpr of the plain f32 formula's
+    derivative keeps three f32 copies of ``x`` (XLA's GPU fusion already avoided storing
+    them in the trainer's step: benchmarks/RESULTS.md, seventeenth session). Where the output
+    feeds an FP8 GEMM, that GEMM keeps its own FP8 copy."""
     return _normalize(x, weight, bias, kind, float(eps), bool(zero_centered_gamma))
 
 
