@@ -57,7 +57,7 @@ from benchmarks.front_doors_builders import BUILDERS, ObjectCase, Skip
 from fp8jax.inspect import parse_gemms, parse_stablehlo_gemms
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-DOORS = ("equinox", "linen", "nnx", "nnx-jit", "haliax")
+DOORS = ("equinox", "linen", "nnx", "nnx-jit", "nnx-cached", "haliax")
 DTYPES = {"bf16": BF16, "f32": F32}
 PRECISIONS = ("bf16", "fp8")
 DEFAULT_TOKENS = (8192, 16384)
@@ -183,7 +183,7 @@ def run_one(door, pd_name, tokens, precision, xs, args, config) -> dict:
         config if precision == "fp8" else None,
         jax.random.PRNGKey(args.seed),
     )
-    case = (ObjectCase if door == "nnx-jit" else Case)(state, step, xs[0])
+    case = (ObjectCase if door in ("nnx-jit", "nnx-cached") else Case)(state, step, xs[0])
     ms = time_case(case, xs, args.iters, args.reps, warmup=1 if args.iters <= 2 else 2)
     n_fp8, n = case.gemms()
     out = dict(

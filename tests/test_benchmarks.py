@@ -249,3 +249,19 @@ def test_distributed_vocab_option(tmp_path):
     for r in rows:
         assert r.get("error") is None, r.get("error")
         assert r["params"]["vocab"] == 1000 and r["params"]["fp8_head"]
+
+
+def test_front_doors_quick_times_the_nnx_object_doors(tmp_path):
+    """The ``@nnx.jit`` step as the README writes it and under ``nnx.cached_partial``: both
+    run and are timed; no records from a quick run."""
+    pytest.importorskip("flax")
+    from benchmarks import front_doors
+
+    out = tmp_path / "front_doors.jsonl"
+    rows = front_doors.main(["--quick", "--doors", "nnx-jit,nnx-cached", "--param-dtypes", "bf16",
+                             "--out", str(out)])
+    assert {r["params"]["door"] for r in rows} == {"nnx-jit", "nnx-cached"}
+    for r in rows:
+        assert r.get("error") is None, r.get("error")
+        assert r["ms"] > 0
+    assert not out.exists()
