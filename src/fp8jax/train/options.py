@@ -159,8 +159,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     add(
         "--fp8-head",
         action="store_true",
-        help="the fp8 run also runs the LM head's GEMMs in FP8 (default bf16, as Transformer "
-        "Engine and torchao leave it: the logits feed the softmax directly)",
+        help="the fp8 run also runs the LM head's GEMMs in FP8 (default bf16: its output, the "
+        "logits, feeds the loss directly)",
     )
     add(
         "--mesh",
