@@ -41,8 +41,8 @@ What a failed check does depends on ``FP8JAX_GUARD`` (read when a function is tr
   `fp8jax.accumulate_grads` one per call. Cost: each check is one ``lax.cond`` whose true
   branch raises through a host callback; on a GPU, XLA's conditional copies the predicate
   to the host and waits for it: one device->host sync per check, and the host can no longer
-  run ahead of the device. Measured on an H200: about 0.15 ms per check per step (a 3-layer
-  4096-wide MLP step 2.60 -> 3.30 ms; one linear layer's step 0.160 -> 0.307 ms).
+  run ahead of the device: a fixed cost per check per step, large next to a small step's
+  (benchmarks/RESULTS.md, "The FP8 state guard's cost (issues 44 and 45)").
   ``EQX_ON_ERROR=off`` removes these checks.
 * ``off``: no check and no poison (the guards still cycle).
 """
@@ -337,7 +337,14 @@ def enter_tree(tree: Any) -> Any:
     inside, and its uses in two regions would add), and into a ``lax.scan`` over stacked
     layers: the conversion and its backward then run once on the ``[layers, ...]`` arrays
     instead of once per layer, which an unrolled scan repeats per layer (fewer HLO
-    instructions, faster compiles; same values)."""
+    instructions, faster compiles; same values).
+
+    Arguments:
+        tree: a model, or any pytree holding FP8 states (stacked ones included).
+
+    Returns:
+        ``tree`` with each FP8 state entered; other leaves as they were.
+    """
 
     def enter_state(x):
         if not _is_state(x):

@@ -10,7 +10,15 @@ from typing import Any, NamedTuple
 
 
 class Collective(NamedTuple):
-    """One collective of a partitioned program."""
+    """One collective of a partitioned program (`parse_collectives` makes them).
+
+    Arguments:
+        kind: ``all-gather``, ``all-reduce``, ``reduce-scatter``, ``all-to-all`` or
+            ``collective-permute``.
+        dtype: the element type(s) it moves, e.g. ``"f8e4m3fn"`` or ``"f32,f32"``.
+        shape: its result shape(s), as HLO writes them.
+        op_name: the JAX op it came from (HLO metadata), ``""`` if none.
+    """
 
     kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute
     dtype: str  # element type(s) it moves, e.g. "f8e4m3fn" or "f32,f32"
@@ -25,7 +33,14 @@ _COLLECTIVE = re.compile(
 
 
 def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Collectives in HLO text, with the dtypes they move."""
+    """Collectives in HLO text, with the dtypes they move.
+
+    Arguments:
+        hlo_text: HLO text (a partitioned or compiled module).
+
+    Returns:
+        A list of `Collective`, in program order.
+    """
     out = []
     for line in hlo_text.splitlines():
         m = _COLLECTIVE.search(line)
@@ -47,13 +62,27 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
 def hlo_collectives(lowered: Any) -> list[Collective]:
     """The collectives of a lowered program (``jax.jit(f).lower(...)`` or equinox's) as
     XLA's SPMD partitioner made them: their dtypes before a backend's own rewrites (the
-    CPU backend carries FP8 collectives as f16; GPUs move FP8)."""
+    CPU backend carries FP8 collectives as f16; GPUs move FP8).
+
+    Arguments:
+        lowered: a lowered program (``jax.jit(step).lower(...)``), sharded over a mesh.
+
+    Returns:
+        A list of `Collective` (empty on one device).
+    """
     return compile_with_collectives(lowered)[1]
 
 
 def compile_with_collectives(lowered: Any) -> tuple[Any, list[Collective]]:
     """``lowered`` compiled, and its collectives as `hlo_collectives` lists them (one
-    compilation for both)."""
+    compilation for both).
+
+    Arguments:
+        lowered: a lowered program (jax's or equinox's ``.lower(...)``).
+
+    Returns:
+        ``(compiled, collectives)``: the compiled program and its list of `Collective`.
+    """
     lowered = getattr(lowered, "lowered", lowered)
     with tempfile.TemporaryDirectory() as d:
         # A persistent-cache hit would skip the passes and write no dump. JAX leaves the

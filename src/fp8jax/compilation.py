@@ -1,18 +1,21 @@
 """Compile-time settings fp8jax applies for its users: no Triton GEMM autotuning of FP8
 programs, and an opt-in persistent compilation cache.
 
-**Triton GEMM autotuning.** With default XLA flags, XLA (jax 0.11.2) spent ~250 s compiling
-a two-block FP8 train step on an H100 (6 s in bf16) trying Triton configs for its FP8 GEMMs.
-Worse, with Triton GEMMs on, XLA does not rewrite the ``dot(convert(a) * sa, convert(b) * sb)``
-pattern into a cuBLASLt FP8 call: the same step ran 0 of its 11 GEMMs in FP8 (bf16 GEMMs on
-dequantized values, slower than plain bf16; H200, 2026-11-27). ``xla_gpu_enable_triton_gemm
-=false`` fixes both. ``import fp8jax`` sets it two ways: in ``XLA_FLAGS`` while JAX's backend
-has not started (child processes inherit it), and as a per-compile option on every XLA
-compile of the process from then on (`_jax_compat.add_compile_options`), so the order of
+**Triton GEMM autotuning.** With default XLA flags, XLA (jax 0.11.2) spends minutes compiling
+an FP8 train step (seconds in bf16) trying Triton configs for its FP8 GEMMs, and then picks
+cuBLASLt for every one. Worse, with Triton GEMMs on, XLA does not rewrite the
+``dot(convert(a) * sa, convert(b) * sb)`` pattern into a cuBLASLt FP8 call: a step compiled so
+ran none of its GEMMs in FP8 (bf16 GEMMs on dequantized values, slower than plain bf16).
+(`benchmarks/RESULTS.md`: "compile time with default flags (issue 21)", 2026-11-24; "Import
+order (issue 44)", 2026-11-27.) ``xla_gpu_enable_triton_gemm=false`` fixes both.
+``import fp8jax`` sets it two ways: in ``XLA_FLAGS`` while JAX's backend has not started
+(child processes inherit it), and as a per-compile option on every XLA compile of the
+process from then on (`_jax_compat.add_compile_options`), so the order of
 imports does not matter. The user's own choice wins: ``XLA_FLAGS`` naming the flag, a
 ``jax.jit(..., compiler_options=...)`` naming it, or ``FP8JAX_KEEP_TRITON_GEMM=1``. bf16 GEMMs
-then run in cuBLAS instead of Triton fusions too (~2% faster bf16 steps on the H100:
-``benchmarks/RESULTS.md``).
+then run in cuBLAS instead of Triton fusions too, which makes bf16 steps a little faster, so
+the setting does not flatter FP8's ratio (``benchmarks/RESULTS.md``: "Compile time: XLA's Triton
+GEMM autotuning", 2026-11-23, and "What `import fp8jax`'s compile setting costs at run time").
 """
 
 from __future__ import annotations
@@ -88,7 +91,15 @@ def enable_compilation_cache(
     """Turn on JAX's persistent compilation cache in ``path`` (default ``$FP8JAX_CACHE_DIR`` or
     ``~/.cache/fp8jax/jax-compile``): a second start of the same program loads its compiled
     executables instead of compiling them. Caches every program that took at least
-    ``min_compile_s`` to compile. Call before the first compile; returns the directory."""
+    ``min_compile_s`` to compile. Call before the first compile; returns the directory.
+
+    Arguments:
+        path: the cache directory (created if missing), or None for the default.
+        min_compile_s: compile time in seconds from which a program is cached.
+
+    Returns:
+        The cache directory, as a ``Path``.
+    """
     import jax
 
     if path is not None and not isinstance(path, (str, os.PathLike)):

@@ -47,9 +47,9 @@ class _Normalising(type):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config(metaclass=_Normalising):
-    """How FP8 is applied.
+    """How FP8 is applied: every field is a constructor keyword, with a default.
 
-    Recipe:
+    Arguments (the recipe):
       recipe: how tensors are scaled (`fp8jax.recipe`): ``"tensor"`` (one scale per
         tensor, delayed or current by ``scaling``; the default), ``"rowwise"`` (one scale
         per row of each GEMM operand along its contracting dim, current scaling) or
@@ -80,19 +80,20 @@ class Fp8Config(metaclass=_Normalising):
         (partial sums kept in the tensor cores' reduced precision): ``"forward"``
         (the Transformer Engine / flax recipe: the forward GEMM fast, dgrad and
         wgrad with the promoted accumulator), ``"all"`` (fastest) or ``"none"``.
-        On H100 at K=4096, with products of one sign, the fast accumulator's error
-        was 12x the promoted one's (2.9e-2 vs 2.4e-3 relative), for 5-8% less GEMM
-        time.
+        Where the products share a sign the fast accumulator's error is an order of
+        magnitude above the promoted one's, for a few percent less GEMM time
+        (`benchmarks/RESULTS.md`, "FP8 accumulation, the one-pass cast kernel, and the
+        trainer").
       cast_kernel: write each tensor's two FP8 layouts and its amax in one Pallas
         Triton pass (Hopper; elsewhere, on a mesh, or for shapes it cannot tile,
-        XLA's cast and transpose). On by default: on an H200 (2026-11-26) it made the
-        linear train step 6-8% faster and the two-block quickstart step 11% faster
-        (21.5 vs 24.1 ms, a gelu between the layers) and cut that step's compile from
-        1.49 to 1.05 s (XLA compiles fewer cast/transpose/reduction fusions). It is a
+        XLA's cast and transpose). On by default: it made the linear and the two-block
+        train steps faster (a gelu between the layers too) and their compile shorter
+        (XLA compiles fewer cast/transpose/reduction fusions; `benchmarks/RESULTS.md`,
+        "the Pallas cast kernel by default", ninth session). It is a
         custom call, so XLA cannot fuse the tensor's producer (a norm, an activation)
         into it; ``False`` gives XLA's fused casts back.
 
-    Selection (used by `fp8_linear_layers`):
+    Arguments (the selection of layers, used by `fp8_linear_layers`):
       targets: ``None`` (every linear); a regex string, which must match the whole
         dotted path (``"layers\\.\\d+\\.mlp.*"``); a list (a layer is in when an
         entry equals its whole path or fullmatches it as a regex); or a predicate
@@ -111,7 +112,7 @@ class Fp8Config(metaclass=_Normalising):
         input precision and leaves the FP8 state alone (``selective`` only; a warning
         says so, once per layer shape, when such a call is traced).
 
-    Fallback:
+    Arguments (the fallback):
       on_unsupported: what a `Fp8DotGeneral` does with a call it cannot run in
         FP8 (rows not aligned, non-float dtypes are always errors):
         ``"warn"`` (plain dot, one warning), ``"silent"`` or ``"raise"``.

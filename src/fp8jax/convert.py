@@ -62,7 +62,12 @@ class ConversionReport:
     Three tiers (`LayerDecision.tier`): ``fp8`` layers run every call in FP8;
     ``fp8_from_tokens`` layers are converted but a call with fewer than their
     ``min_tokens`` rows (tokens) runs in the input precision (bf16) and leaves their FP8
-    state unchanged; ``skipped`` layers stay as they were."""
+    state unchanged; ``skipped`` layers stay as they were. `fp8_linear_layers` makes it
+    (``return_report=True``); printing it gives the table.
+
+    Arguments:
+        layers: one `LayerDecision` per linear layer found, in the model's order.
+    """
 
     layers: list[LayerDecision]
 
@@ -372,7 +377,14 @@ def _warn_unmatched_entries(owner: str, kind: str, config: Fp8Config, layers) ->
 def fp8_state(model: Any) -> list[tuple[str, OverwriteWithGradient]]:
     """Every FP8 scaling state in ``model`` with its dotted path (for inspection):
     linear layers' `Fp8DotGeneral`, grouped experts' ``Fp8GroupedState`` and FP8
-    attention's ``Fp8AttentionState``."""
+    attention's ``Fp8AttentionState``.
+
+    Arguments:
+        model: a model (any pytree) holding FP8 layers.
+
+    Returns:
+        A list of ``(dotted path, state)`` pairs, in the model's leaf order.
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(
         model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient)
     )

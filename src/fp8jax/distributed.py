@@ -36,6 +36,20 @@ from .ops.expert_parallel import ExpertSharding
 from .sequence import _batch_axes, _record_sequence
 from .state import OverwriteWithGradient
 
+__all__ = [
+    "Collective",
+    "compile_with_collectives",
+    "fp8_state_replicated",
+    "fsdp_axes",
+    "hlo_collectives",
+    "parse_collectives",
+    "record_fsdp",
+    "sequence_parallel",
+    "sequence_sharding",
+    "set_fsdp_axes",
+    "shard_model",
+]
+
 
 def _layers(model: Any) -> list[tuple[str, Any]]:
     is_layer = lambda x: isinstance(x, (Linear, eqx.nn.Linear))  # noqa: E731
@@ -109,6 +123,22 @@ def shard_model(
     every mesh axis but ``tensor_axis``) and then ``tensor_axis``, as the user's own
     sharding constraints on the activations say; each column-parallel layer all-gathers
     its FP8 input's tokens, each row-parallel one reduce-scatters its output.
+
+    Arguments:
+        model: a converted model (`fp8_linear_layers`, `fp8jax.nn` modules).
+        mesh: a mesh with Auto axes (GSPMD).
+        fsdp_axis: the mesh axis of FSDP (None: weights not sharded for FSDP).
+        tensor_axis: the mesh axis of tensor parallelism (needed by the two lists below).
+        column_parallel, row_parallel: dotted paths (or fnmatch patterns) of the
+            tensor-parallel layers.
+        expert_axis: the mesh axis of expert parallelism, or None.
+        fp8_all_gather: record the sharding so weights are all-gathered in FP8.
+        sequence_parallel: Megatron sequence parallelism between the tensor-parallel pairs.
+        batch_axes: the mesh axes the tokens are split over (None: every axis but
+            ``tensor_axis``).
+
+    Returns:
+        ``model`` with every array placed on ``mesh`` (and the shardings recorded).
 
     Raises ``ValueError`` naming the layer, the dim and the axis when an axis size does
     not divide the dim it shards, or when a pattern matches no layer.
@@ -244,12 +274,26 @@ def set_fsdp_axes(axes: Sequence[str]) -> None:
     an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
     it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced (and part of its cache
     key): set it first. For the whole process, every thread and notebook cell; `fsdp_axes`
-    sets them for a ``with`` block."""
+    sets them for a ``with`` block.
+
+    Arguments:
+        axes: the mesh axis names (strings).
+
+    Returns:
+        None.
+    """
     fsdp.set_axes(axes, "set_fsdp_axes")
 
 
 def fsdp_axes(axes: Sequence[str]) -> contextlib.AbstractContextManager:
-    """`set_fsdp_axes` for the steps traced inside a ``with`` block."""
+    """`set_fsdp_axes` for the steps traced inside a ``with`` block.
+
+    Arguments:
+        axes: the mesh axis names (strings).
+
+    Returns:
+        A context manager: ``with fsdp_axes(("shard",)): step(...)``.
+    """
     return fsdp.axes(axes, "fsdp_axes")
 
 
@@ -258,7 +302,15 @@ def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
     (a `NamedSharding`, e.g. put there by the user): a layer whose weight is sharded
     over any of ``fsdp_axes`` then casts its shard to FP8 and all-gathers the FP8
     copy (forward and backward) and reduce-scatters its gradient. Layers whose weight
-    is not a placed `NamedSharding` are left as they are."""
+    is not a placed `NamedSharding` are left as they are.
+
+    Arguments:
+        model: a model whose FP8 linears' weights are placed (``jax.device_put``).
+        fsdp_axes: the mesh axes that mean FSDP.
+
+    Returns:
+        ``model`` with each placed FP8 linear's weight sharding recorded.
+    """
     fsdp_axes = _names("record_fsdp", "fsdp_axes", fsdp_axes)
 
     def record(layer):
@@ -279,7 +331,15 @@ def record_fsdp(model: Any, fsdp_axes: Sequence[str] = ("fsdp",)) -> Any:
 def fp8_state_replicated(model: Any) -> bool:
     """Whether every FP8 state array holds the same bytes on all devices that hold the
     same part of it (all devices for replicated state; those of one expert shard for a
-    per-expert state sharded with its experts)."""
+    per-expert state sharded with its experts): the check that the state stayed
+    bit-identical across devices after sharded steps.
+
+    Arguments:
+        model: a model placed on a mesh (reads every shard: one transfer per array).
+
+    Returns:
+        True where every copy agrees.
+    """
     import numpy as np
 
     flat = jax.tree_util.tree_leaves(

@@ -62,7 +62,15 @@ class Fp8DotGeneral(Fp8GemmState):
     ):
         """Fresh state (scales 1, histories 0) with leading ``stack_shape`` dims; or, with
         ``state``, the arrays given (a dict of `STATE_FIELDS`, optionally a ``guard``: None
-        without one), no new arrays made."""
+        without one), no new arrays made.
+
+        Arguments:
+            config: the `Fp8Config` (None: the default one).
+            stack_shape: leading dims of stacked layers (``eqx.filter_vmap``), else ``()``.
+            state: the state's arrays to use as they are, or None for a fresh state.
+            weight_sharding: how the kernel is sharded and gathered (FSDP; `shard_model`
+                and `record_fsdp` set it), None on one device.
+        """
         config = resolve_config(config)
         if state is None:
             state = _fresh_state(config, stack_shape)

@@ -98,14 +98,29 @@ def _check_like(fn: str, what: str, ref: Any, tree: Any, ref_name: str = "model"
 
 def partition_for_grad_overwrite(grads: Any) -> tuple[Any, Any]:
     """Split gradients into ``(overwrites, grads)``: the first holds only the new FP8
-    state (``None`` elsewhere), the second the true gradients (``None`` at the state)."""
+    state (``None`` elsewhere), the second the true gradients (``None`` at the state).
+
+    Arguments:
+        grads: the gradients of a model holding FP8 layers (``eqx.filter_grad``'s).
+
+    Returns:
+        ``(overwrites, grads)``: ``overwrites`` for `apply_updates`, ``grads`` for the
+        optimizer (its state from ``opt.init(fp8jax.trainable(model))``).
+    """
     return eqx.partition(grads, _is_overwrite, is_leaf=_is_overwrite)
 
 
 def trainable(model: Any) -> Any:
     """The trainable parameters of ``model``: its floating-point arrays, with the FP8
     state (and everything else) replaced by ``None``. What an optimizer should see:
-    ``opt.init(fp8jax.trainable(model))``."""
+    ``opt.init(fp8jax.trainable(model))``.
+
+    Arguments:
+        model: a model (any pytree) holding FP8 layers.
+
+    Returns:
+        ``model``'s structure with only its trainable float arrays, ``None`` elsewhere.
+    """
     without_state = eqx.filter(model, lambda x: not _is_overwrite(x), is_leaf=_is_overwrite)
     return eqx.filter(without_state, eqx.is_inexact_array)
 
@@ -189,7 +204,16 @@ def _check_guards(fn: str, model: Any, overwrites: Any, order: str):
 
 def apply_updates(model: Any, updates: Any, overwrites: Any) -> Any:
     """Apply optimizer ``updates`` to the parameters and write ``overwrites`` (new FP8
-    state from `partition_for_grad_overwrite`) into the state. Either may be ``None``."""
+    state from `partition_for_grad_overwrite`) into the state. Either may be ``None``.
+
+    Arguments:
+        model: the model the gradients were taken of.
+        updates: the optimizer's updates of its parameters (``eqx.apply_updates``'s).
+        overwrites: the new FP8 state; a layer that did not run this step keeps its state.
+
+    Returns:
+        The updated model.
+    """
     return _apply_updates("apply_updates", model, updates, overwrites)
 
 
@@ -229,6 +253,16 @@ def optax_step(optimizer: optax.GradientTransformation, model: Any, grads: Any, 
     ``opt_state`` must come from ``optimizer.init(fp8jax.trainable(model))``.
     Works with any optax transformation, including ``optax.MultiSteps`` (the FP8
     state then advances every micro-step, like a forward pass in TE).
+
+    Arguments:
+        optimizer: an ``optax.GradientTransformation``.
+        model: the model the gradients were taken of.
+        grads: its gradients (``eqx.filter_grad``'s), the FP8 state's new values included.
+        opt_state: the optimizer's state, from ``optimizer.init(fp8jax.trainable(model))``.
+
+    Returns:
+        ``(model, opt_state)``: the parameters updated, the FP8 state written, the new
+        optimizer state.
     """
     if not callable(getattr(optimizer, "update", None)):
         raise TypeError(
@@ -284,7 +318,15 @@ def accumulate_grads(accumulated: Any, grads: Any) -> Any:
     """Add ``grads`` into ``accumulated`` for gradient accumulation over micro-batches:
     true gradients are summed, FP8 state "gradients" are max-combined (each micro-batch
     proposes the same scales and index and its own amax; the max is the amax of the
-    whole batch). ``accumulated=None`` starts a new accumulation."""
+    whole batch). ``accumulated=None`` starts a new accumulation.
+
+    Arguments:
+        accumulated: the sum so far (None: this is the first micro-batch).
+        grads: this micro-batch's gradients.
+
+    Returns:
+        The accumulated gradients (scale them with `scale_grads` before the update).
+    """
     if accumulated is None:
         return grads
     if grads is None:
@@ -323,7 +365,15 @@ def _check_same_step(accumulated: Any, grads: Any) -> tuple[Any, Any]:
 
 def scale_grads(grads: Any, factor: float) -> Any:
     """Multiply the true gradients by ``factor`` (e.g. 1/num_microbatches), leaving
-    the FP8 state untouched."""
+    the FP8 state untouched.
+
+    Arguments:
+        grads: gradients of a model holding FP8 layers.
+        factor: a finite number (or a scalar array).
+
+    Returns:
+        ``grads`` with the true gradients scaled and the FP8 state as it was.
+    """
     if isinstance(factor, (str, bytes)) or not (
         isinstance(factor, (int, float)) or hasattr(factor, "dtype")
     ):

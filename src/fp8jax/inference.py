@@ -43,7 +43,17 @@ class Fp8InferenceLinear(eqx.Module):
     output channel, applied to the GEMM's output columns); ``input_scale``: the frozen
     activation scale ``[1]``, or None to compute it from each call's amax (``"dynamic"``).
     Stacked layers (``eqx.filter_vmap``) carry leading stack dims and run one slice at a
-    time (``lax.scan``), as training ran them.
+    time (``lax.scan``), as training ran them. `to_inference` builds them.
+
+    Arguments:
+        weight: the e4m3 weight ``[*stack, out, in]``.
+        weight_scale: its dequantization factor(s), ``[*stack, 1]`` or ``[*stack, out]``.
+        input_scale: the frozen input scale ``[*stack, 1]``, or None (``"dynamic"``).
+        bias: ``[*stack, out]`` in the output dtype, or None.
+        in_features, out_features: the GEMM's K and N.
+        weight_scaling: ``"tensor"`` or ``"channel"``, as ``weight_scale`` holds.
+        margin: the dynamic input scale's headroom (`fp8jax.Fp8Config.margin`).
+        fast_accumulation: the GEMM keeps Hopper's fast FP8 partial sums.
     """
 
     weight: Array
@@ -197,6 +207,14 @@ def to_inference(model: Any, *, weight_scaling: str = "tensor", input_scale: str
     recorded an amax keeps its scale and is named in a warning) or ``"dynamic"`` (each
     call's own amax: one more reduction).
 
+    Arguments:
+        model: a trained equinox, haliax or flax nnx model holding FP8 linears.
+        weight_scaling: ``"tensor"`` or ``"channel"``.
+        input_scale: ``"frozen"`` or ``"dynamic"``.
+
+    Returns:
+        The inference model (nnx: ``model`` itself, changed in place).
+
     Raises ``ValueError`` for another option value, or when ``model`` has no FP8 layer.
     """
     _check_option("weight_scaling", weight_scaling, WEIGHT_SCALINGS)
@@ -277,7 +295,15 @@ def _arrays(model):
 
 def save_inference(path: str | Path, model: Any) -> Path:
     """Write ``model``'s arrays (e4m3 weights as they are; an nnx model's state) to the
-    orbax checkpoint ``path`` (a new directory); returns its absolute path."""
+    orbax checkpoint ``path`` (a new directory); returns its absolute path.
+
+    Arguments:
+        path: a directory that does not exist yet (FileExistsError otherwise).
+        model: an inference model from `to_inference` (any pytree or nnx module works).
+
+    Returns:
+        The checkpoint's absolute path.
+    """
     import orbax.checkpoint as ocp
 
     path = Path(path).expanduser().resolve()
@@ -300,7 +326,15 @@ def load_inference(path: str | Path, like: Any) -> Any:
     """Read a `save_inference` checkpoint into a model shaped like ``like``: an inference
     model of the same structure and options (equinox/haliax: e.g. ``eqx.filter_eval_shape``
     of the `to_inference` call, a new model is returned; nnx: a converted model, e.g. from
-    ``nnx.eval_shape``, updated in place and returned). Arrays come back bit for bit."""
+    ``nnx.eval_shape``, updated in place and returned). Arrays come back bit for bit.
+
+    Arguments:
+        path: the directory `save_inference` wrote (FileNotFoundError if absent).
+        like: a model of the saved one's structure; its arrays may be abstract.
+
+    Returns:
+        The model with the saved arrays (nnx: ``like`` itself, updated in place).
+    """
     import orbax.checkpoint as ocp
 
     path = Path(path).expanduser().resolve()

@@ -12,6 +12,16 @@ import equinox as eqx
 from .kernels.blockwise_gemm import BLOCKWISE_SCOPE
 from .ops.grouped import GROUPED_SCOPE
 
+__all__ = [
+    "GemmInfo",
+    "GemmReport",
+    "assert_fp8",
+    "fp8_gemm_report",
+    "parse_gemms",
+    "parse_stablehlo_gemms",
+    "saved_activation_bytes",
+]
+
 _F8 = re.compile(r"\bf8e\w+")
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul|triton_gemm|__cudnn\$", re.I)
@@ -20,7 +30,16 @@ _OUR_KERNEL = re.compile(r"fp8jax", re.I)
 
 @dataclasses.dataclass(frozen=True)
 class GemmInfo:
-    """One matrix multiplication in a compiled program."""
+    """One matrix multiplication in a compiled program (`parse_gemms` makes them).
+
+    Arguments:
+        op: the HLO op: ``"custom-call"``, ``"dot"`` or ``"convolution"``.
+        target: the custom call's target (``""`` for a plain dot).
+        operand_types: the element types of its two operands (``"f8e4m3fn"``, ``"bf16"``).
+        result_type: the element type of its result.
+        is_fp8: whether it runs in FP8.
+        line: its HLO line (the first 300 characters).
+    """
 
     op: str  # "custom-call" or "dot" / "convolution"
     target: str  # custom-call target ("" for a plain dot)
@@ -32,6 +51,14 @@ class GemmInfo:
 
 @dataclasses.dataclass
 class GemmReport:
+    """Each GEMM of a compiled (or lowered) program, FP8 or not: what `fp8_gemm_report`
+    returns; printing it gives one line per GEMM.
+
+    Arguments:
+        gemms: the program's GEMMs, in program order.
+        platform: the backend it was compiled for (``"gpu"``, ``"cpu (lowered)"``, ...).
+    """
+
     gemms: list[GemmInfo]
     platform: str
 
@@ -66,7 +93,14 @@ def _element(shape: str) -> str:
 
 def parse_gemms(hlo_text: str) -> list[GemmInfo]:
     """GEMMs in compiled HLO text: cuBLAS/cuBLASLt custom calls, XLA-generated GEMM
-    fusions (Triton / cuDNN) and plain dots, with operand types resolved by name."""
+    fusions (Triton / cuDNN) and plain dots, with operand types resolved by name.
+
+    Arguments:
+        hlo_text: a compiled program's HLO (``compiled.as_text()``).
+
+    Returns:
+        A list of `GemmInfo`, in program order.
+    """
     shapes: dict[str, str] = {}
     instrs = []
     for line in hlo_text.splitlines():
@@ -112,7 +146,15 @@ def parse_gemms(hlo_text: str) -> list[GemmInfo]:
 
 
 def parse_stablehlo_gemms(text: str) -> list[GemmInfo]:
-    """Dots in StableHLO text (the lowered, pre-optimization program)."""
+    """Dots in StableHLO text (the lowered, pre-optimization program): what a CPU can
+    show, where XLA runs FP8 dots as float32 ones after its optimizations.
+
+    Arguments:
+        text: a lowered program's StableHLO (``lowered.as_text()``).
+
+    Returns:
+        A list of `GemmInfo` (FP8: both operands float8), in program order.
+    """
     gemms = []
     for line in text.splitlines():
         if "stablehlo.dot_general" not in line and "stablehlo.dot " not in line:
@@ -285,7 +327,15 @@ def _closure_residuals(fn: Callable, inputs: tuple):
 
 def assert_fp8(fn: Callable, *args: Any, expected: int | None = None, **kwargs: Any) -> GemmReport:
     """Raise ``AssertionError`` unless every GEMM of ``fn`` runs in FP8 (and, if given,
-    there are exactly ``expected`` of them)."""
+    there are exactly ``expected`` of them): a test's check that a step really is FP8.
+
+    Arguments:
+        fn, args, kwargs, stage: as `fp8_gemm_report` takes them.
+        expected: the number of GEMMs the program must have (None: any, at least one).
+
+    Returns:
+        The `GemmReport` (the AssertionError's message prints it).
+    """
     if expected is not None and (
         isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
     ):

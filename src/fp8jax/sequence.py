@@ -29,7 +29,17 @@ def sequence_sharding(
     their rows. Put it on the residual stream with ``jax.lax.with_sharding_constraint``.
     With one sequence per batch shard that is the sequence dim over ``tensor_axis``
     (Megatron's split); with several, the batch dim over the batch axes and the tensor
-    axis. Raises ``ValueError`` naming the shape and axis when neither divides."""
+    axis. Raises ``ValueError`` naming the shape and axis when neither divides.
+
+    Arguments:
+        mesh: the Auto-axes mesh the layers were placed on.
+        shape: the activation's shape, ``[batch, seq, ...]``.
+        batch_axes: the mesh axes the batch is split over.
+        tensor_axis: the tensor-parallel axis.
+
+    Returns:
+        The ``NamedSharding`` to constrain the activation to.
+    """
     batch = _sequence_axes("sequence_sharding", mesh, tensor_axis, batch_axes)
     return NamedSharding(mesh, activation_spec(mesh, tuple(shape), batch, tensor_axis))
 
@@ -74,6 +84,18 @@ def sequence_parallel(
     same ``batch_axes``; default here, as in `shard_model`: every mesh axis but
     ``tensor_axis``). A layer needs a ``weight`` attribute; a weight without a recorded
     sharding is gathered over the FSDP axes `set_fsdp_axes` names at this call.
+
+    Arguments:
+        model: a model whose FP8 layers' weights are placed on ``mesh``.
+        mesh: the Auto-axes mesh.
+        column_parallel: paths (or fnmatch patterns) of the column-parallel layers.
+        row_parallel: paths (or patterns) of the row-parallel layers.
+        tensor_axis: the mesh axis the pairs split their weights over.
+        batch_axes: the mesh axes the tokens are split over outside the pairs (None:
+            every axis but ``tensor_axis``).
+
+    Returns:
+        ``model`` with each matched layer's token movement recorded.
 
     Raises ``ValueError`` naming the layer when a pattern matches no layer, a layer is
     both, or its weight is not placed on ``mesh`` with the tensor axis on its output dims

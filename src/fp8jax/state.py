@@ -48,7 +48,11 @@ STATE_FIELDS = (
 class OverwriteWithGradient(eqx.Module):
     """Marker base class: every array leaf of such a module is *state* whose gradient is
     its new value (haliax's convention). `partition_for_grad_overwrite` pulls these
-    out of the gradients; `apply_updates` writes them back."""
+    out of the gradients; `apply_updates` writes them back.
+
+    Arguments:
+        none: subclass it; the subclass's array fields are the state.
+    """
 
     def ran_mask(self) -> Array | None:
         """``[*stack, 1]`` bools: which (stacked) states hold a new value in a gradient
@@ -271,7 +275,8 @@ def proposal(new_state: tuple) -> tuple:
     layer's state math would otherwise be fused (and duplicated) into the few kernels that
     stack every layer's new state, and XLA's fusion passes slow down on those large
     kernels. The barrier keeps one layer's math in that layer's kernels: the 1b trainer's
-    FP8 step compiles in about 25% less time and runs as fast (benchmarks/RESULTS.md)."""
+    FP8 step compiles faster and runs as fast (benchmarks/RESULTS.md, tenth session, "the
+    state barrier")."""
     new_state = lax.optimization_barrier(tuple(jnp.asarray(s, F32) for s in new_state))
     return tuple(lax.convert_element_type(s, MAX_GRAD) for s in new_state)
 

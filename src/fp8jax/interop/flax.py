@@ -60,7 +60,13 @@ def _op(module: nn.Module, config: Fp8Config, sequence=None) -> Fp8DotGeneral:
 
 class Fp8DotGeneralOp(nn.Module):
     """A linen module with ``jax.lax.dot_general``'s signature running `Fp8DotGeneral`.
-    ``sequence``: Megatron sequence parallelism (`fp8_dot_general_cls`'s ``sequence_parallel``)."""
+    ``sequence``: Megatron sequence parallelism (`fp8_dot_general_cls`'s ``sequence_parallel``).
+
+    Arguments:
+        config: the `Fp8Config`.
+        sequence: the layer's half of a sequence-parallel pair, or None.
+        parent, name: linen's.
+    """
 
     config: Fp8Config = Fp8Config()
     sequence: SequenceParallel | None = None
@@ -82,7 +88,12 @@ class Fp8DotGeneralOp(nn.Module):
 
 class Fp8Einsum(nn.Module):
     """flax's ``Fp8Einsum`` on fp8jax's GEMM: ``(eqn, lhs, rhs)``, ``rhs`` the kernel,
-    ``lhs`` cast to its dtype (flax's convention)."""
+    ``lhs`` cast to its dtype (flax's convention).
+
+    Arguments:
+        config: the `Fp8Config`.
+        parent, name: linen's.
+    """
 
     config: Fp8Config = Fp8Config()
 
@@ -133,7 +144,18 @@ def fp8_dot_general_cls(
     layer given this class is FP8, but with the default (``selective``) config a call on
     fewer than ``config.min_tokens`` rows runs in the input precision (bf16); a warning
     names the layer's shape when such a call is traced. ``Fp8Config(selective=False)``
-    runs FP8 at any size."""
+    runs FP8 at any size.
+
+    Arguments:
+        config: the `Fp8Config` (None: the default one).
+        sequence_parallel: ``"column"``, ``"row"`` or None (no sequence parallelism).
+        mesh: the Auto-axes mesh (needed with ``sequence_parallel``).
+        tensor_axis: the mesh axis the pair splits its kernels over.
+        batch_axes: the mesh axes the tokens are split over outside the pair.
+
+    Returns:
+        A `Fp8DotGeneralOp` constructor (a ``functools.partial``).
+    """
     name = "fp8_dot_general_cls"
     config = checks.config(name, config)
     if sequence_parallel is None:

@@ -59,7 +59,16 @@ def _axes(spec) -> tuple:
 
 
 def haliax_linear_dims(layer) -> tuple[int, int, tuple[int, ...]]:
-    """(in_features, out_features, stack shape) of a ``haliax.nn.Linear``."""
+    """(in_features, out_features, stack shape) of a ``haliax.nn.Linear``: what the
+    selection policy (`fp8jax.Fp8Config`) and a fresh state need.
+
+    Arguments:
+        layer: a ``haliax.nn.Linear`` (its ``In``/``Out`` may be several axes).
+
+    Returns:
+        ``(in_features, out_features, stack)``: the products of its In and Out axes'
+        sizes, and the weight's leading dims (``hnn.Stacked``'s layers).
+    """
     in_size = math.prod(axis.size for axis in _axes(layer.In))
     out_size = math.prod(axis.size for axis in _axes(layer.Out))
     weight = layer.weight.array if hasattr(layer.weight, "array") else layer.weight
@@ -68,7 +77,18 @@ def haliax_linear_dims(layer) -> tuple[int, int, tuple[int, ...]]:
 
 
 def convert_haliax_linear(layer, config: Fp8Config, stack: tuple[int, ...]):
-    """``layer`` with an `Fp8DotGeneral` as its ``dot_general`` (no-op if it has one)."""
+    """``layer`` with an `Fp8DotGeneral` as its ``dot_general`` (no-op if it has one);
+    `fp8jax.fp8_linear_layers` calls it for each selected haliax layer.
+
+    Arguments:
+        layer: a ``haliax.nn.Linear``.
+        config: the `Fp8Config`.
+        stack: the weight's leading (stacked) dims, from `haliax_linear_dims`.
+
+    Returns:
+        ``(layer, reason)``: the converted layer and ``"converted (dot_general)"`` or
+        ``"already FP8"``.
+    """
     if isinstance(layer.dot_general, Fp8DotGeneral):
         return layer, "already FP8"
     new = eqx.tree_at(lambda lay: lay.dot_general, layer, Fp8DotGeneral(config, stack_shape=stack))

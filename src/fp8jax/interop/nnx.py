@@ -50,7 +50,11 @@ from ..state import STATE_FIELDS
 class Fp8State(nnx.Variable):
     """FP8 scaling state (scales, amax histories, non-finite counter): its "gradient"
     is its new value. Not an ``nnx.Param``: optimizers built with ``wrt=nnx.Param``
-    leave it alone; `update` (or `overwrite_state`) writes it."""
+    leave it alone; `update` (or `overwrite_state`) writes it.
+
+    Arguments:
+        value: the state array (as ``nnx.Variable`` takes it, with its metadata keywords).
+    """
 
 
 WRT = nnx.Any(nnx.Param, Fp8State)
@@ -59,7 +63,14 @@ WRT = nnx.Any(nnx.Param, Fp8State)
 
 def diff_state(argnum: int = 0) -> nnx.DiffState:
     """``argnums`` for ``nnx.grad`` / ``nnx.value_and_grad``: differentiate argument
-    ``argnum`` (the model) with respect to its ``nnx.Param``s and its `Fp8State`."""
+    ``argnum`` (the model) with respect to its ``nnx.Param``s and its `Fp8State`.
+
+    Arguments:
+        argnum: the position of the model among the loss function's arguments.
+
+    Returns:
+        An ``nnx.DiffState`` for ``argnums=``.
+    """
     return nnx.DiffState(argnum, WRT)
 
 
@@ -86,7 +97,12 @@ class _Fp8StateModule(nnx.Module):
 class Fp8DotGeneralOp(_Fp8StateModule):
     """``jax.lax.dot_general``'s signature running `fp8jax.Fp8DotGeneral`: what
     `fp8_linear_layers` puts in ``nnx.Linear.dot_general`` (or pass it yourself:
-    ``nnx.Linear(..., dot_general=Fp8DotGeneralOp(config))``)."""
+    ``nnx.Linear(..., dot_general=Fp8DotGeneralOp(config))``).
+
+    Arguments:
+        config: the `Fp8Config` (None: the default one).
+        stack_shape: leading dims of stacked layers (``nnx.vmap``), else ``()``.
+    """
 
     def __call__(
         self,
@@ -109,7 +125,12 @@ class Fp8DotGeneralOp(_Fp8StateModule):
 
 class Fp8EinsumOp(_Fp8StateModule):
     """``jnp.einsum``'s signature for ``nnx.Einsum(einsum_op=...)``: ``(eqn, lhs, rhs)``,
-    ``rhs`` the kernel, ``lhs`` cast to its dtype (flax's convention)."""
+    ``rhs`` the kernel, ``lhs`` cast to its dtype (flax's convention).
+
+    Arguments:
+        config: the `Fp8Config` (None: the default one).
+        stack_shape: leading dims of stacked layers, else ``()``.
+    """
 
     def __call__(
         self, eqn: str, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None
@@ -280,7 +301,15 @@ def fp8_linear_layers(model: nnx.Module, config: Fp8Config | None = None, *, ret
 
 # ----------------------------------------------------------------------------- state
 def fp8_state(model: nnx.Module) -> list[tuple[str, _Fp8StateModule]]:
-    """Every FP8 op in ``model`` with its dotted path (for inspection)."""
+    """Every FP8 op in ``model`` with its dotted path (for inspection).
+
+    Arguments:
+        model: an nnx module.
+
+    Returns:
+        A list of ``(dotted path, op)`` pairs: the `Fp8DotGeneralOp` and `Fp8EinsumOp`
+        modules, whose variables are the state.
+    """
     return [(_path_str(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, _OPS)]
 
 
@@ -291,7 +320,15 @@ def _has_state(tree) -> bool:
 def overwrite_state(model: nnx.Module, grads) -> None:
     """Write the new FP8 state, the `Fp8State` part of ``grads`` (from ``nnx.grad`` with
     ``argnums=diff_state(0)``), into ``model``. A layer that did not run this step (its
-    "gradient" is all zeros: a scale is never 0) keeps its state."""
+    "gradient" is all zeros: a scale is never 0) keeps its state.
+
+    Arguments:
+        model: the nnx module the gradients were taken of (changed in place).
+        grads: its gradients, with the `Fp8State` part.
+
+    Returns:
+        None.
+    """
     merged = _merged_state(model, grads)
     if merged is not None:
         nnx.update(model, merged)
@@ -332,7 +369,17 @@ def update(model: nnx.Module, optimizer: nnx.Optimizer, grads, /, **kwargs):
     """One training update: the parameters through ``optimizer`` (its ``wrt`` part of
     ``grads``), the FP8 state by overwriting (`overwrite_state`). Returns the optimizer's
     updates. ``grads`` come from ``nnx.grad(..., argnums=diff_state(0))``; the optimizer
-    must not include `Fp8State` (``nnx.Optimizer(model, tx, wrt=nnx.Param)``)."""
+    must not include `Fp8State` (``nnx.Optimizer(model, tx, wrt=nnx.Param)``).
+
+    Arguments:
+        model: the nnx module (changed in place).
+        optimizer: an ``nnx.Optimizer`` over its ``nnx.Param``s.
+        grads: from ``nnx.grad(..., argnums=diff_state(0))``.
+        kwargs: passed on to ``optimizer.update``.
+
+    Returns:
+        What ``optimizer.update`` returns.
+    """
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(
             "fp8jax.nnx.update: optimizer must be an nnx.Optimizer, got "

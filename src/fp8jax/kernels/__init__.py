@@ -1,2 +1,15 @@
-"""Kernels behind the ops: `gemm` (the XLA/cuBLASLt FP8 GEMM and cast seam), `cast` (Pallas
-cast + transpose + amax), `grouped_gemm` (Mosaic GPU grouped GEMM), `cudnn_attention`."""
+"""Kernels behind the ops, one seam per family, each with its plain-JAX reference.
+Implementation: the public part is `gemm`'s ``tuning`` (see ``docs/architecture.md``).
+
+- `dispatch`: the one rule that picks a family's kernel or its reference (``backend``).
+- `gemm`: the per-tensor FP8 GEMM and cast seam (XLA/cuBLASLt), and its `tuning` choices.
+- `cast`: one-pass Pallas Triton cast into both FP8 layouts, with the amax.
+- `tile_cast`: Pallas Triton casts of the row- and block-wise recipes (both layouts).
+- `block_scales`: block scales per row, shared by the block-scaled GEMM and its kernel.
+- `blockwise_gemm`: block-scaled FP8 GEMM: the reference and the dispatch to the kernel.
+- `blockwise_gemm_mgpu`: the Hopper block-scaled GEMM kernel (Pallas Mosaic GPU, wgmma).
+- `blockwise_grouped_mgpu`: its grouped-expert versions (forward/dgrad rows; wgrad).
+- `grouped_gemm`: Hopper grouped GEMM kernels (Pallas Mosaic GPU) for MoE experts.
+- `gated_activation`: Pallas Triton gated activation + FP8 cast of the FusedMLP core.
+- `cudnn_attention`: cuDNN FP8 flash-attention custom calls.
+"""

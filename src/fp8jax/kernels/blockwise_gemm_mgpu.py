@@ -19,7 +19,8 @@ meanwhile:
   warpgroup promotes, the other's ``wgmma`` runs. With B scaled per block and
   ``tile_n=128``, a chunk's B scale is one number per tile: it multiplies the two row
   scales a thread holds, and the promotion is one multiply-add per element instead of the
-  outer product's three operations (1070 against 860 TFLOP/s at 8192^3, H100). With
+  outer product's three operations (clearly faster: `benchmarks/RESULTS.md`, "Block-scaled
+  GEMM: DeepGEMM's warpgroup layout", 2026-11-25 fifth session). With
   ``waves=2`` each math warpgroup owns two 64-row tiles and runs their chunks in turn
   (DeepGEMM's ``256 x 128`` block): one B tile then feeds four ``wgmma`` waves.
 * ``math_warpgroups=1``: one warpgroup per CTA loads and computes (`plgpu.emit_pipeline`),
@@ -54,9 +55,9 @@ class Config:
 
     tile_m: int = 64
     tile_n: int = 128
-    # Two math warpgroups at 8192^3 (H100), B per block: 1070 TFLOP/s with 3 stages, 876 /
-    # 1077 with 2 / 4; B per column: 903 with 3, 763 / 793 / 779 with 2 / 4 / 5. 3 is the
-    # best of both (benchmarks/RESULTS.md, 2026-11-25 fifth session).
+    # Two math warpgroups: 3 stages are the best of 2-5 with B per block and per column
+    # alike (benchmarks/RESULTS.md, "Block-scaled GEMM: DeepGEMM's warpgroup layout",
+    # 2026-11-25 fifth session).
     max_concurrent_steps: int = 3
     grid_tile_width: int = 8
     ctas_per_sm: int = 1
@@ -79,22 +80,23 @@ class Config:
 
 
 # Block-scaled B (forward, dgrad), M a multiple of 128: two-CTA clusters sharing A and 4
-# stages. H100: 8192^3 1121 -> 1141 TFLOP/s, 16384x4096x14336 1123 -> 1161, 16384x4096x4096
-# 1052-1084 -> 1108 (benchmarks/RESULTS.md, 2026-11-26 twelfth session).
+# stages, a few percent faster than `Config()` at every shape timed (benchmarks/RESULTS.md,
+# "Block-scaled GEMM: two-CTA clusters sharing A", 2026-11-26 twelfth session).
 BLOCK_SCALES_128 = Config(max_concurrent_steps=4, cluster_n=2)
 # M a multiple of 256 and bf16 out: DeepGEMM's choice at these shapes (256 x 128 blocks, two
-# CTAs sharing A, 3 stages; its `DG_PRINT_CONFIGS`). H100, alternated in one process: 8-15%
-# over `BLOCK_SCALES_128` at four shapes, 1177-1244 TFLOP/s at 8192^3 (benchmarks/RESULTS.md,
-# 2026-11-26 thirteenth session). Per column two waves are slower (514-537 against 720-850).
+# CTAs sharing A, 3 stages; its `DG_PRINT_CONFIGS`): faster than `BLOCK_SCALES_128` at the
+# four shapes timed; per column two waves are slower (the promotion's outer product needs the
+# registers) (benchmarks/RESULTS.md, "Block-scaled GEMM: 256-row blocks, DeepGEMM's layout",
+# 2026-11-26 thirteenth session).
 BLOCK_SCALES = Config(max_concurrent_steps=3, cluster_n=2, waves=2)
 # B per column (the wgrad): two CTAs sharing B, 4 stages (DeepGEMM's 1x128 x 1x128 choice, with
-# its 152-wide tiles). H100, one process: 8192x8192x10240 721-731 -> 833-847 TFLOP/s,
-# 16384x4096x4096 817-825 -> 842-879, 16384x4096x14336 803-815 -> 836-837, 8192^3 836-863 ->
-# 818-834 (benchmarks/RESULTS.md, 2026-11-26 thirteenth session).
+# its 152-wide tiles): faster at three of the four shapes timed, a little slower at 8192^3
+# (benchmarks/RESULTS.md, "The per-column kernel (the wgrad): two CTAs sharing B", 2026-11-26
+# thirteenth session).
 PER_COLUMN = Config(max_concurrent_steps=4, cluster_m=2)
 
-# The single-warpgroup kernel's best setting (8192^3, H100): 760 TFLOP/s with 2 stages
-# against 677 with 3 and 658 with 4 (benchmarks/RESULTS.md, 2026-11-25 fourth session).
+# The single-warpgroup kernel's best setting at 8192^3: 2 stages beat 3 and 4
+# (benchmarks/RESULTS.md, "Block-scaled GEMM pipeline depth (issue 25)", 2026-11-25).
 SINGLE_WARPGROUP = Config(max_concurrent_steps=2, ctas_per_sm=2, math_warpgroups=1)
 
 

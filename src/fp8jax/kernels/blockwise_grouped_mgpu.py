@@ -29,9 +29,9 @@ from . import grouped_gemm as _gg
 
 pl, plgpu = _gg.pl, _gg.plgpu
 BLOCK = _mg.BLOCK_K  # 128: the recipe's tile, the group alignment, the promotion chunk
-# `grouped_wgrad` with 4 pipeline stages, where the dense kernels keep 3: at 8 experts of
-# 4096 rows (32768 x 4096 x 14336, H200) 927 TFLOP/s against 786 with 3 (2: 815, 5: 794);
-# at 64 experts 584 against 578 (benchmarks/RESULTS.md, 2026-11-26 eleventh session).
+# `grouped_wgrad` with 4 pipeline stages, where the dense kernels keep 3: the best of 2-5,
+# by far at 8 experts, a little at 64 (benchmarks/RESULTS.md, "Grouped block-scaled wgrad:
+# pipeline depth", 2026-11-26 eleventh session).
 WGRAD_CONFIG = _mg.Config(max_concurrent_steps=4)
 
 
@@ -54,10 +54,9 @@ def reason(m: int, k: int, n: int, dtype, out_dtype) -> str:
 
 
 # Groups aligned to 256 rows: each CTA runs DeepGEMM's 256 x 128 block (two waves per math
-# warpgroup, `blockwise_gemm_mgpu.Config.waves`) on one group, two CTAs sharing A. H100,
-# 32768 rows in equal groups, TFLOP/s against 128-row blocks: 8 experts x 14336 1001-1006 ->
-# 1129, x 4096 1028-1033 -> 1087; 64 experts x 14336 899-902 -> 1093 (benchmarks/RESULTS.md,
-# 2026-11-26 thirteenth session).
+# warpgroup, `blockwise_gemm_mgpu.Config.waves`) on one group, two CTAs sharing A: faster
+# than 128-row blocks at 8 and 64 experts (benchmarks/RESULTS.md, "Grouped experts: 256-row
+# blocks on 256-aligned groups", 2026-11-26 thirteenth session).
 ALIGNED_256 = _mg.Config(waves=2, cluster_n=2)
 
 

@@ -132,9 +132,9 @@ BWD_OPERAND_ROLES = (
     "scale_dk",
     "scale_dv",
 )
-# cuDNN's FP8 backward is 1.2-1.4x faster than bf16 while batch * heads <= 32 and
-# 0.63-0.72x slower beyond (H100, cuDNN 9.19; benchmarks/RESULTS.md): larger problems
-# run as several calls of at most this many (batch, head) pairs.
+# cuDNN's FP8 backward beats bf16 while batch * heads <= 32 and falls well behind it beyond
+# (cuDNN 9.19; benchmarks/RESULTS.md, "Attention", 2026-11-23: what was found on the way):
+# larger problems run as several calls of at most this many (batch, head) pairs.
 BWD_MAX_BATCH_HEADS = 32
 
 

@@ -20,26 +20,39 @@ from .. import quant as q
 from . import cast as _cast_kernel
 from . import dispatch
 
+# The public part: the lowering choices and their context manager (`benchmarks/README.md`,
+# ``linear_tuning.py``); the rest is the ops' implementation.
+__all__ = ["Tuning", "current_tuning", "tuning"]
+
 F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Lowering choices measured on H100 (benchmarks/RESULTS.md), read when an op is traced;
-    `tuning` sets them for a block of code (the tuning harness compares them in one run)."""
+    """Lowering choices, each measured on the GPU (benchmarks/RESULTS.md), read when an op
+    is traced; `tuning` sets them for a block of code (the tuning harness compares them in
+    one run).
+
+    Arguments:
+        f32_gemm_out: the GEMM writes f32 and a multiply dequantizes it (default False).
+        cast_transposed: the transposed FP8 copy is cast from the transposed
+            high-precision tensor rather than transposed from the FP8 copy (False).
+        scaled_gemm: cuBLASLt takes the scales where both operands come from the cast
+            kernel (True).
+    """
 
     # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
-    # cuBLASLt call: on H100 it was 5-12% slower than writing bf16 directly.
+    # cuBLASLt call, so the step is slower than writing bf16 directly (benchmarks/RESULTS.md,
+    # "Linear layer train step": the "GEMM writes f32" row).
     f32_gemm_out: bool = False
     # Produce the transposed (column-wise) FP8 copies by casting the transposed
     # high-precision tensor (one fused read) rather than transposing the FP8 copy.
     cast_transposed: bool = False
     # Hand the scales to cuBLASLt (`scaled_fp8_gemm`) instead of a multiply after the GEMM,
-    # where both operands come from the cast kernel (`takes_scales`). On an H100 the linear
-    # step got 2-5% faster (8192^3: 3.12 -> 2.96 ms) with every GEMM still FP8; operands of
-    # XLA's casts lose the pattern at some shapes (8192^3: 1 of 3 GEMMs stayed FP8, the
-    # others fell back to bf16), so those keep the multiply (benchmarks/RESULTS.md,
-    # 2026-11-26 twelfth session).
+    # where both operands come from the cast kernel (`takes_scales`). The linear step got
+    # faster (one pass less per GEMM) with every GEMM still FP8; operands of XLA's casts lose
+    # the pattern at some shapes (some GEMMs fell back to bf16), so those keep the multiply
+    # (benchmarks/RESULTS.md, "Scales into cuBLASLt, by default", 2026-11-26 twelfth session).
     scaled_gemm: bool = True
 
 
@@ -47,7 +60,14 @@ _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gemm", 
 
 
 def current_tuning() -> Tuning:
-    """The `Tuning` in effect here (the defaults outside any `tuning` block)."""
+    """The `Tuning` in effect here (the defaults outside any `tuning` block).
+
+    Arguments:
+        none.
+
+    Returns:
+        The `Tuning` an op traced now reads.
+    """
     return _TUNING.get()
 
 
@@ -56,7 +76,14 @@ def tuning(**choices: bool) -> Iterator[Tuning]:
     """Trace FP8 ops with these `Tuning` fields changed, inside the ``with`` block
     (``with tuning(scaled_gemm=False): ...``). The ops' cached traces are keyed by it
     (`fp8jax.ops.dot`); a step jitted before the block is not traced again by entering it.
-    A field `Tuning` does not have raises TypeError."""
+    A field `Tuning` does not have raises TypeError.
+
+    Arguments:
+        choices: `Tuning` fields and their values.
+
+    Returns:
+        A context manager yielding the `Tuning` in force inside the block.
+    """
     token = _TUNING.set(dataclasses.replace(_TUNING.get(), **choices))
     try:
         yield _TUNING.get()
@@ -83,9 +110,9 @@ def fp8_gemm(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool):
 
     ``fast_accumulation=False`` asks for ``Precision.HIGHEST``, which XLA turns into
     cuBLASLt's promoted ("split") FP8 accumulator; the fast one keeps partial sums
-    in the tensor cores' reduced precision (on H100 at K=4096 with products of one
-    sign: 2.9e-2 relative error against 2.4e-3; the promoted one costs 5-8% more
-    GEMM time; benchmarks/RESULTS.md).
+    in the tensor cores' reduced precision (with products of one sign an order of
+    magnitude more error; the promoted one costs a few percent more GEMM time:
+    benchmarks/RESULTS.md, "FP8 accumulation, the one-pass cast kernel, and the trainer").
     """
     acc_dtype = F32 if current_tuning().f32_gemm_out else out_dtype
     y = gemm(a, b, acc_dtype, gemm_precision(fast_accumulation))

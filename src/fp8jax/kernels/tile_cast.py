@@ -5,8 +5,9 @@ The three GEMMs of a train step contract along different dims, so an activation 
 gradient ``t [B, P, C]`` is needed twice (DeepSeek-V3's and Transformer Engine's scheme):
 ``t`` per ``1 x bs`` tile along ``C``, and ``t^T [B, C, P]`` per ``1 x bs`` tile along
 ``P``, each cast from the high-precision tensor with its own tile scales. XLA runs that as
-two passes over ``t``, the second a strided reduction fused with the transpose
-(`benchmarks/RESULTS.md`: 0.75 ms at 8192^2, five times one layout's cast). Here one program
+two passes over ``t``, the second a strided reduction fused with the transpose, several
+times one layout's cast (`benchmarks/RESULTS.md`, "The casts (issues 23, 25)", 2026-11-25
+sixth session). Here one program
 loads a ``bs x bs`` square once, takes its row amaxes (the tiles along ``C``) and its column
 amaxes (the tiles along ``P``), and writes both FP8 layouts and both scale sets. A weight's
 ``bs x bs`` block (one scale) takes the same kernel with ``weight=True``.
@@ -27,8 +28,8 @@ from .. import quant as q
 from .cast import device_reason, pl, triton_params
 
 F32 = jnp.float32
-# Warps per program, measured on an H100 (benchmarks/RESULTS.md, 8192^2 bf16): activations
-# 4 (0.149 ms; 8 warps 0.221), weights 8 (0.124 ms; 4 warps 0.137).
+# Warps per program, the fastest of 4 / 8 / 16 on the GPU for activations and for weights
+# (benchmarks/RESULTS.md, "The casts (issues 23, 25)", 2026-11-25 sixth session).
 NUM_WARPS = {False: 4, True: 8}
 
 

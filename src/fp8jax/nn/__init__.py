@@ -1,4 +1,14 @@
-"""FP8 layers built on `fp8jax.Fp8DotGeneral` and FP8 attention."""
+"""FP8 layers built on `fp8jax.Fp8DotGeneral` and FP8 attention (equinox modules). Import
+from `fp8jax.nn` itself (its ``__all__``); the modules are its implementation.
+
+- `linear`: `Linear`, ``eqx.nn.Linear`` with FP8 GEMMs.
+- `mlp`: `FusedMLP`, norm -> fc1 -> activation -> fc2 with FP8 GEMMs and fused passes.
+- `elementwise`: the activations, norms and gated-row layouts the MLPs share.
+- `attention`: `dot_product_attention`, `DotProductAttention`, `MultiHeadAttention`.
+- `grouped`: MoE experts: `GroupedLinear`, `GroupedMLP`, `MoE`.
+- `expert_shards`: `split_experts` / `merge_experts` for expert checkpoints.
+- `losses`: `cross_entropy` that keeps bf16 logits for its backward.
+"""
 
 from .attention import (
     DotProductAttention,

@@ -47,7 +47,12 @@ TENSORS = _attention.TENSORS
 
 class Fp8AttentionState(OverwriteWithGradient):
     """FP8 scaling state of one attention: for each tensor in `TENSORS` (q, k, v, s,
-    o, do, dp, dq, dk, dv) a dequantization scale and an amax history (newest at 0)."""
+    o, do, dp, dq, dk, dv) a dequantization scale and an amax history (newest at 0).
+
+    Arguments:
+        config: the `Fp8Config` (None: the default one; the per-tensor recipe only).
+        stack_shape: leading dims of stacked layers, else ``()``.
+    """
 
     scales: Float[Array, "*stack 10"]
     amax_history: Float[Array, "*stack 10 history"]
@@ -225,6 +230,20 @@ def dot_product_attention(
     where it can run this call, else the reference, with a warning on a GPU); ``"kernel"``
     is `fp8jax.kernels.dispatch`'s name for ``"cudnn"``. Sequence lengths (padding) work
     in ``"bf16"`` mode and on the reference backend; cuDNN's FP8 kernel has no padding mask.
+
+    Arguments:
+        query: ``[B, T, N, H]``.
+        key, value: ``[B, S, K, H]`` with ``K`` dividing ``N``.
+        state: the `Fp8AttentionState` (FP8 modes), else None.
+        mode: ``"fp8_dpa"``, ``"fp8_mha"`` or ``"bf16"``.
+        is_causal: mask the future (a query attends to keys at or before it).
+        scale: the scores' scale (None: ``1 / sqrt(H)``).
+        query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths, or None.
+        backend: ``"auto"``, ``"cudnn"`` (``"kernel"``) or ``"reference"``.
+
+    Returns:
+        The attention output ``[B, T, N, H]`` in the query's dtype; in FP8 modes the
+        state's new value comes back as ``state``'s gradient.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     scale = _check_scale("dot_product_attention", scale)
@@ -279,7 +298,14 @@ def dot_product_attention(
 
 class DotProductAttention(eqx.Module):
     """`dot_product_attention` with its FP8 state: ``attn(q, k, v)`` on BTNH arrays, or
-    on TNH arrays (one example, e.g. under ``jax.vmap``)."""
+    on TNH arrays (one example, e.g. under ``jax.vmap``).
+
+    Arguments:
+        mode: ``"fp8_dpa"`` (FP8, with a state), ``"fp8_mha"`` or ``"bf16"`` (no state).
+        is_causal, scale, backend: as `dot_product_attention` takes them.
+        config: the `Fp8Config` (None: the default one).
+        stack_shape: leading dims of stacked layers, else ``()``.
+    """
 
     state: Fp8AttentionState | None
     mode: str = eqx.field(static=True)
@@ -338,7 +364,16 @@ def rotary(
     x: Float[Array, "*B T N H"], base: float = 10000.0, positions=None
 ) -> Float[Array, "*B T N H"]:
     """Rotary position embedding (GPT-NeoX half-split convention) over the T axis;
-    ``positions`` (default ``0 .. T-1``) has shape ``(T,)``."""
+    ``positions`` (default ``0 .. T-1``) has shape ``(T,)``.
+
+    Arguments:
+        x: ``[..., T, heads, head_dim]`` with an even ``head_dim``.
+        base: the rotation's base (10000, as LLaMA).
+        positions: each step's position, ``[T]`` (None: ``0 .. T-1``).
+
+    Returns:
+        ``x`` rotated, in its dtype (computed in float32).
+    """
     x = jnp.asarray(x)
     if x.ndim < 3:
         raise ValueError(f"rotary expects x of shape [..., T, heads, head_dim], got {x.shape}")
@@ -381,6 +416,19 @@ class MultiHeadAttention(eqx.Module):
     ``"fp8_dpa"`` runs only the core in FP8 (projections are ``eqx.nn.Linear``, which
     `fp8jax.fp8_linear_layers` may still convert); ``"bf16"`` runs none in FP8.
     Input ``[..., T, dim]`` (any leading dims, or one sequence under ``jax.vmap``).
+
+    Arguments:
+        dim, num_heads: the model width and the query heads.
+        num_kv_heads: key/value heads (grouped-query attention; None: ``num_heads``).
+        head_dim: per head (None: ``dim // num_heads``).
+        mode: ``"fp8_mha"``, ``"fp8_dpa"`` or ``"bf16"``.
+        is_causal: causal masking.
+        use_rotary, rope_base: rotary embedding of q and k, and its base.
+        use_bias: biases in the projections.
+        backend: the attention core's backend (`dot_product_attention`).
+        config: the `Fp8Config` (None: the default one).
+        dtype: the projections' dtype.
+        key: initialises the projections.
     """
 
     qkv: Linear | eqx.nn.Linear

@@ -38,7 +38,16 @@ def split_experts(tree: Any, num_shards: int) -> list[Any]:
     FP8 state (``kernel_scale``, ``kernel_amax_history``) are sliced, per-tensor state
     and every other leaf is copied. Like Megatron's sharded state dict for experts:
     save each shard on its own, load as another expert-parallel degree with
-    `merge_experts` (and `split_experts` again)."""
+    `merge_experts` (and `split_experts` again).
+
+    Arguments:
+        tree: a pytree holding `GroupedLinear` layers, all with the same number of experts.
+        num_shards: how many shards; it must divide that number.
+
+    Returns:
+        A list of ``num_shards`` trees of ``tree``'s structure, shard ``i`` holding the
+        ``i``-th run of experts.
+    """
     layers = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_grouped) if _is_grouped(x)]
     if not layers:
         raise ValueError("split_experts: no fp8jax.nn.GroupedLinear in the tree")
@@ -63,7 +72,14 @@ def merge_experts(shards: Sequence[Any]) -> Any:
     """Inverse of `split_experts`: concatenate the expert shards (in order). Per-tensor
     FP8 state (input / output-gradient scales and histories, index, counters) must
     agree across shards -- it does when they trained in lockstep -- and is taken
-    elementwise max (the conservative amax) otherwise."""
+    elementwise max (the conservative amax) otherwise.
+
+    Arguments:
+        shards: `split_experts`'s trees, in order.
+
+    Returns:
+        One tree with every `GroupedLinear`'s experts concatenated.
+    """
     if not shards:
         raise ValueError("merge_experts: no shards")
 

@@ -45,6 +45,11 @@ class Fp8GroupedState(Fp8GemmState):
     Weights: one scale per expert (``kernel_scale [*stack, num_experts]``,
     ``kernel_amax_history [*stack, history, num_experts]``). Updated through the
     gradient like `fp8jax.Fp8DotGeneral`.
+
+    Arguments:
+        num_experts: the number of expert GEMMs (the kernel scales' last dim).
+        config: the `Fp8Config` (None: the default one).
+        stack_shape: leading dims of stacked layers, else ``()``.
     """
 
     input_scale: Float[Array, "*stack 1"]
@@ -112,7 +117,18 @@ class GroupedLinear(eqx.Module):
         expert_sharding: gr.ExpertSharding | None = None,
     ):
         """``weight`` (``[*stack, experts, in, out]``) and ``fp8_state``: use these (shared,
-        no ``key``) instead of initialising; ``fp8_state`` None with ``fp8``: a fresh one."""
+        no ``key``) instead of initialising; ``fp8_state`` None with ``fp8``: a fresh one.
+
+        Arguments:
+            num_experts, in_features, out_features: the weight's ``[E, in, out]`` shape.
+            key: initialises the weight (needed without ``weight``).
+            fp8: FP8 GEMMs (else the input precision).
+            config: the `Fp8Config` (None: the default one).
+            dtype: the weight's dtype.
+            backend: ``"auto"``, ``"pallas"`` or ``"reference"``.
+            weight, fp8_state: arrays to use as they are instead.
+            expert_sharding: expert parallelism (`fp8jax.shard_model` sets it), or None.
+        """
         num_experts = checks.count("GroupedLinear", "num_experts", num_experts)
         in_features = checks.count("GroupedLinear", "in_features", in_features)
         out_features = checks.count("GroupedLinear", "out_features", out_features)
@@ -227,9 +243,9 @@ class GroupedLinear(eqx.Module):
 
 
 # Average rows per expert from which block-wise layers lay groups out on 256 rows. The 256-row
-# blocks run 8-21% faster; the padding grows from about 64 to 128 rows a group. H100, 64
-# experts of 512 rows, expert MLP: 85.3 -> 80.2 ms (equal routing), 87.5 -> 86.4 (random)
-# (benchmarks/RESULTS.md, 2026-11-26 thirteenth session).
+# blocks run faster; the padding grows from about 64 to 128 rows a group, and from this many
+# rows per expert the speed outweighs it, with equal and random routing (benchmarks/RESULTS.md,
+# "Grouped experts: 256-row blocks on 256-aligned groups", 2026-11-26 thirteenth session).
 ALIGN_256_MIN_ROWS = 512
 
 
@@ -238,7 +254,15 @@ def row_align(layer: GroupedLinear, num_rows: int) -> int:
     the block-wise grouped kernels then take 256-row blocks and the groups average
     `ALIGN_256_MIN_ROWS` rows or more (the speed outweighs the extra padding); else
     `ROW_ALIGN` (128). For a layout of one's own: ``make_layout(sizes, rows,
-    row_align(layer, rows))``."""
+    row_align(layer, rows))``.
+
+    Arguments:
+        layer: the `GroupedLinear` that takes the rows.
+        num_rows: the real rows (tokens times top-k).
+
+    Returns:
+        The alignment, 128 or 256.
+    """
     state = layer.fp8_state
     if state is None or state.config.recipe.kind != "blockwise":
         return ROW_ALIGN
@@ -263,7 +287,17 @@ def _apply_sorted(module, first: GroupedLinear, x_sorted, group_sizes):
 def make_layout(
     group_sizes: Int[Array, " experts"], num_rows: int, align: int = ROW_ALIGN
 ) -> GroupLayout:
-    """The padded layout for ``num_rows`` real rows split into ``group_sizes``."""
+    """The padded layout for ``num_rows`` real rows split into ``group_sizes``: each group
+    starts on a multiple of ``align`` rows, as the grouped kernels read them.
+
+    Arguments:
+        group_sizes: rows per expert (an int array, may be traced).
+        num_rows: the real rows (static).
+        align: the group alignment (`row_align` picks it for a layer).
+
+    Returns:
+        The `GroupLayout` for `GroupedLinear.apply_padded` and its padding helpers.
+    """
     return gr.layout_from_sizes(
         group_sizes, gr.padded_rows(num_rows, group_sizes.shape[0], align), align
     )
@@ -275,6 +309,16 @@ class GroupedMLP(eqx.Module):
     ``activation``: one of `fp8jax.nn.ACTIVATIONS`; the gated ones (``swiglu``,
     ``geglu``, ...) make fc1 ``2 * ffn`` wide (first half activated, gating the
     second, as in `FusedMLP` and Megatron).
+
+    Arguments:
+        num_experts: the number of experts.
+        hidden, ffn: each expert's input/output size and inner size.
+        key: initialises the weights.
+        activation: a name in `ACTIVATIONS`.
+        fp8: FP8 GEMMs (else the input precision).
+        config: the `Fp8Config` (None: the default one).
+        dtype: the weights' dtype.
+        backend: ``"auto"``, ``"pallas"`` or ``"reference"``.
     """
 
     fc1: GroupedLinear
@@ -332,7 +376,14 @@ class GroupedMLP(eqx.Module):
 
 # ----------------------------------------------------------------------------- MoE
 class RoutingInfo(eqx.Module):
-    """What the router decided for one batch (returned by `MoE` for logging/losses)."""
+    """What the router decided for one batch (returned by `MoE` for logging/losses).
+
+    Arguments:
+        load_balancing_loss: Switch/GShard's auxiliary loss (a scalar).
+        router_z_loss: ST-MoE's router z-loss (a scalar).
+        tokens_per_expert: the assignments each expert got, ``[experts]``.
+        dropped_fraction: the share of assignments dropped by the capacity (0 if dropless).
+    """
 
     load_balancing_loss: Float[Array, ""]
     router_z_loss: Float[Array, ""]
@@ -358,6 +409,19 @@ class MoE(eqx.Module):
     of assignments sent to ``e``, ``P_e``: mean router probability of ``e``); the
     router z-loss (ST-MoE) is ``mean(logsumexp(logits)^2)``. Add them to the loss with
     your coefficients.
+
+    Arguments:
+        hidden, ffn, num_experts: model width, each expert's inner size, the experts.
+        key: initialises the router and the experts.
+        top_k: experts per token.
+        activation: a name in `ACTIVATIONS`.
+        score: ``"softmax"`` or ``"sigmoid"`` router scores.
+        capacity_factor: None (dropless) or Switch's capacity factor.
+        normalize_weights: rescale the top-k weights to sum to 1.
+        fp8: FP8 expert GEMMs (the router stays float32).
+        config: the `Fp8Config` (None: the default one).
+        dtype: the experts' weights' dtype.
+        backend: ``"auto"``, ``"pallas"`` or ``"reference"``.
     """
 
     router: Float[Array, "hidden experts"]

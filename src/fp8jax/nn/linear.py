@@ -42,7 +42,17 @@ class Linear(eqx.Module):
     ):
         """``weight`` (``[*stack, out, in]``) and ``bias`` (``[*stack, out]``, or None): use
         these arrays (shared, no ``key``) instead of initialising; a stacked weight gets
-        state with the same leading ``stack`` dims."""
+        state with the same leading ``stack`` dims.
+
+        Arguments:
+            in_features, out_features: the layer's input and output sizes.
+            use_bias: whether it adds a bias.
+            dtype: the weights' float dtype (None: float32).
+            config: the `Fp8Config` (None: the default one).
+            key: initialises the weights as `eqx.nn.Linear` does (needed without
+                ``weight``).
+            weight, bias: arrays to use as they are instead.
+        """
         owner = "fp8jax.nn.Linear"
         in_features = checks.count(owner, "in_features", in_features)
         out_features = checks.count(owner, "out_features", out_features)

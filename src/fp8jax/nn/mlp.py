@@ -105,7 +105,23 @@ class FusedMLP(eqx.Module):
     ):
         """``parts``: ``(norm_weight, norm_bias, fc1, fc2)`` to use as they are (shared, no
         copies; ``norm_bias`` may be None) instead of initialising, which needs ``key``;
-        ``norm_bias``, ``fc1_bias``, ``fc2_bias`` and ``dtype`` are then unused."""
+        ``norm_bias``, ``fc1_bias``, ``fc2_bias`` and ``dtype`` are then unused.
+
+        Arguments:
+            hidden, ffn: the block's width and fc1's output size (per half when gated).
+            activation: a name in `ACTIVATIONS`.
+            norm: ``"layernorm"`` or ``"rmsnorm"``; ``eps``, ``zero_centered_gamma`` its
+                options; ``norm_bias``: a LayerNorm bias (None: with ``"layernorm"``).
+            fc1_bias, fc2_bias: biases of the two linears.
+            residual: add the input to the output.
+            fused: one checkpoint region (else op by op, for debugging).
+            fp8: FP8 linears (else ``eqx.nn.Linear``).
+            config: the `Fp8Config` (None: the default one).
+            gate_block: the gated fc1's row layout (None: ``[gate | up]``).
+            dtype: the parameters' dtype.
+            key: initialises the parameters (needed without ``parts``).
+            parts: the parameters to use as they are instead.
+        """
         hidden = checks.count("FusedMLP", "hidden", hidden)
         ffn = checks.count("FusedMLP", "ffn", ffn)
         _check_kinds(norm, activation)

@@ -1,3 +1,15 @@
-"""Custom-VJP FP8 ops on canonical operands: `dot` (linear layers), `grouped` (MoE
-experts), `attention` (cuDNN FP8 attention), `gated` (the FusedMLP core). Internal: the
-modules in `fp8jax.nn` and `fp8jax.Fp8DotGeneral` call them."""
+"""Custom-VJP FP8 ops on canonical operands. Implementation: the modules in `fp8jax.nn`
+and `fp8jax.Fp8DotGeneral` call them.
+
+- `dot`: the linear layers' FP8 GEMM (forward, dgrad, wgrad) on 3-D operands.
+- `gated`: the FusedMLP core (fc1 -> gated activation -> fc2) as one custom VJP.
+- `attention`: FP8 flash attention (cuDNN; plain-JAX reference).
+- `grouped`: MoE experts' grouped GEMMs, the FP8 and bf16 custom VJPs.
+- `grouped_tiled`: the grouped GEMMs under the row- and block-wise recipes.
+- `grouped_gemms`: the grouped GEMMs themselves (kernel or reference, tile choices).
+- `group_layout`: the padded row layout of the experts' rows.
+- `expert_parallel`: grouped GEMMs per device on its own experts (``shard_map``).
+- `fsdp`: FP8 all-gather of user-placed FSDP weights (``custom_partitioning``).
+- `sequence_parallel`: Megatron sequence parallelism: FP8 token gathers, reduce-scatters.
+- `rows`: our kernels per device on its own token rows (``shard_map``).
+"""

@@ -430,7 +430,8 @@ def observed_amaxes(ax, aw, ag):
     observed, bad = q.sanitize_amax(q.combined_max(ax, aw, ag))
     # Behind a barrier: the tile maxima's reduction runs once, in its own kernel. Without it
     # XLA (jax 0.11.2) fused it into the loop over the history update and recomputed it per
-    # history entry: 0.43 ms per layer, the flax linen step at 0.99x bf16 (H200, issue 47).
+    # history entry, which cost the flax linen step its whole FP8 gain (issue 47;
+    # benchmarks/RESULTS.md, "Front doors (issue 47)").
     return jax.lax.optimization_barrier(jnp.concatenate([observed, jnp.max(bad).reshape(1)]))
 
 

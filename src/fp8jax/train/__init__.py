@@ -1,10 +1,23 @@
 """The end-to-end example: a byte-level transformer trained in bf16 and FP8 (``fp8jax-train``).
 
-Modules by job: `config` (presets, `RunConfig`), `model`, `data`, `mesh` (``--mesh``,
-placement, multi-host), `loop` (`Trainer`, `TrainRun`), `checkpoint` (orbax, with the
-history and config), `interrupts` (Ctrl-C between steps), `census` (FP8 GEMM count),
-`metering` (peak FLOP/s, energy), `report` (table, CSV, plot, TensorBoard), `rundir`
-(``--out``: ownership, atomic writes, stored options), `options` and `cli`."""
+Import from `fp8jax.train` itself (its ``__all__``); the modules are its implementation:
+
+- `config`: the presets and `RunConfig`; the model and optimizer built from them.
+- `model`: the decoder-only transformer (`ModelConfig`, `Transformer`).
+- `data`: the byte-level corpus (the standard library's sources, or ``--data``).
+- `mesh`: ``--mesh``: the device mesh, the model's placement, multi-host start.
+- `loop`: `Trainer` (jitted steps), `TrainRun` (one precision's run) and `train`.
+- `checkpoint`: orbax checkpoints, with the metric history and the config.
+- `interrupts`: Ctrl-C, acted on between steps.
+- `census`: how many of the step's GEMM calls run in FP8.
+- `metering`: peak FLOP/s (for MFU) and the GPU's energy counter.
+- `report`: the summary table, CSV/JSON metrics, loss plot, TensorBoard events.
+- `rundir`: ``--out``: ownership, atomic writes, the stored options.
+- `options`: the command-line options (``--help``).
+- `cli`: ``fp8jax-train``'s `main`.
+- `generate`: ``fp8jax-generate``: prefill + KV-cache decode of a trained model.
+- `__main__`: ``python -m fp8jax.train``.
+"""
 
 from .cli import main
 from .config import PRESETS, RunConfig

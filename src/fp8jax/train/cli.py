@@ -238,7 +238,15 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
     fp8jax.train``): ``sys.argv``, a bad option value is a usage error (exit status 2) and
     Ctrl-C exits with status 130 (during training: once checkpointed and the outputs
     written); with a list of arguments a bad value raises `UsageError` (a ValueError)
-    instead, and an interrupted run returns its results (``interrupted``: True)."""
+    instead, and an interrupted run returns its results (``interrupted``: True).
+
+    Arguments:
+        argv: the command line's arguments (``fp8jax-train --help`` lists them), or None.
+        interrupt_at: simulate Ctrl-C at this step (tests).
+
+    Returns:
+        Each precision's result dict, by precision (``"bf16"``, ``"fp8"``).
+    """
     if argv is not None:
         return _main(list(argv), interrupt_at)
     parser = _parser()

@@ -38,10 +38,10 @@ PRESETS = {
         checkpoint_every=500,
         selective=True,
     ),
-    # GPU presets unroll the layer scan fully: on the H100 this removes the scan's residual
-    # stacking (1b: bf16 241 -> 205 ms/step, fp8 189 -> 153 ms/step; benchmarks/RESULTS.md).
-    # 1b runs FP8 on every block linear: at 16384 tokens per step the 2048-wide attention
-    # projections gain in FP8 too (fp8 193 -> 189 ms/step with the policy off).
+    # GPU presets unroll the layer scan fully: this removes the scan's residual stacking,
+    # making both precisions' steps faster and FP8's ratio larger. 1b runs FP8 on every block
+    # linear: at 16384 tokens per step the 2048-wide attention projections gain in FP8 too
+    # (benchmarks/RESULTS.md, "Where the 1b step goes", 2026-11-23 fourth session).
     "1b": dict(
         model=ModelConfig(
             dim=2048, layers=16, heads=16, kv_heads=8, ffn=8192, seq=2048, scan_unroll=16
@@ -82,7 +82,21 @@ PRESETS = {
 
 @dataclasses.dataclass
 class RunConfig:
-    """One training run: the model, the batch (global, over all devices), the schedule."""
+    """One training run: the model, the batch (global, over all devices), the schedule.
+    `PRESETS` holds the named ones; ``fp8jax-train``'s options override their fields.
+
+    Arguments:
+        model: the `ModelConfig`.
+        batch: sequences per step, over all devices.
+        steps, lr, warmup: the schedule (AdamW, linear warmup then cosine decay).
+        eval_every, checkpoint_every: in steps (0: never checkpoint).
+        selective: `Fp8Config.selective` for the fp8 run.
+        eval_batches: batches per evaluation.
+        seed: the model's and the data's seed.
+        scaling, recipe, fast_accumulation, cast_kernel: the `Fp8Config` fields.
+        fp8_attention, fp8_head: also run attention / the LM head in FP8 (fp8 run).
+        sequence_parallel: Megatron sequence parallelism over the mesh's tensor axis.
+    """
 
     model: ModelConfig
     batch: int

@@ -81,7 +81,14 @@ class Trainer:
     """Jitted train and eval steps for one model/optimizer (compiled once; the compiled
     step also gives the memory analysis). With a ``mesh``, the model is placed on it
     (`place_model`) and batches are split over its data and fsdp axes; the step keeps
-    every array where it was placed."""
+    every array where it was placed.
+
+    Arguments:
+        model: the `Transformer` (bf16 or converted to FP8).
+        optimizer: an optax transformation (`make_optimizer`'s).
+        mesh: the devices to train on (None: the default device, unsharded).
+        sequence_parallel: Megatron sequence parallelism over the mesh's tensor axis.
+    """
 
     def __init__(self, model, optimizer, mesh: Mesh | None = None, sequence_parallel=False):
         self.optimizer, self.mesh, self.sequence_parallel = optimizer, mesh, sequence_parallel
@@ -385,7 +392,21 @@ def train(
 ) -> dict:
     """Train one precision to the end; returns its result dict (``history`` holds per-step
     metrics). ``interrupt_at`` simulates Ctrl-C at that step (for tests); ``mesh``: the
-    devices to train on (None: the default device, unsharded)."""
+    devices to train on (None: the default device, unsharded).
+
+    Arguments:
+        run: the `RunConfig`.
+        precision: ``"bf16"`` or ``"fp8"``.
+        corpus: the `fp8jax.train.data.Corpus` (`load_corpus`): train and val bytes.
+        out: the run directory (checkpoints, metrics, result JSON).
+        resume: continue from the newest checkpoint in ``out``.
+        quiet: print nothing per step.
+        interrupt_at, mesh: as above.
+        tensorboard: write TensorBoard events too.
+
+    Returns:
+        The result dict: the final metrics, timings and ``history``.
+    """
     return train_interleaved(
         run,
         [precision],

@@ -28,6 +28,21 @@ LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The trainer's transformer: pre-norm blocks of grouped-query attention with rotary
+    embeddings and a SwiGLU MLP (or an MoE), a byte-level vocabulary by default.
+
+    Arguments:
+        dim, layers, heads, kv_heads, ffn, seq: width, depth, query and key/value heads,
+            the MLP's inner size, the context length.
+        experts, top_k: 0 (a dense MLP) or the MoE's experts, and experts per token.
+        moe_fp8: the experts' grouped GEMMs in FP8.
+        aux_loss_coef: the MoE load-balancing loss weight.
+        rope_base: the rotary embedding's base.
+        attention: ``"bf16"`` or ``"fp8_dpa"`` (FP8 attention).
+        scan_unroll: layers per scan iteration (same math).
+        vocab: embedding rows and logits (>= 256, the byte tokens).
+    """
+
     dim: int = 128
     layers: int = 2
     heads: int = 4
@@ -221,7 +236,14 @@ class Transformer(eqx.Module):
         parts: tuple | None = None,
     ):
         """``parts``: ``(embed, blocks, norm, head)`` to use as they are instead of
-        initialising them from ``key``."""
+        initialising them from ``key``.
+
+        Arguments:
+            cfg: the `ModelConfig`.
+            key: initialises the parameters (needed without ``parts``).
+            token_split: sequence parallelism's (mesh, batch axes, tensor axis), or None.
+            parts: the parameters to use as they are instead.
+        """
         if parts is None:
             if key is None:
                 raise TypeError("Transformer: pass key= (to initialise the weights) or parts=.")
@@ -259,8 +281,8 @@ class Transformer(eqx.Module):
         x = self._split_tokens(self.embed[tokens])
         # The stacked FP8 state enters once, outside the scan, instead of once per layer
         # inside it: its float32 -> MAX_GRAD conversion and the backward's keep-or-replace
-        # select then run on [layers, ...] arrays (the 1b FP8 step: 9% fewer HLO
-        # instructions, about 1.5 s less compile on an H100; issue 21).
+        # select then run on [layers, ...] arrays: fewer HLO instructions and a shorter
+        # compile (issue 21; benchmarks/RESULTS.md, fourteenth session, "Two changes").
         params, static = eqx.partition(enter_tree(self.blocks), eqx.is_array)
 
         def layer(carry, p):
