@@ -149,7 +149,7 @@ def test_unrolled_layer_scan_is_the_same_model(precision):
 
 def test_stacked_fp8_state_enters_once_outside_the_layer_scan():
     """The blocks' stacked FP8 state converts to `MAX_GRAD` once, on the ``[layers, ...]``
-    arrays, before the layer scan (`fp8jax.state.enter_tree`), not per layer inside it
+    arrays, before the layer scan (`fp8jax._guard.enter_tree`), not per layer inside it
     (issue 21: with every layer unrolled, per-layer entering cost the 1b step about 9% of its
     HLO and 1.5 s of compile)."""
     import dataclasses

@@ -8,6 +8,7 @@ _apply_at_import()
 
 from . import nn
 from ._guard import check_state
+from ._guard import enter_tree as enter_state
 from .compilation import enable_compilation_cache, skip_triton_gemm_autotuning
 from .config import Fp8Config
 from .convert import ConversionReport, fp8_linear_layers, fp8_state
@@ -24,7 +25,6 @@ from .grad_overwrite import (
 from .inference import Fp8InferenceLinear, load_inference, save_inference, to_inference
 from .inspect import GemmReport, assert_fp8, fp8_gemm_report, saved_activation_bytes
 from .state import OverwriteWithGradient
-from .state import enter_tree as enter_state
 
 __version__ = "0.1.0"
 

@@ -34,7 +34,7 @@ What a failed check does depends on ``FP8JAX_GUARD`` (read when a function is tr
   `check_state` (``fp8jax.check_state(model)``) reads the guards on the host and raises
   the message: run it to see why a loss became NaN.
 * ``raise``: the forward checks the guards where the state is entered, with
-  ``eqx.branched_error_if``: in `fp8jax.state.enter_tree` (``fp8jax.enter_state``), once
+  ``eqx.branched_error_if``: in `enter_tree` (``fp8jax.enter_state``), once
   for all the states of the tree (a scan over stacked layers: once for the stack); else in
   the op, the first time a guard is used in a trace (a layer used twice is checked once);
   under ``jit`` `fp8jax.apply_updates` (and so `fp8jax.optax_step`) adds one check,
@@ -290,7 +290,7 @@ def _op_poison(entered, guard):
 def op_state(module: Any) -> tuple[tuple, jax.Array | None]:
     """``(state, poison)``: an `fp8jax.Fp8DotGeneral`'s seven state arrays, entered
     (`fp8jax.state.enter`) with its guard, and checked (mode ``raise``, once per trace),
-    unless `fp8jax.state.enter_tree` entered (and checked) the guard already (a `MAX_GRAD`
+    unless `enter_tree` entered (and checked) the guard already (a `MAX_GRAD`
     guard); ``poison`` (mode ``nan``, else None): a float32 scalar to add to the op's output,
     ``-0.0`` where the guard is valid, NaN where not (`_poison`)."""
     fields = module.state()
@@ -309,8 +309,19 @@ def _is_state(x) -> bool:
     return isinstance(x, _state.OverwriteWithGradient)
 
 
+def enter_tree(tree: Any) -> Any:
+    """``tree`` with the leaves of every FP8 state in it `enter`ed (``fp8jax.enter_state``):
+    what to pass into a ``jax.checkpoint`` region (a state passed in as float32 would become
+    a new leaf inside, and its uses in two regions would add), and into a ``lax.scan`` over
+    stacked layers: the conversion and its backward then run once on the ``[layers, ...]``
+    arrays instead of once per layer, which an unrolled scan repeats per layer (fewer HLO
+    instructions, faster compiles; same values). The guards of the states it enters are
+    checked here, once, not again in each op (`check_entered_tree`)."""
+    return check_entered_tree(_state.enter_states(tree))
+
+
 def check_entered_tree(tree: Any) -> Any:
-    """``tree``, entered by `fp8jax.state.enter_tree`, with one check of the guards of all
+    """``tree``, entered by `fp8jax.state.enter_states`, with one check of the guards of all
     its states attached to their entered leaves (mode ``raise``; in mode ``nan`` no check:
     the ops poison their outputs from their entered guards)."""
     states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_state) if _is_state(x)]

@@ -20,7 +20,6 @@ from .state import (
     STATE_FIELDS,
     Fp8GemmState,
     OverwriteWithGradient,  # noqa: F401  (re-exported: older imports)
-    _init_state,
 )
 
 
@@ -62,7 +61,7 @@ class Fp8DotGeneral(Fp8GemmState):
                 f"Fp8DotGeneral: stack_shape={stack_shape!r} is not allowed; expected a tuple "
                 "of ints >= 1 (the leading dims of a stacked layer's weight), e.g. () or (4,)."
             )
-        for name, value in _init_state(config, tuple(stack_shape)).items():
+        for name, value in config.recipe.init_state(tuple(stack_shape)).items():
             setattr(self, name, value)
         self.config = config
         self.weight_sharding = None

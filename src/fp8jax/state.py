@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import weakref
 from functools import partial
-from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -30,9 +29,6 @@ import numpy as np
 from jax import lax
 from jax._src import core, dtypes
 from jaxtyping import Array
-
-if TYPE_CHECKING:
-    from .config import Fp8Config
 
 F32 = jnp.float32
 # The per-tensor GEMM state, in this order in every op's state tuple.
@@ -74,13 +70,13 @@ class Fp8GemmState(OverwriteWithGradient):
         return tuple(getattr(self, name) for name in STATE_FIELDS)
 
 
-def _init_state(
-    config: "Fp8Config", stack_shape: tuple[int, ...] = (), experts: int | None = None
+def init_fields(
+    length: int, stack_shape: tuple[int, ...] = (), experts: int | None = None
 ) -> dict[str, Array]:
-    """Fresh values of the seven `STATE_FIELDS`: scales 1, histories 0. With
-    ``experts``, the kernel's scale and history get a trailing ``[experts]`` dim (one
-    per expert, `fp8jax.nn.Fp8GroupedState`)."""
-    length = config.history_length
+    """Fresh values of the seven `STATE_FIELDS`: scales 1, histories of ``length`` zeros
+    (`fp8jax.recipe_base.Recipe.init_state` says how long). With ``experts``, the kernel's
+    scale and history get a trailing ``[experts]`` dim (one per expert,
+    `fp8jax.nn.Fp8GroupedState`)."""
     kernel = () if experts is None else (experts,)
 
     # A fresh buffer per field: shared ones could not be donated to a jitted step.
@@ -268,13 +264,9 @@ def enter(state: tuple) -> tuple:
     return tuple(_enter_leaves(list(state)))
 
 
-def enter_tree(tree):
-    """``tree`` with the leaves of every FP8 state in it `enter`ed (``fp8jax.enter_state``):
-    what to pass into a ``jax.checkpoint`` region (a state passed in as float32 would become
-    a new leaf inside, and its uses in two regions would add), and into a ``lax.scan`` over
-    stacked layers: the conversion and its backward then run once on the ``[layers, ...]``
-    arrays instead of once per layer, which an unrolled scan repeats per layer (fewer HLO
-    instructions, faster compiles; same values)."""
+def enter_states(tree):
+    """``tree`` with the leaves of every FP8 state in it `enter`ed; `fp8jax._guard.enter_tree`
+    (``fp8jax.enter_state``) adds the check of their guards."""
 
     def is_state(x):
         return isinstance(x, OverwriteWithGradient)
@@ -285,15 +277,7 @@ def enter_tree(tree):
         leaves, treedef = jax.tree_util.tree_flatten(x)
         return jax.tree_util.tree_unflatten(treedef, _enter_leaves(leaves))
 
-    return _check_guards(jax.tree_util.tree_map(enter_state, tree, is_leaf=is_state))
-
-
-def _check_guards(entered):
-    """``entered`` with one check of its states' guards attached (`fp8jax._guard`): the
-    states that `enter_tree` enters are checked there, once, not again in each op."""
-    from . import _guard
-
-    return _guard.check_entered_tree(entered)
+    return jax.tree_util.tree_map(enter_state, tree, is_leaf=is_state)
 
 
 def values(state: tuple) -> tuple:

@@ -81,14 +81,14 @@ def normalize(
     x: Array,
     weight: Array | None,
     bias: Array | None,
-    kind: str,
+    norm: str,
     eps: float,
     zero_centered_gamma: bool = False,
 ) -> Array:
     """LayerNorm or RMSNorm over the last dim, statistics in f32, output in ``x.dtype``.
     With ``zero_centered_gamma`` the scale applied is ``1 + weight`` (TE's option)."""
     x32 = x.astype(F32)
-    if kind == "layernorm":
+    if norm == "layernorm":
         x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     if weight is not None:

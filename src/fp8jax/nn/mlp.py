@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .. import checks
+from .. import _guard, checks
 from .. import state as _state
 from ..config import Fp8Config, resolve_config
 from ..ops import dot as _dot
@@ -400,7 +400,7 @@ def _gated_call(mlp: FusedMLP, x):
     # The norm is recomputed in the backward (one cheap pass) rather than keeping its output.
     norm = jax.checkpoint(
         functools.partial(
-            normalize, kind=mlp.norm, eps=mlp.eps, zero_centered_gamma=mlp.zero_centered_gamma
+            normalize, norm=mlp.norm, eps=mlp.eps, zero_centered_gamma=mlp.zero_centered_gamma
         )
     )
     normed = norm(x, mlp.norm_weight, mlp.norm_bias)
@@ -437,7 +437,7 @@ def _policy():
 def _checkpointed_call(mlp: FusedMLP, x):
     """Run the block as one checkpoint region. The FP8 states enter (`fp8jax.state.enter`)
     outside it, so that uses of one block in several regions still combine by max."""
-    params, static = eqx.partition(_state.enter_tree(mlp), eqx.is_array)
+    params, static = eqx.partition(_guard.enter_tree(mlp), eqx.is_array)
 
     def block(params, x):
         return eqx.combine(params, static)._unfused(x)[0]

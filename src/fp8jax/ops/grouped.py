@@ -426,7 +426,7 @@ def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
 
 def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     cfg = spec.config
-    if cfg.recipe.kind != "tensor":
+    if not cfg.recipe.per_tensor_scale:
         from .grouped_tiled import tiled_fwd  # row/block-wise (imports this module)
 
         return tiled_fwd(spec, x, w, layout)
@@ -451,7 +451,7 @@ def _grouped_fp8_fwd(spec, x, w, layout, state):
 
 
 def _grouped_fp8_bwd(spec, residuals, cotangents):
-    if spec.config.recipe.kind != "tensor":
+    if not spec.config.recipe.per_tensor_scale:
         from .grouped_tiled import tiled_bwd
 
         return tiled_bwd(spec, residuals, cotangents)

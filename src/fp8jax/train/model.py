@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._guard import enter_tree
 from ..distributed import sequence_sharding
 from ..nn.attention import DotProductAttention, rotary
 from ..nn.grouped import MoE as GroupedMoE
 from ..nn.linear import apply_linear
 from ..nn.mlp import FusedMLP, normalize
-from ..state import OverwriteWithGradient, enter_tree
+from ..state import OverwriteWithGradient
 
 VOCAB = 256
 
