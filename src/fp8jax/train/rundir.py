@@ -17,8 +17,6 @@ import shutil
 import socket
 from pathlib import Path
 
-from .model import VOCAB
-
 MARKER = "fp8jax-run.json"
 PROBE = ".fp8jax-probe"
 
