@@ -259,11 +259,16 @@ def test_config_is_normalised_before_it_is_stored():
     assert list(jax.tree_util.tree_leaves(spelled)) == [spelled]  # not a pytree node
 
 
-def test_config_signature_and_argument_errors_are_the_dataclass_ones():
+def test_config_signature_and_argument_errors_are_the_constructors():
+    """``Fp8Config.__init__`` is a plain function: its signature names every keyword (the
+    stored fields and the recipe's settings, `fp8jax.config.DEFAULTS`), once, and a wrong
+    call gets Python's own TypeError."""
     import inspect
 
     names = list(inspect.signature(Fp8Config).parameters)
-    assert names == [f.name for f in dataclasses.fields(Fp8Config)]
+    fields = [f.name for f in dataclasses.fields(Fp8Config)]
+    assert sorted(names) == sorted(fields + list(fp8jax.config.DEFAULTS))
+    assert [n for n in names if n in fields] == fields
     with pytest.raises(TypeError, match=r"multiple values for argument 'scaling'"):
         Fp8Config("current", scaling="delayed")
     with pytest.raises(TypeError, match=r"positional argument"):

@@ -10,10 +10,10 @@ import pytest
 from fp8jax.nn.elementwise import normalize
 
 
-def _reference(x, weight, bias, kind, eps, zero_centered_gamma):
+def _reference(x, weight, bias, norm, eps, zero_centered_gamma):
     """The formula, differentiated by JAX (what `normalize` computed before its VJP)."""
     x = x.astype(jnp.float64)
-    if kind == "layernorm":
+    if norm == "layernorm":
         x = x - jnp.mean(x, axis=-1, keepdims=True)
     y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
     if weight is not None:
@@ -36,10 +36,10 @@ def _sqnr_db(ref, got):
     return 10 * np.log10(np.sum(ref**2) / max(np.sum((ref - got) ** 2), 1e-300))
 
 
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias", "zero_centered"])
-def test_normalize_gradients_match_the_formula_in_float64(kind, affine, x64):
-    k = jax.random.split(jax.random.PRNGKey(sum(map(ord, kind + affine))), 4)
+def test_normalize_gradients_match_the_formula_in_float64(norm, affine, x64):
+    k = jax.random.split(jax.random.PRNGKey(sum(map(ord, norm + affine))), 4)
     x = jax.random.normal(k[0], (3, 5, 64), jnp.float64) * 3 + 0.5
     w = None if affine == "none" else jax.random.normal(k[1], (64,), jnp.float64)
     b = jax.random.normal(k[2], (64,), jnp.float64) if affine == "weight+bias" else None
@@ -47,11 +47,11 @@ def test_normalize_gradients_match_the_formula_in_float64(kind, affine, x64):
     zc = affine == "zero_centered"
 
     def loss(fn):
-        return lambda x, w, b: jnp.sum(fn(x, w, b, kind, 1e-5, zc) * g)
+        return lambda x, w, b: jnp.sum(fn(x, w, b, norm, 1e-5, zc) * g)
 
     got = jax.grad(loss(normalize), argnums=(0, 1, 2))(x, w, b)
     ref = jax.grad(loss(_reference), argnums=(0, 1, 2))(x, w, b)
-    y, y_ref = normalize(x, w, b, kind, 1e-5, zc), _reference(x, w, b, kind, 1e-5, zc)
+    y, y_ref = normalize(x, w, b, norm, 1e-5, zc), _reference(x, w, b, norm, 1e-5, zc)
     assert _sqnr_db(y_ref, y) > 100  # float32 math inside
     for r, o in zip(ref, got):
         if r is None:

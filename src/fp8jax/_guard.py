@@ -308,8 +308,26 @@ def _is_state(x) -> bool:
     return isinstance(x, _state.OverwriteWithGradient)
 
 
+def enter_tree(tree: Any) -> Any:
+    """``tree`` with the leaves of every FP8 state in it `enter`ed (``fp8jax.enter_state``):
+    what to pass into a ``jax.checkpoint`` region (a state passed in as float32 would become
+    a new leaf inside, and its uses in two regions would add), and into a ``lax.scan`` over
+    stacked layers: the conversion and its backward then run once on the ``[layers, ...]``
+    arrays instead of once per layer, which an unrolled scan repeats per layer (fewer HLO
+    instructions, faster compiles; same values). The guards of the states it enters are
+    checked here, once, not again in each op (`check_entered_tree`).
+
+    Arguments:
+        tree: a model, or any pytree holding FP8 states (stacked ones included).
+
+    Returns:
+        ``tree`` with each FP8 state entered; other leaves as they were.
+    """
+    return check_entered_tree(_state.enter_states(tree))
+
+
 def check_entered_tree(tree: Any) -> Any:
-    """``tree``, entered by `enter_tree`, with one check of the guards of all
+    """``tree``, entered by `fp8jax.state.enter_states`, with one check of the guards of all
     its states attached to their entered leaves (mode ``raise``; in mode ``nan`` no check:
     the ops poison their outputs from their entered guards)."""
     states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_state) if _is_state(x)]
@@ -328,31 +346,6 @@ def check_entered_tree(tree: Any) -> Any:
         new = [x if x is guard else next(out) for x in flat]
         replaced[id(s)] = jax.tree_util.tree_unflatten(treedef, new)
     return jax.tree_util.tree_map(lambda x: replaced.get(id(x), x), tree, is_leaf=_is_state)
-
-
-def enter_tree(tree: Any) -> Any:
-    """``tree`` with the leaves of every FP8 state in it `enter`ed (``fp8jax.enter_state``)
-    and their guards checked once (`check_entered_tree`, not again in each op): what to pass
-    into a ``jax.checkpoint`` region (a state passed in as float32 would become a new leaf
-    inside, and its uses in two regions would add), and into a ``lax.scan`` over stacked
-    layers: the conversion and its backward then run once on the ``[layers, ...]`` arrays
-    instead of once per layer, which an unrolled scan repeats per layer (fewer HLO
-    instructions, faster compiles; same values).
-
-    Arguments:
-        tree: a model, or any pytree holding FP8 states (stacked ones included).
-
-    Returns:
-        ``tree`` with each FP8 state entered; other leaves as they were.
-    """
-
-    def enter_state(x):
-        if not _is_state(x):
-            return x
-        leaves, treedef = jax.tree_util.tree_flatten(x)
-        return jax.tree_util.tree_unflatten(treedef, _state._enter_leaves(leaves))
-
-    return check_entered_tree(jax.tree_util.tree_map(enter_state, tree, is_leaf=_is_state))
 
 
 # ----------------------------------------------------------------------------- trees

@@ -7,7 +7,6 @@ import inspect
 import numbers
 import re
 import sys
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
@@ -15,39 +14,68 @@ from typing import Any, Literal, Union
 import jax.numpy as jnp
 import numpy as np
 
-from .recipe import RECIPES, BlockWise, PerTensor, RowWise
+from . import recipe as _recipe
+from .recipe_base import Recipe
 
 Targets = Union[None, str, Sequence[str], Callable[[str, Any], bool]]
 
-# Fields only the block-wise recipe reads, with their defaults.
-BLOCKWISE_ONLY = (
-    ("block_size", 128),
-    ("power_of_two_scales", False),
-    ("blockwise_backend", "auto"),
-)
 MAX_HISTORY = 1 << 16  # amax history entries kept per tensor (flax and TE use 1024 or less)
+# The recipe settings: `Fp8Config` keywords that the recipe object holds (`Recipe.SETTINGS`),
+# with their defaults (the built-in recipes' own: what ``Fp8Config.<name>`` reads where its
+# recipe has no such setting).
+DEFAULTS: dict[str, Any] = {
+    k: v for r in reversed(_recipe.BUILTIN) for k, v in r().settings().items()
+}
+# Settings only the block-wise recipe reads: set by hand for another, a warning says so.
+BLOCKWISE_ONLY = ("block_size", "power_of_two_scales", "blockwise_backend")
 
 
-class _Normalising(type):
-    """`Fp8Config`'s constructor: numpy scalars become Python ones, a list of targets a
-    tuple and the recipe's name its object (`Fp8Config._normalised`) before the frozen
-    dataclass stores the arguments; its ``__post_init__`` then validates them."""
+class _Unset:
+    """A recipe setting left out: the recipe's own value stays."""
 
-    def __call__(cls, *args, **kwargs):
-        names = [f.name for f in dataclasses.fields(cls)]
-        if len(args) <= len(names) and not set(names[: len(args)]) & set(kwargs):
-            args, kwargs = (), cls._normalised({**dict(zip(names, args)), **kwargs})
-        return super().__call__(*args, **kwargs)  # anything else: __init__'s own TypeError
-
-    @property
-    def __signature__(cls) -> inspect.Signature:  # the dataclass's, not __call__'s
-        sig = inspect.signature(cls.__init__)
-        return sig.replace(parameters=list(sig.parameters.values())[1:])
+    def __repr__(self) -> str:
+        return "<the recipe's>"
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Config(metaclass=_Normalising):
-    """How FP8 is applied: every field is a constructor keyword, with a default.
+UNSET: Any = _Unset()
+
+
+class _Setting:
+    """``Fp8Config.<name>``: a recipe setting, read from the recipe (where it has none:
+    `DEFAULTS`)."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, config, owner=None):
+        if config is None:
+            return self
+        return config.recipe.settings().get(self.name, DEFAULTS[self.name])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Stored:
+    """The fields an `Fp8Config` stores, set by the dataclass's own ``__init__``, which
+    `Fp8Config.__init__` calls once it has checked its keywords and built the recipe: no
+    field is set behind a constructor's back, and the recipe is built once."""
+
+    fp8_format: Literal["hybrid", "e4m3"] | None
+    fast_accumulation: Literal["forward", "all", "none"]
+    targets: Targets
+    selective: bool
+    alignment: int
+    min_features: int
+    min_weight_elements: int
+    min_tokens: int
+    on_unsupported: Literal["warn", "silent", "raise"]
+    # The recipe object; its fields read as the config's (``config.margin``), also in the
+    # messages that name a field two configs differ in (`fp8jax.grad_overwrite`).
+    recipe: Recipe = dataclasses.field(metadata={"inline": True})
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Fp8Config(_Stored):
+    """How FP8 is applied.
 
     Arguments (the recipe):
       recipe: how tensors are scaled (`fp8jax.recipe`): ``"tensor"`` (one scale per
@@ -57,10 +85,12 @@ class Fp8Config(metaclass=_Normalising):
         tile along the contracting dim, weights per ``block_size x block_size`` block,
         current scaling, the scales applied in the GEMM's float32 accumulator every
         ``block_size`` K). Row- and block-wise ignore ``scaling``, the amax-history
-        fields and ``cast_kernel``; they keep no history. After construction this
-        field holds the recipe object the ops use (`PerTensor`, `RowWise`, `BlockWise`);
-        a recipe object passed in counts by its kind only (its parameters come from
-        the fields here, so that ``dataclasses.replace`` stays consistent).
+        fields and ``cast_kernel``; they keep no history. Or a recipe object
+        (`fp8jax.recipe`: `PerTensor`, `RowWise`, `BlockWise`, or a `Recipe` of one's
+        own), used as it is (the settings given with it change it). After construction
+        this field holds the recipe object the ops use, the one place the settings below
+        live: the keywords build it, once, ``config.margin`` etc. read it back, and
+        ``dataclasses.replace(config, margin=1)`` gives the recipe the new value.
       block_size: tile size of ``"blockwise"`` (a multiple of 16; 128 as DeepSeek-V3 and
         the Hopper kernel).
       power_of_two_scales: ``"blockwise"`` scales rounded up to powers of two (exact to
@@ -118,134 +148,91 @@ class Fp8Config(metaclass=_Normalising):
         ``"warn"`` (plain dot, one warning), ``"silent"`` or ``"raise"``.
     """
 
-    scaling: Literal["delayed", "current"] = "delayed"
-    fp8_format: Literal["hybrid", "e4m3"] | None = None
-    amax_history_length: int = 1024
-    amax_compute_algo: Literal["max", "most_recent"] = "max"
-    margin: float = 0.0
-    fast_accumulation: Literal["forward", "all", "none"] = "forward"
-    cast_kernel: bool = True
-    targets: Targets = None
-    selective: bool = True
-    alignment: int = 16
-    # Defaults from the H100 crossover sweep (benchmarks/RESULTS.md): FP8 loses at
-    # K = N <= 2048 for M <= 8192, and at K = N = 4096 it wins from M = 4096 on.
-    min_features: int = 2048
-    min_weight_elements: int = 4096 * 4096
-    min_tokens: int = 4096
-    on_unsupported: Literal["warn", "silent", "raise"] = "warn"
-    # Last, so that positional construction keeps its meaning.
-    recipe: Any = "tensor"  # a name in `RECIPES`; the recipe object after __post_init__
-    block_size: int = 128
-    power_of_two_scales: bool = False
-    blockwise_backend: Literal["auto", "kernel", "reference"] = "auto"
+    # Recipe settings: constructor keywords held by the recipe, read back from it.
+    scaling = _Setting()
+    amax_history_length = _Setting()
+    amax_compute_algo = _Setting()
+    margin = _Setting()
+    cast_kernel = _Setting()
+    block_size = _Setting()
+    power_of_two_scales = _Setting()
+    blockwise_backend = _Setting()
 
-    def __post_init__(self):
-        def bad(field, value, allowed):
-            raise ValueError(f"Fp8Config.{field}={value!r} is not allowed; expected {allowed}.")
-
-        if self.scaling not in ("delayed", "current"):
-            bad("scaling", self.scaling, "'delayed' or 'current'")
-        if self.fp8_format not in ("hybrid", "e4m3", None):
-            bad("fp8_format", self.fp8_format, "'hybrid', 'e4m3' or None")
-        if self.blockwise_backend not in ("auto", "kernel", "reference"):
-            bad("blockwise_backend", self.blockwise_backend, "'auto', 'kernel' or 'reference'")
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            bad("amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
-        if self.fast_accumulation not in ("forward", "all", "none"):
-            bad("fast_accumulation", self.fast_accumulation, "'forward', 'all' or 'none'")
-        for name in ("cast_kernel", "selective", "power_of_two_scales"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                bad(name, value, "True or False")
-        if self.on_unsupported not in ("warn", "silent", "raise"):
-            bad("on_unsupported", self.on_unsupported, "'warn', 'silent' or 'raise'")
-        int_fields = (
-            ("amax_history_length", 1),
-            ("alignment", 1),
-            ("min_features", 0),
-            ("min_weight_elements", 0),
-            ("min_tokens", 0),
-            ("block_size", 16),
+    def __init__(
+        self,
+        # The order of the keywords is that of the earlier dataclass fields: positional
+        # construction keeps its meaning.
+        scaling: Literal["delayed", "current"] = UNSET,
+        fp8_format: Literal["hybrid", "e4m3"] | None = None,
+        amax_history_length: int = UNSET,
+        amax_compute_algo: Literal["max", "most_recent"] = UNSET,
+        margin: float = UNSET,
+        fast_accumulation: Literal["forward", "all", "none"] = "forward",
+        cast_kernel: bool = UNSET,
+        targets: Targets = None,
+        selective: bool = True,
+        alignment: int = 16,
+        # Defaults from the H100 crossover sweep (benchmarks/RESULTS.md): FP8 loses at
+        # K = N <= 2048 for M <= 8192, and at K = N = 4096 it wins from M = 4096 on.
+        min_features: int = 2048,
+        min_weight_elements: int = 4096 * 4096,
+        min_tokens: int = 4096,
+        on_unsupported: Literal["warn", "silent", "raise"] = "warn",
+        recipe: str | Recipe = "tensor",
+        block_size: int = UNSET,
+        power_of_two_scales: bool = UNSET,
+        blockwise_backend: Literal["auto", "kernel", "reference"] = UNSET,
+    ):
+        fields = dict(
+            fp8_format=fp8_format,
+            fast_accumulation=fast_accumulation,
+            targets=targets,
+            selective=selective,
+            alignment=alignment,
+            min_features=min_features,
+            min_weight_elements=min_weight_elements,
+            min_tokens=min_tokens,
+            on_unsupported=on_unsupported,
         )
-        for name, low in int_fields:
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
-                bad(name, value, f"an int >= {low}")
-            if value < low:
-                bad(name, value, f"an int >= {low}")
-        if self.amax_history_length > MAX_HISTORY:  # one float per step per tensor and layer
-            bad("amax_history_length", self.amax_history_length, f"an int in [1, {MAX_HISTORY}]")
-        margin = self.margin
-        if not isinstance(margin, numbers.Real) or isinstance(margin, (bool, np.bool_)):
-            bad("margin", margin, "a number in [0, 8]")
-        if not 0 <= margin <= 8:  # also rejects nan
-            bad("margin", margin, "a number in [0, 8]")
-        if self.block_size % 16:
-            bad("block_size", self.block_size, "a multiple of 16 (the FP8 GEMMs' alignment)")
-        self._check_targets(bad)
-        kind = getattr(self.recipe, "kind", self.recipe)
-        if kind not in RECIPES:
-            bad("recipe", self.recipe, " or ".join(repr(r) for r in RECIPES))
-        if kind != "blockwise":  # set by hand, they would do nothing: say so
-            unused = [
-                f"{name}={getattr(self, name)!r}"
-                for name, default in BLOCKWISE_ONLY
-                if getattr(self, name) != default
-            ]
-            if unused:
-                warnings.warn(
-                    f"Fp8Config: {', '.join(unused)} apply to recipe='blockwise' only; "
-                    f"recipe={kind!r} ignores them.",
-                    stacklevel=4,  # the caller of Fp8Config(...), through _Normalising
-                )
-
-    @classmethod
-    def _normalised(cls, values: dict[str, Any]) -> dict[str, Any]:
-        """``values`` (keyword arguments) with numpy bools, ints and floats as Python ones
-        (a numpy ``margin`` a float), a list of targets (names) as a tuple and the recipe's
-        name (or object) as the recipe object built from the fields; invalid values are
-        left for ``__post_init__`` to name."""
-        out = dict(values)
-        for name, value in values.items():
-            if isinstance(value, np.bool_):
-                out[name] = bool(value)
-            elif isinstance(value, np.floating) or (
-                name == "margin" and isinstance(value, np.integer)
-            ):
-                out[name] = float(value)
-            elif isinstance(value, np.integer):
-                out[name] = int(value)
-        targets = out.get("targets")
-        if isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-            out["targets"] = tuple(targets)
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        fields = types.SimpleNamespace(**{**defaults, **out})
-        kind = getattr(fields.recipe, "kind", fields.recipe)
-        if isinstance(kind, str) and kind in RECIPES:
-            out["recipe"] = cls._build_recipe(fields, kind)
-        return out
-
-    def _build_recipe(self, kind: str):
-        """The recipe object of ``kind``, from this config's fields."""
-        if kind == "rowwise":
-            return RowWise(margin=self.margin)
-        if kind == "blockwise":
-            return BlockWise(
-                margin=self.margin,
-                block_size=self.block_size,
-                power_of_two=self.power_of_two_scales,
-                backend=self.blockwise_backend,
+        given = dict(
+            scaling=scaling,
+            amax_history_length=amax_history_length,
+            amax_compute_algo=amax_compute_algo,
+            margin=margin,
+            cast_kernel=cast_kernel,
+            block_size=block_size,
+            power_of_two_scales=power_of_two_scales,
+            blockwise_backend=blockwise_backend,
+        )
+        given = {k: v for k, v in given.items() if v is not UNSET}
+        fields = _checked(fields)
+        given = _checked(given)
+        fields["targets"] = self._checked_targets(targets, _bad)
+        if isinstance(recipe, Recipe):
+            base = recipe
+        else:
+            base = _recipe.named(recipe) if isinstance(recipe, str) else None
+            if base is None:
+                expected = " or ".join(repr(r) for r in _recipe.RECIPES)
+                _bad("recipe", recipe, f"{expected} or an fp8jax.recipe_base.Recipe")
+        built = base.configure(given)
+        # A recipe object passed in is checked (and its numpy scalars made Python's) too.
+        super().__init__(**fields, recipe=built.configure(_checked(built.settings())))
+        unused = [
+            f"{name}={given[name]!r}"
+            for name in BLOCKWISE_ONLY
+            if name in given and name not in built.SETTINGS and given[name] != DEFAULTS[name]
+        ]
+        if unused:  # set by hand, they would do nothing: say so
+            warnings.warn(
+                f"Fp8Config: {', '.join(unused)} apply to recipe='blockwise' only; "
+                f"recipe={built.kind!r} ignores them.",
+                stacklevel=2,
             )
-        return PerTensor(
-            delayed=self.scaling == "delayed",
-            algo=self.amax_compute_algo,
-            margin=self.margin,
-            cast_kernel=self.cast_kernel,
-        )
 
-    def _check_targets(self, bad):
-        targets = self.targets
+    @staticmethod
+    def _checked_targets(targets: Targets, bad) -> Targets:
+        """``targets`` checked (`bad` names what is wrong), a list of names as a tuple."""
         if targets is None or isinstance(targets, str):
             pass
         elif isinstance(targets, type):
@@ -263,17 +250,19 @@ class Fp8Config(metaclass=_Normalising):
             for i, t in enumerate(targets):
                 if not isinstance(t, str):
                     bad(f"targets[{i}]", t, "a string (an exact dotted path or a regex)")
+            targets = tuple(targets)
         else:
             bad(
                 "targets",
                 targets,
                 "None, a regex string, a list of names/regexes or a predicate (path, module)",
             )
-        for pattern in _patterns(self.targets):
+        for pattern in _patterns(targets):
             try:
                 re.compile(pattern)
             except re.error as e:
                 bad("targets", pattern, f"a valid regex ({e})")
+        return targets
 
     # --- derived, used by the kernels -------------------------------------------------
     @property
@@ -284,7 +273,7 @@ class Fp8Config(metaclass=_Normalising):
     @property
     def history_length(self) -> int:
         """Amax-history length actually stored (1 for current scaling: the last amax)."""
-        return self.recipe.history_length(self.amax_history_length)
+        return self.recipe.history_length
 
     @property
     def fast_forward(self) -> bool:
@@ -306,7 +295,7 @@ class Fp8Config(metaclass=_Normalising):
 
     @property
     def grad_dtype(self):
-        fmt = self.fp8_format or ("hybrid" if self.recipe.kind == "tensor" else "e4m3")
+        fmt = self.fp8_format or self.recipe.default_format
         return jnp.float8_e5m2 if fmt == "hybrid" else jnp.float8_e4m3fn
 
     def matches(self, path: str, module: Any) -> bool:
@@ -336,6 +325,63 @@ class Fp8Config(metaclass=_Normalising):
             return True
         haliax = type(module).__module__.startswith("haliax")
         return haliax and path.rsplit(".", 1)[-1] == entry
+
+
+def _bad(field, value, allowed):
+    raise ValueError(f"Fp8Config.{field}={value!r} is not allowed; expected {allowed}.")
+
+
+_CHOICES = {
+    "scaling": (("delayed", "current"), "'delayed' or 'current'"),
+    "fp8_format": (("hybrid", "e4m3", None), "'hybrid', 'e4m3' or None"),
+    "blockwise_backend": (("auto", "kernel", "reference"), "'auto', 'kernel' or 'reference'"),
+    "amax_compute_algo": (("max", "most_recent"), "'max' or 'most_recent'"),
+    "fast_accumulation": (("forward", "all", "none"), "'forward', 'all' or 'none'"),
+    "on_unsupported": (("warn", "silent", "raise"), "'warn', 'silent' or 'raise'"),
+}
+_BOOLS = ("cast_kernel", "selective", "power_of_two_scales")
+_INTS = {
+    "amax_history_length": 1,
+    "alignment": 1,
+    "min_features": 0,
+    "min_weight_elements": 0,
+    "min_tokens": 0,
+    "block_size": 16,
+}
+
+
+def _checked(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (`Fp8Config` keywords) checked, numpy scalars made Python's; a ValueError
+    naming the first one that is not allowed. Names it does not know pass as they are."""
+    out = dict(values)
+    for name, value in values.items():
+        if name in _CHOICES and value not in _CHOICES[name][0]:
+            _bad(name, value, _CHOICES[name][1])
+        if name in _BOOLS:
+            if isinstance(value, np.bool_):
+                out[name] = bool(value)
+            elif not isinstance(value, bool):
+                _bad(name, value, "True or False")
+        if name in _INTS:
+            low = _INTS[name]
+            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+                _bad(name, value, f"an int >= {low}")
+            if value < low:
+                _bad(name, value, f"an int >= {low}")
+            out[name] = int(value)
+    if out.get("amax_history_length", 1) > MAX_HISTORY:  # a float per step, tensor and layer
+        _bad("amax_history_length", out["amax_history_length"], f"an int in [1, {MAX_HISTORY}]")
+    if "margin" in values:
+        margin = values["margin"]
+        if not isinstance(margin, numbers.Real) or isinstance(margin, (bool, np.bool_)):
+            _bad("margin", margin, "a number in [0, 8]")
+        if not 0 <= margin <= 8:  # also rejects nan
+            _bad("margin", margin, "a number in [0, 8]")
+        if isinstance(margin, np.generic):
+            out["margin"] = float(margin)
+    if out.get("block_size", 16) % 16:
+        _bad("block_size", out["block_size"], "a multiple of 16 (the FP8 GEMMs' alignment)")
+    return out
 
 
 def resolve_config(config: "Fp8Config | None") -> Fp8Config:

@@ -92,8 +92,7 @@ def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel, block=None
 
 def _block_size(layer) -> int | None:
     """The block-wise recipe's block size of an FP8 layer, else None."""
-    recipe = layer.dot_general.config.recipe if isinstance(layer, Linear) else None
-    return recipe.block_size if getattr(recipe, "kind", None) == "blockwise" else None
+    return layer.dot_general.config.recipe.weight_block if isinstance(layer, Linear) else None
 
 
 def shard_model(

@@ -20,7 +20,6 @@ from .state import (
     STATE_FIELDS,
     Fp8GemmState,
     OverwriteWithGradient,  # noqa: F401  (re-exported: older imports)
-    _init_state,
 )
 
 
@@ -198,7 +197,7 @@ def _fresh_state(config: Fp8Config, stack_shape) -> dict[str, Array]:
             "of ints >= 1 (the leading dims of a stacked layer's weight), e.g. () or (4,)."
         )
     stack_shape = tuple(stack_shape)
-    return dict(_init_state(config, stack_shape), guard=_guard.init(stack_shape))
+    return dict(config.recipe.init_state(stack_shape), guard=_guard.init(stack_shape))
 
 
 def _check_state_shapes(op: Fp8DotGeneral) -> None:

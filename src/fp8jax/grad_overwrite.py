@@ -68,9 +68,10 @@ def _node_diff(ref: Any, tree: Any, prefix: str = "") -> tuple[str, str]:
             except Exception:  # noqa: BLE001 - values that cannot be compared
                 same = r is t
             if not same:
+                inner = prefix if f.metadata.get("inline") else f"{prefix}{f.name}."
                 return (
-                    _node_diff(r, t, f"{prefix}{f.name}.")
-                    if dataclasses.is_dataclass(r)
+                    _node_diff(r, t, inner)
+                    if dataclasses.is_dataclass(r) and type(r) is type(t)
                     else (f"{prefix}{f.name}={_short(r)}", f"{prefix}{f.name}={_short(t)}")
                 )
     if isinstance(ref, dict) and isinstance(tree, dict):

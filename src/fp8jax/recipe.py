@@ -1,6 +1,6 @@
 """FP8 recipes: how a tensor's scale is chosen, how the tensor is cast, and how the GEMM
 of two cast tensors is dequantized. Ops ask their config's recipe (`Fp8Config.recipe`)
-instead of branching on config fields.
+instead of branching on config fields or on the recipe's name.
 
 * `PerTensor`: one scale per tensor, delayed or current (``Fp8Config(recipe="tensor")``).
 * `RowWise`: one scale per row of each GEMM operand along its contracting dim (torchao's
@@ -10,6 +10,14 @@ instead of branching on config fields.
   tile along the contracting dim, weights per ``128 x 128`` block, float32 scales
   (optionally powers of two), current scaling; the GEMM applies the scales to the float32
   accumulator at every 128-K step (`fp8jax.kernels.blockwise_gemm`) (``recipe="blockwise"``).
+
+Every recipe is a frozen dataclass deriving from `fp8jax.recipe_base.Recipe`, which
+declares what the ops ask of one: the casts and the GEMM, the state a layer keeps, the
+per-tensor scale where there is one, the variants that run per device on a token split
+(`fp8jax.ops.rows`), and what FP8 attention and the grouped GEMMs support. What a recipe
+does not do raises `UnsupportedByRecipe`, saying why. A new recipe is one subclass (and its
+tests): ``Fp8Config(recipe=MyRecipe(...))`` takes it as is; listed in `BUILTIN` it has a
+name too.
 
 The three GEMMs of a train step contract along different dims (forward along K, dgrad along
 N, wgrad along M), so every operand is needed in two layouts, each scaled along its own
@@ -24,9 +32,10 @@ TE and DeepSeek).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,27 +44,15 @@ from jaxtyping import Array
 from . import quant as q
 from .kernels import blockwise_gemm as _bgemm
 from .kernels import gemm as _gemm
+from .kernels import tile_cast as _tile_kernel
+from .recipe_base import Cast, OnRows, Recipe, UnsupportedByRecipe
 from .state import from_history
 
 F32 = jnp.float32
 
 
-class Cast(NamedTuple):
-    """A tensor in FP8, in both layouts, with the scale it was cast with and its amax."""
-
-    data: Array  # [B, P, C]
-    data_t: Array  # [B, C, P]
-    # dequantization factor(s) of ``data``: real ~ data * scale (per-tensor recipe:
-    # data * gemm_scale(scale), the state keeping flax's exact scale)
-    scale: Array
-    # max |t| this step (non-finite if t held NaN/Inf); per tensor from the cast kernel,
-    # its per-tile maxima instead, reduced where the state records them (`q.combined_max`)
-    amax: Array
-    scale_t: Array  # those of ``data_t`` (the same array for per-tensor scaling)
-
-
 @dataclasses.dataclass(frozen=True)
-class PerTensor:
+class PerTensor(Recipe):
     """One scale per tensor (flax's and Transformer Engine's default recipe).
 
     ``delayed``: the scale comes from the amax history of earlier steps, so the cast
@@ -67,23 +64,43 @@ class PerTensor:
     algo: str = "max"  # over the history: "max" or "most_recent"
     margin: float = 0.0
     cast_kernel: bool = True  # the one-pass Pallas cast where it runs (`Fp8Config.cast_kernel`)
-    kind = "tensor"  # the `Fp8Config.recipe` name (a class attribute, not a field)
+    amax_history_length: int = 1024  # the history delayed scaling keeps
+    kind = "tensor"
+    SETTINGS = {
+        "amax_history_length": "amax_history_length",
+        "amax_compute_algo": "algo",
+        "margin": "margin",
+        "cast_kernel": "cast_kernel",
+    }
+    default_format = "hybrid"
+    granularity = "one scale per tensor"
+    per_tensor_scale = True
 
     @property
     def name(self) -> str:
         return "per-tensor-" + ("delayed" if self.delayed else "current")
 
+    def configure(self, settings) -> PerTensor:
+        """`Recipe.configure`; ``scaling`` ("delayed" or "current") sets ``delayed``."""
+        recipe = super().configure(settings)
+        if "scaling" in settings:
+            recipe = recipe._changed(delayed=settings["scaling"] == "delayed")
+        return recipe
+
+    def settings(self) -> dict:
+        return dict(super().settings(), scaling="delayed" if self.delayed else "current")
+
     @property
     def scale_known_before_cast(self) -> bool:
-        """Whether the scale is fixed before the tensor is read (fusable kernels need it)."""
         return self.delayed
 
-    def history_length(self, configured: int) -> int:
+    @property
+    def history_length(self) -> int:
         """Amax entries the state keeps (current scaling keeps the last one only)."""
-        return configured if self.delayed else 1
+        return self.amax_history_length if self.delayed else 1
 
-    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        del shape
+    def scale_shape(self, shape: tuple[int, ...], weight: bool = False) -> tuple[int, ...]:
+        del shape, weight
         return (1,)
 
     def scale(
@@ -92,7 +109,12 @@ class PerTensor:
         """The scale to cast with this step: from ``history`` along ``axis`` (delayed) or
         from ``amax``, the tensor's own (current); ``old_scale`` where neither is usable."""
         if self.delayed:
-            amax = jnp.squeeze(from_history(history, self.algo, axis=axis), axis)
+            return self.history_scale(history, old_scale, dtype, axis)
+        return q.scale_from_amax(amax, old_scale, dtype, self.margin)
+
+    def history_scale(self, history: Array, old_scale: Array, dtype, axis: int = -1) -> Array:
+        """The delayed scale: from the amax of ``history`` along ``axis`` (``algo``)."""
+        amax = jnp.squeeze(from_history(history, self.algo, axis=axis), axis)
         return q.scale_from_amax(amax, old_scale, dtype, self.margin)
 
     def gemm_scales(self, histories, old_scales, dtypes) -> Array:
@@ -102,14 +124,14 @@ class PerTensor:
         Same values as three `scale` calls. One reduction instead of three lets XLA compile
         a few small kernels per layer where it compiled about ten (issue 21: compile time
         grows with the number of kernels)."""
-        assert self.delayed, "current scaling has no scale before the cast"
+        if not self.delayed:
+            raise UnsupportedByRecipe(
+                f"the {self.kind!r} recipe with current scaling has no scale before the "
+                "cast: it scales by the tensor's own amax."
+            )
         amax = from_history(jnp.stack(histories), self.algo, axis=-1)[..., 0]  # [3]
         limits = np.array([q.fp8_max(d) for d in dtypes], np.float32)
         return q.scale_from_limit(amax, jnp.concatenate(old_scales), limits, self.margin)
-
-    def summary(self, scale: Array) -> Array:
-        """The scale a layer's state records (the one it used)."""
-        return scale
 
     def screen(self, amaxes: Array, newest: Array, dtypes) -> tuple[Array, Array]:
         """Delayed scaling's outlier rule: which observed ``amaxes`` go into the histories.
@@ -212,31 +234,45 @@ def expand_scale(scale: Array, shape: tuple[int, ...], rows: int, cols: int) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tiled:
+class _Tiled(Recipe):
     """What row-wise and block-wise share: current scaling per tile, no amax history
     (the state keeps the step's largest scale and amax, for inspection, and counts
     non-finite steps), scales unknown before the cast (so `fp8jax.ops.gated`'s fused core,
-    which needs them, leaves such layers to the unfused path)."""
+    which needs them, leaves such layers to the unfused path). A tile's scale depends on
+    its own elements only, so on a mesh each device casts its own tokens' tiles
+    (`quantize_rows`)."""
 
     margin: float = 0.0
-    scale_known_before_cast = False
-
-    def history_length(self, configured: int) -> int:
-        del configured
-        return 1
+    SETTINGS = {"margin": "margin"}
+    per_device_rows = True
+    # The token dim of the wgrad operands' scales (None: one scale spans all tokens).
+    _wgrad_scale_tokens: ClassVar[int | None] = None
 
     def summary(self, scale: Array) -> Array:
         """The scale a layer's ``(1,)`` state field records: the largest tile scale."""
         return jnp.max(scale).reshape(1)
 
-    def scale(self, *args, **kwargs) -> Array:
-        raise NotImplementedError(
-            f"the {self.kind!r} recipe has no per-tensor scale; this op supports "
-            "Fp8Config(recipe='tensor') only."
-        )
+    def check_grouped(self) -> None:
+        """Grouped experts cast per tile like the linear (`fp8jax.ops.grouped_tiled`)."""
 
+    @abc.abstractmethod
     def _tile(self, shape, scale) -> tuple[int, int]:
-        raise NotImplementedError
+        """The ``(rows, cols)`` tile of ``scale``, the scales of a tensor of ``shape``."""
+
+    def quantize_rows(self, on_rows: OnRows, t: Array, dtype) -> Cast:
+        """Per device on its tokens: data ``[B, M, K]`` with its tile scales along K, the
+        transposed copy ``[B, K, M]`` with its own, all local; the amax by pmax."""
+        cast = lambda t: self.quantize_both(t, None, None, dtype)  # noqa: E731
+        dims = Cast(data=1, data_t=2, scale=1, amax="max", scale_t=2)
+        return on_rows(cast, (t,), (1,), dims)
+
+    def gemm_rows(
+        self, on_rows: OnRows, a, a_scale, b, b_scale, out_dtype, fast: bool, wgrad: bool
+    ) -> Array:
+        fn = lambda a, sa, b, sb: self.gemm(a, sa, b, sb, out_dtype, fast)  # noqa: E731
+        ts = self._wgrad_scale_tokens
+        dims = ((2, ts, 2, ts), "sum") if wgrad else ((1, 1, None, None), 1)
+        return on_rows(fn, (a, a_scale, b, b_scale), *dims)
 
     def quantize(self, t: Array, scale: Array, dtype) -> Array:
         """``t`` cast with given tile scales (the tile shape read from ``scale``'s shape)."""
@@ -258,12 +294,10 @@ class RowWise(_Tiled):
     ``a_scale[i] * b_scale[j]`` (a real FP8 GEMM in XLA: cuBLASLt on Hopper)."""
 
     kind = "rowwise"
+    granularity = "one scale per row of each GEMM operand, from the row's own amax"
 
-    @property
-    def name(self) -> str:
-        return "rowwise"
-
-    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def scale_shape(self, shape: tuple[int, ...], weight: bool = False) -> tuple[int, ...]:
+        del weight
         return tuple(shape[:-1]) + (1,)
 
     def _tile(self, shape, scale):
@@ -285,6 +319,17 @@ class RowWise(_Tiled):
         data, data_t = self.cast_with(t, scale, scale_t, dtype)
         return Cast(data, data_t, scale, jnp.max(row_amax), scale_t)
 
+    def quantize_rows(self, on_rows: OnRows, t: Array, dtype) -> Cast:
+        """Per device on its tokens; the transposed copy's scale per column of ``t`` spans
+        every device's tokens, so the column amaxes are one ``[B, K]`` pmax before the
+        cast."""
+        row_amax, col_amax = on_rows(self.amaxes, (t,), (1,), (1, "max"))
+        scale, scale_t = self.scales(row_amax, col_amax, dtype)
+        amax = jnp.max(col_amax)  # the whole tensor's: no further collective
+        cast = lambda t, s, st: self.cast_with(t, s, st, dtype)  # noqa: E731
+        data, data_t = on_rows(cast, (t, scale, scale_t), (1, 1, None), (1, 2))
+        return Cast(data, data_t, scale, amax, scale_t)
+
     @staticmethod
     def amaxes(t: Array) -> tuple[Array, Array]:
         """Per-row ``[B, P]`` and per-column ``[B, C]`` amaxes of ``t [B, P, C]``. Over a
@@ -299,10 +344,8 @@ class RowWise(_Tiled):
     def cast_with(t: Array, scale: Array, scale_t: Array, dtype) -> tuple[Array, Array]:
         """``(t [B, P, C], t^T)`` cast with the given row scales: one read of ``t`` in the
         Pallas kernel (`fp8jax.kernels.tile_cast`) on Hopper, two XLA casts elsewhere."""
-        from .kernels import tile_cast as _kernel
-
-        if _kernel.reason(t.shape, 128) is None:
-            return _kernel.cast_rows_with(t, scale, scale_t, dtype)
+        if _tile_kernel.reason(t.shape, 128) is None:
+            return _tile_kernel.cast_rows_with(t, scale, scale_t, dtype)
         return _cast_divided(t, scale, dtype), _cast_divided(jnp.swapaxes(t, 1, 2), scale_t, dtype)
 
     def gemm(
@@ -327,10 +370,29 @@ class BlockWise(_Tiled):
     power_of_two: bool = False
     backend: str = "auto"
     kind = "blockwise"
+    SETTINGS = {
+        "margin": "margin",
+        "block_size": "block_size",
+        "power_of_two_scales": "power_of_two",
+        "blockwise_backend": "backend",
+    }
+    granularity = "one scale per 1 x block_size tile (weights: block), from its own amax"
+    _wgrad_scale_tokens = 2  # the 1 x bs tiles of x^T and g^T run along the tokens
 
     @property
     def name(self) -> str:
         return f"blockwise-{self.block_size}"
+
+    @property
+    def weight_block(self) -> int:
+        return self.block_size
+
+    @property
+    def row_tile(self) -> int:
+        return self.block_size
+
+    def grouped_kernel_reason(self) -> str | None:
+        return None
 
     def scale_shape(self, shape: tuple[int, ...], weight: bool = False) -> tuple[int, ...]:
         """``[P, C/bs]`` for ``1 x bs`` tiles, ``[P/bs, C/bs]`` for weights (rounded up)."""
@@ -358,9 +420,7 @@ class BlockWise(_Tiled):
         del old_scale, history, scale
         bs, pow2 = self.block_size, self.power_of_two
         if self._use_cast_kernel(t.shape):
-            from .kernels import tile_cast as _kernel
-
-            data, s, data_t, s_t, amax = _kernel.cast_both(
+            data, s, data_t, s_t, amax = _tile_kernel.cast_both(
                 t, dtype, bs, self.margin, pow2, weight=weight
             )
             return Cast(data, data_t, s, amax, s_t)
@@ -377,9 +437,7 @@ class BlockWise(_Tiled):
         force the cast: an unaligned cast falls back to XLA)."""
         if self.backend == "reference":
             return False
-        from .kernels import tile_cast as _kernel
-
-        return _kernel.reason(shape, self.block_size) is None
+        return _tile_kernel.reason(shape, self.block_size) is None
 
     def gemm(
         self, a: Array, a_scale: Array, b: Array, b_scale: Array, out_dtype, fast_accumulation: bool
@@ -399,4 +457,14 @@ class BlockWise(_Tiled):
         )
 
 
-RECIPES = ("tensor", "rowwise", "blockwise")
+# The recipes `Fp8Config(recipe=name)` takes by name, and their names.
+BUILTIN: tuple[type[Recipe], ...] = (PerTensor, RowWise, BlockWise)
+RECIPES = tuple(r.kind for r in BUILTIN)
+
+
+def named(kind: str) -> Recipe | None:
+    """The built-in recipe called ``kind``, with its defaults; None for another name."""
+    for recipe in BUILTIN:
+        if recipe.kind == kind:
+            return recipe()
+    return None

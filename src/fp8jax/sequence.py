@@ -150,7 +150,7 @@ def _out_in_dims(layer, stack: int, ndim: int) -> tuple[list[int], list[int]]:
     ]
 
 
-def _check_split(path: str, layer, kind: str, mesh: Mesh, tensor_axis: str) -> None:
+def _check_split(path: str, layer, side: str, mesh: Mesh, tensor_axis: str) -> None:
     """The layer's weight has the tensor axis on its output dims (column) or input dims
     (row): else XLA would move the weight at every step, or the layer is not split."""
     spec, stack = _placed(path, layer, mesh)
@@ -162,11 +162,11 @@ def _check_split(path: str, layer, kind: str, mesh: Mesh, tensor_axis: str) -> N
             for e in map(spec.__getitem__, dims)
         )
 
-    if not split(outs if kind == "column" else ins):
-        where = "output" if kind == "column" else "input"
+    if not split(outs if side == "column" else ins):
+        where = "output" if side == "column" else "input"
         raise ValueError(
-            f"sequence_parallel: {kind}-parallel layer {path!r}: its weight's {where} dims are "
-            f"not split over {tensor_axis!r} (per-layer spec {spec}); a {kind}-parallel layer "
+            f"sequence_parallel: {side}-parallel layer {path!r}: its weight's {where} dims are "
+            f"not split over {tensor_axis!r} (per-layer spec {spec}); a {side}-parallel layer "
             f"splits its {where} features."
         )
 

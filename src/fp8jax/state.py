@@ -75,13 +75,13 @@ class Fp8GemmState(OverwriteWithGradient):
         return tuple(getattr(self, name) for name in STATE_FIELDS)
 
 
-def _init_state(
-    config, stack_shape: tuple[int, ...] = (), experts: int | None = None
+def init_fields(
+    length: int, stack_shape: tuple[int, ...] = (), experts: int | None = None
 ) -> dict[str, Array]:
-    """Fresh values of the seven `STATE_FIELDS`: scales 1, histories 0 (``config``: an
-    `fp8jax.Fp8Config`; its ``history_length``). With ``experts``, the kernel's scale and
-    history get a trailing ``[experts]`` dim (one per expert, `fp8jax.nn.Fp8GroupedState`)."""
-    length = config.history_length
+    """Fresh values of the seven `STATE_FIELDS`: scales 1, histories of ``length`` zeros
+    (`fp8jax.recipe_base.Recipe.init_state` says how long). With ``experts``, the kernel's
+    scale and history get a trailing ``[experts]`` dim (one per expert,
+    `fp8jax.nn.Fp8GroupedState`)."""
     kernel = () if experts is None else (experts,)
 
     # A fresh buffer per field: shared ones could not be donated to a jitted step.
@@ -261,6 +261,22 @@ def enter(state: tuple) -> tuple:
     all of a state's new leaves in one call): what every FP8 op takes as its state
     argument."""
     return tuple(_enter_leaves(list(state)))
+
+
+def enter_states(tree):
+    """``tree`` with the leaves of every FP8 state in it `enter`ed; `fp8jax._guard.enter_tree`
+    (``fp8jax.enter_state``) adds the check of their guards."""
+
+    def is_state(x):
+        return isinstance(x, OverwriteWithGradient)
+
+    def enter_state(x):
+        if not is_state(x):
+            return x
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        return jax.tree_util.tree_unflatten(treedef, _enter_leaves(leaves))
+
+    return jax.tree_util.tree_map(enter_state, tree, is_leaf=is_state)
 
 
 def values(state: tuple) -> tuple:

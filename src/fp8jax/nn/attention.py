@@ -61,13 +61,7 @@ class Fp8AttentionState(OverwriteWithGradient):
 
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
         config = resolve_config(config)
-        if config.recipe.kind != "tensor":
-            raise ValueError(
-                "FP8 attention (modes 'fp8_dpa', 'fp8_mha') supports "
-                f"Fp8Config(recipe='tensor') only, got recipe={config.recipe.kind!r}: use "
-                "mode='bf16' and convert the projections with fp8jax.fp8_linear_layers "
-                "(linears honour every recipe)."
-            )
+        config.recipe.check_attention()
         stack_shape = tuple(stack_shape)
         self.scales = jnp.broadcast_to(
             jnp.asarray(_attention.INITIAL_SCALES, jnp.float32), stack_shape + (len(TENSORS),)

@@ -82,7 +82,7 @@ def normalize(
     x: Array,
     weight: Array | None,
     bias: Array | None,
-    kind: str,
+    norm: str,
     eps: float,
     zero_centered_gamma: bool = False,
 ) -> Array:
@@ -94,12 +94,12 @@ def normalize(
     derivative keeps three f32 copies of ``x`` (XLA's GPU fusion already avoided storing
     them in the trainer's step: benchmarks/RESULTS.md, seventeenth session). Where the output
     feeds an FP8 GEMM, that GEMM keeps its own FP8 copy."""
-    return _normalize(x, weight, bias, kind, float(eps), bool(zero_centered_gamma))
+    return _normalize(x, weight, bias, norm, float(eps), bool(zero_centered_gamma))
 
 
-def _stats(x32: Array, kind: str, eps: float) -> tuple[Array, Array]:
+def _stats(x32: Array, norm: str, eps: float) -> tuple[Array, Array]:
     """(mean, 1/rms of ``x - mean``) per row, f32; the mean is 0 for RMSNorm."""
-    mean = jnp.mean(x32, axis=-1, keepdims=True) if kind == "layernorm" else jnp.zeros((), F32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True) if norm == "layernorm" else jnp.zeros((), F32)
     xc = x32 - mean
     return mean, jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + eps)
 
@@ -118,15 +118,15 @@ def _affine(xhat: Array, weight, bias, zero_centered_gamma: bool) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _normalize(x, weight, bias, kind, eps, zero_centered_gamma):
+def _normalize(x, weight, bias, norm, eps, zero_centered_gamma):
     x32 = x.astype(F32)
-    mean, rstd = _stats(x32, kind, eps)
+    mean, rstd = _stats(x32, norm, eps)
     return _affine((x32 - mean) * rstd, weight, bias, zero_centered_gamma).astype(x.dtype)
 
 
-def _normalize_fwd(x, weight, bias, kind, eps, zero_centered_gamma):
+def _normalize_fwd(x, weight, bias, norm, eps, zero_centered_gamma):
     x32 = x.astype(F32)
-    mean, rstd = _stats(x32, kind, eps)
+    mean, rstd = _stats(x32, norm, eps)
     y = _affine((x32 - mean) * rstd, weight, bias, zero_centered_gamma).astype(x.dtype)
     return y, (x, weight, bias, mean, rstd)
 
@@ -136,7 +136,7 @@ def _sum_to(g: Array, like: Array) -> Array:
     return jnp.sum(g.reshape(-1, g.shape[-1]), axis=0).reshape(like.shape).astype(like.dtype)
 
 
-def _normalize_bwd(kind, eps, zero_centered_gamma, res, g):
+def _normalize_bwd(norm, eps, zero_centered_gamma, res, g):
     del eps
     x, weight, bias, mean, rstd = res
     g32 = g.astype(F32)
@@ -144,7 +144,7 @@ def _normalize_bwd(kind, eps, zero_centered_gamma, res, g):
     gamma = _gamma(weight, zero_centered_gamma)
     gxhat = g32 if gamma is None else g32 * gamma
     inner = gxhat - xhat * jnp.mean(gxhat * xhat, axis=-1, keepdims=True)
-    if kind == "layernorm":
+    if norm == "layernorm":
         inner = inner - jnp.mean(gxhat, axis=-1, keepdims=True)
     dx = (rstd * inner).astype(x.dtype)
     dw = None if weight is None else _sum_to(g32 * xhat, weight)

@@ -25,7 +25,7 @@ from ..config import Fp8Config, resolve_config
 from ..ops import group_layout as gl
 from ..ops import grouped as gr
 from ..ops.grouped import ROW_ALIGN, GroupLayout
-from ..state import Fp8GemmState, _init_state
+from ..state import Fp8GemmState
 from .mlp import ACTIVATIONS, activate
 
 F32 = jnp.float32
@@ -69,7 +69,9 @@ class Fp8GroupedState(Fp8GemmState):
         stack_shape: tuple[int, ...] = (),
     ):
         config = resolve_config(config)
-        for name, value in _init_state(config, tuple(stack_shape), experts=num_experts).items():
+        config.recipe.check_grouped()
+        fields = config.recipe.init_state(tuple(stack_shape), experts=num_experts)
+        for name, value in fields.items():
             setattr(self, name, value)
         self.config = config
 
@@ -264,7 +266,7 @@ def row_align(layer: GroupedLinear, num_rows: int) -> int:
         The alignment, 128 or 256.
     """
     state = layer.fp8_state
-    if state is None or state.config.recipe.kind != "blockwise":
+    if state is None or state.config.recipe.grouped_kernel_reason() is not None:
         return ROW_ALIGN
     big = num_rows >= ALIGN_256_MIN_ROWS * layer.num_experts
     return 2 * ROW_ALIGN if big else ROW_ALIGN

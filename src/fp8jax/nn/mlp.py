@@ -435,7 +435,7 @@ def _gated_call(mlp: FusedMLP, x):
     # The norm is recomputed in the backward (one cheap pass) rather than keeping its output.
     norm = jax.checkpoint(
         functools.partial(
-            normalize, kind=mlp.norm, eps=mlp.eps, zero_centered_gamma=mlp.zero_centered_gamma
+            normalize, norm=mlp.norm, eps=mlp.eps, zero_centered_gamma=mlp.zero_centered_gamma
         )
     )
     normed = norm(x, mlp.norm_weight, mlp.norm_bias)

@@ -16,7 +16,6 @@ so that repeated uses of one state in a step combine by max.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -176,7 +175,7 @@ def delayed_scales(config: Fp8Config, state) -> jax.Array:
     """The ten scales from the amax history (old scale where it is empty): what the
     kernel needs before it runs, whatever the recipe does for q, k, v and do."""
     scales, history, _ = state
-    return dataclasses.replace(config.recipe, delayed=True).scale(history, scales, E4M3)
+    return config.recipe.history_scale(history, scales, E4M3)
 
 
 def _forward_impl(spec: AttnSpec, training: bool, q, k, v, q_len, kv_len, state):

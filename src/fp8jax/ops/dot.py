@@ -31,7 +31,7 @@ from .. import quant as q
 from .. import state as _state
 from ..config import Fp8Config, warn_below_min_tokens
 from ..kernels import gemm as _gemm
-from ..recipe import Cast
+from ..recipe_base import Cast, Recipe
 from . import fsdp as _fsdp_op
 from . import rows as _split
 from . import sequence_parallel as _sp
@@ -158,54 +158,37 @@ def scale_inputs(config: Fp8Config, state) -> tuple[tuple, tuple, tuple]:
 def row_split(cfg: Fp8Config, ws) -> _split.RowSplit | None:
     """The token split a row- or block-wise layer's kernels run under on a mesh
     (`fp8jax.ops.rows`)."""
-    return _split.of_weight(ws) if cfg.recipe.kind in ("rowwise", "blockwise") else None
+    return _split.of_weight(ws) if cfg.recipe.per_device_rows else None
 
 
 def _rows(spec: Spec, m: int) -> _split.RowSplit | None:
     """``spec.rows`` where each device's share of ``m`` token rows holds whole tiles (of
     the block-wise recipe, or the row-wise cast kernel's 128-row squares)."""
-    rows, tile = spec.rows, getattr(spec.config.recipe, "block_size", 128)
+    rows, tile = spec.rows, spec.config.recipe.row_tile
     return rows if rows and m % (rows.count * tile) == 0 else None
 
 
-def _cast_rows(rows, recipe, t3, dtype) -> Cast:
+def _cast_rows(rows, recipe: Recipe, t3, dtype) -> Cast:
     """An activation or output gradient ``[B, M, K]`` in both layouts, per device on its
-    tokens (``rows``). Block-wise: data ``[B, M, K]`` with its ``1 x bs`` tile scales
-    ``[B, M, K/bs]``, the transposed copy ``[B, K, M]`` with ``[B, K, M/bs]``, all local;
-    the amax by pmax. Row-wise: the transposed copy's scale per column of ``t`` spans every
-    device's tokens, so the column amaxes are one ``[B, K]`` pmax before the cast."""
-    if recipe.kind == "rowwise":
-        row_amax, col_amax = _split.on_rows(rows, recipe.amaxes, (t3,), (1,), (1, "max"))
-        scale, scale_t = recipe.scales(row_amax, col_amax, dtype)
-        amax = jnp.max(col_amax)  # the whole tensor's: no further collective
-        cast = lambda t, s, st: recipe.cast_with(t, s, st, dtype)  # noqa: E731
-        data, data_t = _split.on_rows(rows, cast, (t3, scale, scale_t), (1, 1, None), (1, 2))
-        return Cast(data, data_t, scale, amax, scale_t)
-    cast = lambda t: recipe.quantize_both(t, None, None, dtype)  # noqa: E731
-    dims = Cast(data=1, data_t=2, scale=1, amax="max", scale_t=2)
-    return _split.on_rows(rows, cast, (t3,), (1,), dims)
+    tokens (``rows``): `fp8jax.recipe_base.Recipe.quantize_rows`."""
+    return recipe.quantize_rows(functools.partial(_split.on_rows, rows), t3, dtype)
 
 
-def _gemm_rows(rows, recipe, a, sa, b, sb, out_dtype, fast: bool, wgrad: bool = False):
+def _gemm_rows(rows, recipe: Recipe, a, sa, b, sb, out_dtype, fast: bool, wgrad: bool = False):
     """``recipe.gemm``; with ``rows``, per device on its tokens: the rows of ``a`` (forward,
     dgrad: ``b`` whole on every device) or, for the wgrad (``wgrad``), the contracted
     tokens of both, summed over the devices in the gradient's dtype (under FSDP XLA makes
     the sum and the layer's shard constraint a reduce-scatter)."""
     if rows is None:
         return recipe.gemm(a, sa, b, sb, out_dtype, fast)
-    fn = lambda a, sa, b, sb: recipe.gemm(a, sa, b, sb, out_dtype, fast)  # noqa: E731
-    # The wgrad's scales: per 1 x bs tile along the tokens (block-wise), or one per row of
-    # its operands, spanning all tokens (row-wise).
-    ts = 2 if recipe.kind == "blockwise" else None
-    dims = ((2, ts, 2, ts), "sum") if wgrad else ((1, 1, None, None), 1)
-    return _split.on_rows(rows, fn, (a, sa, b, sb), *dims)
+    on_rows = functools.partial(_split.on_rows, rows)
+    return recipe.gemm_rows(on_rows, a, sa, b, sb, out_dtype, fast, wgrad)
 
 
 def _scales_in_forward(spec: Spec) -> bool:
     """Delayed per-tensor scaling: the forward computes all three scales at once
     (`fp8jax.recipe.PerTensor.gemm_scales`) and hands the output gradient's to the backward."""
-    recipe = spec.config.recipe
-    return recipe.kind == "tensor" and recipe.delayed
+    return spec.config.recipe.scale_known_before_cast
 
 
 def _fwd_impl(spec: Spec, x3, w3, state):
@@ -238,7 +221,7 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     # Sequence parallel: a column-parallel layer all-gathers its FP8 input's tokens (its
     # transposed copy stays split until the backward); a row-parallel one reduce-scatters
     # its output. Identities without it.
-    col, row = _sp.of_kind(spec.sequence, "column"), _sp.of_kind(spec.sequence, "row")
+    col, row = _sp.sides(spec.sequence)
     x_data, x_scale = _sp.gather_scaled(col, x.data, x.scale, 1)
     x_data_t = _sp.constrain(col, x.data_t, 2, True) if col else x.data_t
     # x [B, M, K] . w [B, N, K]: column splits N (w's dim 1), row splits K (both dims 2)
@@ -269,7 +252,7 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         g = _cast_rows(rows, recipe, g3, cfg.grad_dtype)
     # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
     # row gathers the FP8 output gradient's tokens, both layouts.
-    col, row = _sp.of_kind(spec.sequence, "column"), _sp.of_kind(spec.sequence, "row")
+    col, row = _sp.sides(spec.sequence)
     xTq, sx = _sp.gather_scaled(col, xTq, sx, 2)
     g_data, g_scale_nk = _sp.gather_scaled(row, g.data, g.scale, 1)
     g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
@@ -440,8 +423,8 @@ def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
     (`_state.record`), its non-finite flag counted. Histories of one length are recorded
     as one ``[3, L]`` update (one kernel where three separate ones compiled three).
 
-    With ``config`` (delayed per-tensor scaling), an outlier amax is recorded as 0
-    (`fp8jax.recipe.PerTensor.screen`). Corrupt fields of the old state (NaN, Inf or
+    With ``config``, an outlier amax is recorded as 0 where its recipe says so (delayed
+    scaling: `fp8jax.recipe.PerTensor.screen`). Corrupt fields of the old state (NaN, Inf or
     negative history entries, scales not finite and positive: `_state.needs_repair`) come
     out repaired: the scales used were computed without them, the histories record them as
     0. ``nonfinite_count`` counts one per kind of anomaly in the step: a non-finite amax,
@@ -455,7 +438,7 @@ def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
     repaired = _state.needs_repair((in_s, k_s, g_s), histories, nonfinite)
     histories = tuple(map(_state.clean_amax, histories))
     amaxes, rejected = observed[:3], jnp.zeros((), F32)
-    if config is not None and config.recipe.kind == "tensor" and stacked:
+    if config is not None and stacked:
         dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
         amaxes, rejected = config.recipe.screen(amaxes, histories[0][:, 0], dtypes)
     if stacked:

@@ -128,7 +128,7 @@ def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
 
 def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     cfg = spec.config
-    if cfg.recipe.kind != "tensor":
+    if not cfg.recipe.per_tensor_scale:
         return tiled_fwd(spec, x, w, layout)
     in_s, k_s, _, in_h, k_h, _, _ = state
     xm = _masked(x, layout)
@@ -151,7 +151,7 @@ def _grouped_fp8_fwd(spec, x, w, layout, state):
 
 
 def _grouped_fp8_bwd(spec, residuals, cotangents):
-    if spec.config.recipe.kind != "tensor":
+    if not spec.config.recipe.per_tensor_scale:
         return tiled_bwd(spec, residuals, cotangents)
     dy = cotangents
     (xTq, wq, sx, sw, ax, aw), layout, state = residuals

@@ -18,6 +18,7 @@ from .. import quant as q
 from .. import state as _state
 from ..kernels import blockwise_grouped_mgpu as bgk
 from ..kernels import dispatch
+from ..recipe_base import Recipe
 from . import dot as _dot
 from . import grouped_gemms as _gemms
 from .group_layout import _masked, _zero_ct
@@ -25,7 +26,7 @@ from .group_layout import _masked, _zero_ct
 F32 = jnp.float32
 
 
-def _deq(recipe, data, scale):
+def _deq(recipe: Recipe, data, scale):
     return recipe.dequantize(data, scale, F32)
 
 
@@ -33,8 +34,9 @@ def kernel_reason(spec, layout, k: int, n: int, operand) -> str | None:
     """Why the block-scaled grouped kernels cannot run this layer's ``[M, k] x [G, k, n]``
     (None when they can); ``operand``: a traced input, to tell a ``jax.vmap``."""
     cfg = spec.config
-    if cfg.recipe.kind != "blockwise":
-        return f"the {cfg.recipe.kind!r} recipe has no grouped kernel"
+    why = cfg.recipe.grouped_kernel_reason()
+    if why is not None:
+        return why
     if spec.experts is not None:
         return "expert parallelism (the kernels run one device's groups)"
     if _dot._under_vmap(operand):

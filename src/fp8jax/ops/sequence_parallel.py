@@ -122,6 +122,9 @@ def activation_spec(mesh, shape: tuple[int, ...], batch: tuple[str, ...], axis: 
     return P((*batch, axis), None, *rest)
 
 
-def of_kind(sp: SequenceParallel | None, kind: str) -> SequenceParallel | None:
-    """``sp`` when it is a ``kind`` layer, else None."""
-    return sp if sp is not None and sp.kind == kind else None
+def sides(sp: SequenceParallel | None) -> tuple[SequenceParallel | None, ...]:
+    """``(column, row)``: ``sp`` in the place of its kind, None in the other (both None
+    without sequence parallelism)."""
+    if sp is None:
+        return None, None
+    return {"column": (sp, None), "row": (None, sp)}[sp.kind]
