@@ -52,7 +52,7 @@ def test_config_recipes_and_errors():
             fp8jax.Fp8Config(**kw)
     with pytest.raises(ValueError, match="recipe='tensor'"):
         nn.DotProductAttention("fp8_dpa", config=block)
-    with pytest.warns(UserWarning, match=r"block_size=64, power_of_two_scales=True apply to recipe='blockwise' only"):
+    with pytest.warns(UserWarning, match=r"block_size=64, power_of_two_scales=True .*apply to recipe='blockwise' only"):
         fp8jax.Fp8Config(recipe="rowwise", block_size=64, power_of_two_scales=True)
 
 

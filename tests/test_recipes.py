@@ -241,3 +241,22 @@ def test_no_recipe_name_comparisons_outside_recipe_module():
     assert KIND_CHECK.search('getattr(recipe, "kind", None) == "blockwise"')
     assert KIND_CHECK.search('_split.of_weight(ws) if cfg.recipe.kind in ("rowwise",) else None')
     assert not KIND_CHECK.search("for path, kind in kinds.items():")
+
+
+def test_a_setting_the_recipe_ignores_is_named_not_dropped_silently():
+    """A setting given by hand that the chosen recipe does not hold would do nothing: a
+    warning names it and what the recipe holds; settings it holds, defaults, and
+    ``scaling="current"`` for the always-current recipes say nothing."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"recipe='rowwise' ignores amax_history_length=8 "
+                                         r"\(its settings: margin\)"):
+        fp8jax.Fp8Config(recipe="rowwise", amax_history_length=8)
+    with pytest.warns(UserWarning, match=r"ignores scaling='delayed'|ignores amax_compute_algo"):
+        fp8jax.Fp8Config(recipe="blockwise", amax_compute_algo="most_recent")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8jax.Fp8Config(recipe="rowwise", scaling="current", margin=1.0)
+        fp8jax.Fp8Config(recipe="blockwise", block_size=64)
+        fp8jax.Fp8Config(scaling="current", amax_history_length=16)
+        fp8jax.Fp8Config(recipe="rowwise", amax_history_length=1024)  # the default

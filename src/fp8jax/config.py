@@ -218,15 +218,21 @@ class Fp8Config(_Stored):
         built = base.configure(given)
         # A recipe object passed in is checked (and its numpy scalars made Python's) too.
         super().__init__(**fields, recipe=built.configure(_checked(built.settings())))
-        unused = [
-            f"{name}={given[name]!r}"
-            for name in BLOCKWISE_ONLY
-            if name in given and name not in built.SETTINGS and given[name] != DEFAULTS[name]
+        held = built.settings()
+        unused = [  # given by hand, not at its default, and not a setting of this recipe
+            f"{name}={value!r}"
+            for name, value in given.items()
+            if name not in held
+            and value != DEFAULTS[name]
+            and not (name == "scaling" and value == "current")  # row/block-wise: always
         ]
         if unused:  # set by hand, they would do nothing: say so
+            only = [n for n in BLOCKWISE_ONLY if n in given]
+            holds = ", ".join(sorted(held)) or "none"
             warnings.warn(
-                f"Fp8Config: {', '.join(unused)} apply to recipe='blockwise' only; "
-                f"recipe={built.kind!r} ignores them.",
+                f"Fp8Config: recipe={built.kind!r} ignores {', '.join(unused)} (its settings: "
+                f"{holds})" + ("; block_size, power_of_two_scales and blockwise_backend apply "
+                "to recipe='blockwise' only." if only else "."),
                 stacklevel=2,
             )
 
