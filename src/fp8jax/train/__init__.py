@@ -4,7 +4,8 @@ Modules by job: `config` (presets, `RunConfig`), `model`, `data`, `mesh` (``--me
 placement, multi-host), `loop` (`Trainer`, `TrainRun`), `checkpoint` (orbax, with the
 history and config), `interrupts` (Ctrl-C between steps), `census` (FP8 GEMM count),
 `metering` (peak FLOP/s, energy), `report` (table, CSV, plot, TensorBoard), `rundir`
-(``--out``: ownership, atomic writes, stored options), `options` and `cli`."""
+(``--out``: ownership, atomic writes, stored options), `options`, `cli` and `launch`
+(``--processes N``: one process per GPU)."""
 
 from .cli import main
 from .config import PRESETS, RunConfig
