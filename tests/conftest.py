@@ -12,7 +12,7 @@ if shutil.which("nvidia-smi") is None:
     _XLA_FLAGS += " --xla_backend_optimization_level=0"
     # One thread per test worker for XLA's CPU ops: xdist's workers already fill the cores
     # (tests/test_grouped, test_mlp, test_attention on 2 cores: 99 -> 90 s).
-    _XLA_FLAGS += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    _XLA_FLAGS += " --xla_cpu_multi_thread_eigen=false"
 os.environ.setdefault("XLA_FLAGS", _XLA_FLAGS)
 # On a GPU, JAX preallocates 75% of its memory per process: the tests that start fresh
 # processes (compile time, compile cache) found too little left and failed to start cuBLAS.

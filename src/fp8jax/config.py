@@ -231,8 +231,13 @@ class Fp8Config(_Stored):
             holds = ", ".join(sorted(held)) or "none"
             warnings.warn(
                 f"Fp8Config: recipe={built.kind!r} ignores {', '.join(unused)} (its settings: "
-                f"{holds})" + ("; block_size, power_of_two_scales and blockwise_backend apply "
-                "to recipe='blockwise' only." if only else "."),
+                f"{holds})"
+                + (
+                    "; block_size, power_of_two_scales and blockwise_backend apply "
+                    "to recipe='blockwise' only."
+                    if only
+                    else "."
+                ),
                 stacklevel=2,
             )
 

@@ -15,6 +15,7 @@ Import from `fp8jax.train` itself (its ``__all__``); the modules are its impleme
 - `rundir`: ``--out``: ownership, atomic writes, the stored options.
 - `options`: the command-line options (``--help``).
 - `cli`: ``fp8jax-train``'s `main`.
+- `launch`: ``--processes N``: one process per GPU on one host.
 - `generate`: ``fp8jax-generate``: prefill + KV-cache decode of a trained model.
 - `__main__`: ``python -m fp8jax.train``.
 """

@@ -4,8 +4,9 @@ the run's config (`rundir.config_record`), committed with the arrays: a kill at 
 leaves a step with its whole history, and ``--resume`` compares its options with the
 config. Arrays are saved sharded as they are placed, and restored onto the trainer's own
 placement, which may be another mesh (``--mesh fsdp=8`` saved, ``data=2,fsdp=4``
-restored). Steps written before histories moved inside them (one ``default`` item, the
-history in ``history-<precision>.json``) still restore."""
+restored) or another number of processes (each writes and reads its own shards). Steps
+written before histories moved inside them (one ``default`` item, the history in
+``history-<precision>.json``) still restore."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@
     fp8jax-train --data my_corpus.txt --steps 2000 --dim 512 --layers 8
     fp8jax-train --out runs/tiny --resume # continue from the newest checkpoint
     fp8jax-train --preset 8b --mesh data=2,fsdp=4   # 8 devices: 2-way data x 4-way FSDP
+    fp8jax-train --processes 8 --preset 8b --mesh data=2,fsdp=4   # one process per GPU
 
 Writes to ``--out``: ``loss.png`` (loss curves), ``metrics.csv`` / ``metrics.json``,
 ``summary.md`` (the table printed at the end), TensorBoard event files under
@@ -26,9 +27,10 @@ import sys
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 
 from .. import compilation
-from . import interrupts
+from . import interrupts, launch
 from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint, stored_config
 from .config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
 from .data import check_seq, load_corpus
@@ -160,6 +162,13 @@ def _check_options(args) -> RunConfig:
         raise UsageError(f"--mesh {args.mesh!r}: expected AXIS=SIZE,... (e.g. data=2,fsdp=4)")
     if args.overwrite and args.resume:
         raise UsageError("--overwrite starts afresh: it cannot go with --resume")
+    multihost = [args.coordinator, args.num_processes, args.process_id]
+    if args.processes is not None and any(v is not None for v in multihost):
+        raise UsageError(
+            f"--processes {args.processes} starts and joins its processes itself: it cannot go "
+            "with --coordinator, --num-processes, --process-id (each process of a run you "
+            "start yourself)"
+        )
     if args.data is not None:
         data = Path(args.data).expanduser()
         if not data.exists():
@@ -238,7 +247,9 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
     fp8jax.train``): ``sys.argv``, a bad option value is a usage error (exit status 2) and
     Ctrl-C exits with status 130 (during training: once checkpointed and the outputs
     written); with a list of arguments a bad value raises `UsageError` (a ValueError)
-    instead, and an interrupted run returns its results (``interrupted``: True).
+    instead, and an interrupted run returns its results (``interrupted``: True). With
+    ``--processes N`` the run's N processes (`launch`) return theirs through ``--out``; one
+    that fails raises `launch.LaunchError` (command line: its message, and its status).
 
     Arguments:
         argv: the command line's arguments (``fp8jax-train --help`` lists them), or None.
@@ -257,6 +268,9 @@ def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> d
         return results
     except UsageError as e:
         parser.error(str(e))
+    except launch.LaunchError as e:  # a process of --processes failed: its output is above
+        print(e, file=sys.stderr)
+        raise SystemExit(e.status) from None
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints)
         print("\nfp8jax-train: interrupted", file=sys.stderr)
         raise SystemExit(INTERRUPTED) from None
@@ -269,9 +283,14 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     global _interrupted_now
     _interrupted_now = False
     interrupts.clear()
+    launch.die_with_launcher()  # a process of --processes: not without its launcher
     args = parse_args(argv)
     run = _check_options(args)
+    if args.processes is not None:
+        return _launch(args, argv, interrupt_at)
     _usage(initialize_distributed, args.coordinator, args.num_processes, args.process_id)
+    if (args.num_processes or 1) > 1:  # all processes stop after one agreed step
+        interrupts.synchronize()
     if args.xla_triton_gemm:  # undo what importing fp8jax set, while the backend has not started
         flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "")
         os.environ["XLA_FLAGS"] = " ".join(flags.split())
@@ -281,13 +300,34 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     if args.sequence_parallel:
         _usage(check_sequence_parallel, run, mesh)
     out = args.out or Path("runs") / args.preset
-    # before the corpus is read or a model built: a bad --out fails now, not after training
-    created = prepare_out(out, resume=args.resume, overwrite=args.overwrite)
+    # before the corpus is read or a model built: a bad --out fails now, not after training.
+    # Process 0 checks and creates it (another would find its first files, or race it).
+    created = []
+    if jax.process_index() == 0:
+        created = prepare_out(out, resume=args.resume, overwrite=args.overwrite)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("fp8jax-train: --out checked")
     try:
         return _train(args, argv, run, mesh, out, interrupt_at)
     except BaseException:
         remove_created(created)  # those still empty: a failed start leaves nothing behind
         raise
+
+
+def _launch(args, argv: list[str], interrupt_at) -> dict[str, dict]:
+    """``--processes N``: the run as N processes (`launch`); their results, read back from
+    ``--out`` (process 0 wrote them)."""
+    global _interrupted_now
+    if interrupt_at is not None:
+        raise ValueError("interrupt_at (a simulated Ctrl-C) does not reach --processes' runs")
+    options = list(_parser()._option_string_actions)
+    command = " ".join([RECORD_COMMAND, *map(shlex.quote, argv)])
+    status = launch.launch(argv, args.processes, options, command)
+    _interrupted_now = status == launch.INTERRUPTED
+    out = args.out or Path("runs") / args.preset
+    precisions = ["bf16", "fp8"] if _compare(args) else [args.precision]
+    paths = {p: out / f"result-{p}.json" for p in precisions}
+    return {p: read_json(path) for p, path in paths.items() if path.exists()}
 
 
 def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
@@ -306,9 +346,12 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
         jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         xla_flags=os.environ.get("XLA_FLAGS", ""),
-        command=" ".join([RECORD_COMMAND, *map(shlex.quote, argv)]),
+        # --processes: the command that started this process and the others
+        command=os.environ.get(launch.COMMAND_ENV)
+        or " ".join([RECORD_COMMAND, *map(shlex.quote, argv)]),
         preset=args.preset,
         devices=jax.device_count(),
+        processes=jax.process_count(),
         mesh=mesh_text,
         model=dataclasses.asdict(run.model),
         batch=run.batch,
@@ -322,6 +365,8 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
         ),
     )
     where = device.device_kind + (f" x {mesh.devices.size} (mesh {mesh_text})" if mesh else "")
+    if jax.process_count() > 1:
+        where += f", {jax.process_count()} processes"
     if main_process:
         print(
             f"fp8jax-train: preset {args.preset}, {millions(run.model.non_embedding_params())} "

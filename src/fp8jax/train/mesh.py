@@ -4,6 +4,8 @@ its ``data`` and ``fsdp`` axes; and ``jax.distributed.initialize`` for multi-hos
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -133,7 +135,8 @@ def initialize_distributed(
     coordinator: str | None, num_processes: int | None, process_id: int | None
 ):
     """``jax.distributed.initialize`` for a multi-host run, before JAX's backend starts.
-    All three options together, or none (single process)."""
+    All three options together, or none (single process). ``$JAX_LOCAL_DEVICE_IDS``
+    (``0,1``: GPU ordinals; ``--processes`` sets it) restricts the process to those GPUs."""
     given = [v is not None for v in (coordinator, num_processes, process_id)]
     if not any(given):
         return
@@ -146,4 +149,8 @@ def initialize_distributed(
         raise ValueError(
             f"--process-id {process_id} must be in [0, --num-processes {num_processes})"
         )
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    ids = os.environ.get("JAX_LOCAL_DEVICE_IDS", "").strip()  # (newer jax reads it too)
+    local = [int(i) for i in ids.split(",")] if ids else None
+    jax.distributed.initialize(
+        coordinator, num_processes=num_processes, process_id=process_id, local_device_ids=local
+    )

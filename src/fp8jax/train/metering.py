@@ -1,5 +1,5 @@
-"""What the hardware can do and what it spent: peak bf16 FLOP/s (for MFU) and the GPU's
-energy counter (NVML, for joules per step)."""
+"""What the hardware can do and what it spent: peak bf16 FLOP/s (for MFU), the GPU's
+energy counter (NVML, for joules per step) and how many GPUs there are (NVML)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,20 @@ def energy_counter():
         return float(value.value) if ok else None
 
     return read if read() is not None else None
+
+
+def gpu_count() -> int | None:
+    """How many NVIDIA GPUs NVML sees (None where NVML is missing), without starting CUDA:
+    ``--processes`` asks before any of its processes starts JAX."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return int(count.value)

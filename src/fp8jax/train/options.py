@@ -179,6 +179,17 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         "all-gather their FP8 inputs and reduce-scatter their outputs",
     )
     add(
+        "--processes",
+        type=_at_least(1),
+        default=None,
+        metavar="N",
+        help="one-host multi-process run: start N trainer processes joined by jax.distributed, "
+        "each on its own GPU (N dividing the visible GPUs: a block of GPUs each), or on a host "
+        "without GPUs on the CPU (XLA_FLAGS=--xla_force_host_platform_device_count=K: K devices "
+        "each); --mesh spans all their devices. Process 0 prints and writes the run's files; "
+        "Ctrl-C checkpoints all at one step (exit 130); a failed process stops the others",
+    )
+    add(
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
