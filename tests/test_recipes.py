@@ -188,7 +188,12 @@ def test_a_recipe_of_ones_own_runs_through_the_op(key):
     xc = toy.quantize_both(x[None], None, None, E4M3)
     wc = toy.quantize_both(w[None], None, None, E4M3)
     manual = toy.gemm(xc.data, xc.scale, wc.data, wc.scale, F32, True)[0]
-    np.testing.assert_allclose(y, manual, rtol=1e-6)  # the toy's own cast and GEMM
+    # the toy's own cast and GEMM: the same float32 math on the CPU; on a GPU the op's FP8
+    # GEMM rounds its output differently (H200: 74% of elements off by up to 2e-3 absolute)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_allclose(y, manual, rtol=1e-6)
+    else:
+        assert sqnr_db(manual, y) > 45
     assert sqnr_db(y, x @ w.T) > 20
 
     def loss(op, x, w):
