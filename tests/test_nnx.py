@@ -143,6 +143,31 @@ def test_state_rolls_and_stays_out_of_the_optimizer(key):
     assert int(optimizer.step[...]) == 3
 
 
+def test_readmes_cached_partial_step_matches_the_nnx_jit_step(key):
+    """The README's step under ``nnx.cached_partial`` updates the same model and optimizer
+    objects as calling the ``@nnx.jit`` step with them: same state and parameters after three
+    steps, bit for bit."""
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(_nnx_loss, argnums=fp8nnx.diff_state(0))(model, x, y)
+        fp8nnx.update(model, optimizer, grads)
+        return loss
+
+    models = [fp8nnx.fp8_linear_layers(NnxMLP(nnx.Rngs(1)), CFG) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param) for m in models]
+    cached = nnx.cached_partial(step, models[1], optimizers[1])
+    for x, y in _batches(key):
+        step(models[0], optimizers[0], x, y)
+        cached(x, y)
+    plain, fast = (nnx.to_flat_state(nnx.state(m)) for m in models)
+    assert len(plain) == len(fast) > 0
+    for (path, a), (_, b) in zip(plain, fast):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    assert float(models[1].up.dot_general.input_scale[0]) != 1.0  # it trained the state
+    assert int(optimizers[1].step[...]) == 3
+
+
 def test_train_step_gemms_all_fp8(key):
     model = fp8nnx.fp8_linear_layers(NnxMLP(nnx.Rngs(2)), CFG)
     graphdef, state = nnx.split(model)
