@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..inference import INPUT_SCALES, WEIGHT_SCALINGS, cast_compute, to_inference
-from ..nn.attention import rotary
 from ..nn.linear import Linear, apply_linear
+from ..nn.mha import rotary
 from ..nn.mlp import normalize
 from . import cli
 from .model import VOCAB, ModelConfig, MoE, Transformer, split_qkv

@@ -16,10 +16,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._guard import enter_tree
 from ..distributed import sequence_sharding
-from ..nn.attention import DotProductAttention, rotary
-from ..nn.grouped import MoE as GroupedMoE
+from ..nn.attention import DotProductAttention
 from ..nn.linear import apply_linear
+from ..nn.mha import rotary
 from ..nn.mlp import FusedMLP, normalize
+from ..nn.moe import MoE as GroupedMoE
 from ..state import OverwriteWithGradient
 
 VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
