@@ -1,10 +1,12 @@
-"""The end-to-end example: a byte-level transformer trained in bf16 and FP8 (``fp8jax-train``).
+"""The end-to-end example: a transformer trained in bf16 and FP8 (``fp8jax-train``), on bytes
+or a tokenizer's tokens.
 
 Import from `fp8jax.train` itself (its ``__all__``); the modules are its implementation:
 
 - `config`: the presets and `RunConfig`; the model and optimizer built from them.
 - `model`: the decoder-only transformer (`ModelConfig`, `Transformer`).
 - `data`: the byte-level corpus (the standard library's sources, or ``--data``).
+- `tokenizer`: ``--tokenizer``: bytes, a BPE trained on the corpus, or a tokenizer.json.
 - `mesh`: ``--mesh``: the device mesh, the model's placement, multi-host start.
 - `loop`: `Trainer` (jitted steps), `TrainRun` (one precision's run) and `train`.
 - `checkpoint`: orbax checkpoints, with the metric history and the config.

@@ -1,8 +1,11 @@
-"""``fp8jax-train``: train a byte-level decoder-only transformer in bf16 or FP8.
+"""``fp8jax-train``: train a decoder-only transformer in bf16 or FP8 (on bytes, or a tokenizer's
+tokens).
 
     fp8jax-train                          # tiny preset, FP8 vs bf16 (--compare), CPU-sized
     fp8jax-train --preset 1b --precision fp8 --out runs/1b
     fp8jax-train --data my_corpus.txt --steps 2000 --dim 512 --layers 8
+    fp8jax-train --tokenizer bpe --vocab 8192 --out runs/bpe   # a BPE trained on the corpus
+    fp8jax-train --preset 8b --tokenizer llama3/tokenizer.json     # your tokenizer
     fp8jax-train --out runs/tiny --resume # continue from the newest checkpoint
     fp8jax-train --preset 8b --mesh data=2,fsdp=4   # 8 devices: 2-way data x 4-way FSDP
     fp8jax-train --processes 8 --preset 8b --mesh data=2,fsdp=4   # one process per GPU
@@ -11,8 +14,10 @@ Writes to ``--out``: ``loss.png`` (loss curves), ``metrics.csv`` / ``metrics.jso
 ``summary.md`` (the table printed at the end), TensorBoard event files under
 ``tb/<precision>/``, orbax checkpoints under ``ckpt-<precision>/`` every
 ``--checkpoint-every`` steps and on Ctrl-C (exit status 130), and ``fp8jax-run.json``
-(the run's options). A fresh run refuses a non-empty ``--out`` that is not one of its
-runs (``--overwrite`` to train there anyway); it replaces only files it wrote itself.
+(the run's options); with ``--tokenizer bpe`` or ``PATH.json`` also ``tokenizer.json`` (the
+run's tokenizer) and ``tokens-<hash>.npz`` (the corpus's token ids). A fresh run refuses a
+non-empty ``--out`` that is not one of its runs (``--overwrite`` to train there anyway); it
+replaces only files it wrote itself.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from .. import compilation
-from . import interrupts, launch
+from . import interrupts, launch, tokenizer
 from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint, stored_config
 from .config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
 from .data import check_seq, load_corpus
@@ -94,12 +100,18 @@ def _parser() -> argparse.ArgumentParser:
     return build_parser(__doc__)
 
 
-def run_config(args) -> RunConfig:
+def run_config(args, tok=None) -> RunConfig:
+    """The run's config from its options. ``--tokenizer PATH.json``: ``tok`` is that file's
+    tokenizer (loaded here when None), for its record and the default ``--vocab``."""
     preset = dict(PRESETS[args.preset])
     model = preset.pop("model")
     names = ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k", "vocab")
     names = (*names, "scan_unroll")
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    tok = tok or tokenizer.from_option(args.tokenizer)
+    vocab = tokenizer.model_vocab(args.tokenizer, tok, model.vocab)
+    if args.vocab is None and vocab:
+        overrides["vocab"] = vocab
     model = dataclasses.replace(model, **overrides)
     for k in ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every"):
         if getattr(args, k) is not None:
@@ -116,6 +128,7 @@ def run_config(args) -> RunConfig:
         fp8_head=args.fp8_head,
         sequence_parallel=args.sequence_parallel,
         **preset,
+        **tokenizer.run_fields(args.tokenizer, tok),
     )
     if args.eval_batches is not None:
         run.eval_batches = args.eval_batches
@@ -142,13 +155,18 @@ def _usage(fn, *args, prefix: str = "", **kwargs):
         raise UsageError(prefix + str(e)) from None
 
 
-def _check_options(args) -> RunConfig:
-    """The run's config, and the checks that need no devices, before JAX's backend starts."""
+def _check_options(args):
+    """The run's config and its tokenizer (None: a BPE to train), and the checks that need no
+    devices, before JAX's backend starts."""
+    tok = tokenizer.from_option(args.tokenizer)
     sizes = ("dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k", "vocab")
     given = " ".join(
         f"--{k.replace('_', '-')} {getattr(args, k)}" for k in sizes if getattr(args, k) is not None
     )
-    run = _usage(run_config, args, prefix=f"--preset {args.preset} {given}".strip() + ": ")
+    prefix = f"--preset {args.preset} {given}".strip() + ": "
+    run = _usage(run_config, args, tok, prefix=prefix)
+    if tok is not None:
+        tokenizer.check_vocab(run.model.vocab, tok)
     if args.interleave < 0:
         raise UsageError(f"--interleave {args.interleave}: K must be > 0 (0: off)")
     if args.interleave and not _compare(args):
@@ -175,7 +193,7 @@ def _check_options(args) -> RunConfig:
             raise UsageError(f"--data {args.data}: no such file or directory")
         if not data.is_dir() and data.stat().st_size == 0 and not data.is_fifo():
             raise UsageError(f"--data {args.data}: empty (0 bytes)")
-    return run
+    return run, tok
 
 
 def _compare(args) -> bool:
@@ -212,11 +230,10 @@ def _check_resume(out: Path, run: RunConfig, precisions, marker: dict) -> list[s
     return notices
 
 
-def _todo(args, precisions, out, run, marker) -> tuple[dict, list[str], dict[str, bool]]:
-    """Results already on disk, the precisions to train, and which of them resume."""
+def _earlier_results(precisions, out: Path, run: RunConfig, marker: dict) -> dict[str, dict]:
+    """Results of the other precision from an earlier invocation into the same --out (of the
+    same model: another model's would make a meaningless comparison)."""
     results: dict[str, dict] = {}
-    # Results of the other precision from an earlier invocation into the same --out (of the
-    # same model: another model's would make a meaningless comparison).
     for name in ("bf16", "fp8"):
         path = out / f"result-{name}.json"
         if name not in precisions and path.exists():
@@ -224,6 +241,13 @@ def _todo(args, precisions, out, run, marker) -> tuple[dict, list[str], dict[str
             if stored and config_diff(stored, config_record(run, name))[0]:
                 continue
             results[name] = read_json(path)
+    return results
+
+
+def _todo(args, precisions, out, run, marker) -> tuple[dict, list[str], dict[str, bool]]:
+    """Results of these precisions finished before, the precisions to train, and which of
+    them resume."""
+    results: dict[str, dict] = {}
     todo = []
     for precision in precisions:
         done = out / f"result-{precision}.json"
@@ -285,7 +309,7 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     interrupts.clear()
     launch.die_with_launcher()  # a process of --processes: not without its launcher
     args = parse_args(argv)
-    run = _check_options(args)
+    run, tok = _check_options(args)
     if args.processes is not None:
         return _launch(args, argv, interrupt_at)
     _usage(initialize_distributed, args.coordinator, args.num_processes, args.process_id)
@@ -308,7 +332,7 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("fp8jax-train: --out checked")
     try:
-        results = _train(args, argv, run, mesh, out, interrupt_at)
+        results = _train(args, argv, run, tok, mesh, out, interrupt_at)
     except BaseException:
         remove_created(created)  # those still empty: a failed start leaves nothing behind
         raise
@@ -335,14 +359,25 @@ def _launch(args, argv: list[str], interrupt_at) -> dict[str, dict]:
     return {p: read_json(path) for p, path in paths.items() if path.exists()}
 
 
-def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
+def _train(args, argv, run, tok, mesh, out: Path, interrupt_at) -> dict[str, dict]:
     precisions = ["bf16", "fp8"] if _compare(args) else [args.precision]
     main_process = jax.process_index() == 0
     marker = read_marker(out)
+    if tok is None and args.resume:  # --tokenizer bpe: the run's, not trained again
+        tok = tokenizer.of_run(out)
+        run = dataclasses.replace(run, **tokenizer.record(tok))
     notices = _check_resume(out, run, precisions, marker) if args.resume else []
     results, todo, resume = _todo(args, precisions, out, run, marker)
-    corpus = _usage(load_corpus, args.data, max_bytes=args.max_bytes)
+    text = _usage(load_corpus, args.data, max_bytes=args.max_bytes)
+    # tok None (--tokenizer bpe, a fresh run): trained on this corpus's training split
+    ids = tokenizer.tokens(text, tok, out, run.model.vocab)
+    tok, corpus = ids.tokenizer, ids.corpus
+    run = dataclasses.replace(run, **tokenizer.record(tok))
+    results = {**_earlier_results(precisions, out, run, marker), **results}
     _usage(check_seq, corpus, run.model.seq)
+    if jax.process_count() > 1 and tok.sha256:
+        digest = np.frombuffer(bytes.fromhex(tok.sha256), np.uint8)
+        multihost_utils.assert_equal(digest, "fp8jax-train: the processes' tokenizers differ")
     mesh_text = ",".join(f"{a}={n}" for a, n in mesh.shape.items()) if mesh is not None else ""
     device = jax.devices()[0]
     meta = dict(
@@ -365,10 +400,15 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
         corpus=dict(
             source=corpus.source,
             files=corpus.files,
-            train_bytes=len(corpus.train),
-            val_bytes=len(corpus.val),
+            train_bytes=len(text.train),
+            val_bytes=len(text.val),
+        ),
+        tokenizer=dict(
+            tokenizer.record(tok), file=str(out / tokenizer.FILE) if tok.sha256 else None
         ),
     )
+    if corpus is not text:
+        meta["corpus"].update(train_tokens=len(corpus.train), val_tokens=len(corpus.val))
     where = device.device_kind + (f" x {mesh.devices.size} (mesh {mesh_text})" if mesh else "")
     if jax.process_count() > 1:
         where += f", {jax.process_count()} processes"
@@ -376,10 +416,12 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
         print(
             f"fp8jax-train: preset {args.preset}, {millions(run.model.non_embedding_params())} "
             f"params, {run.steps} steps x {run.batch} x {run.model.seq} tokens, on {where}; "
-            f"corpus {corpus.source} ({corpus.files} files, {len(corpus.train) / 1e6:.1f} MB "
+            f"corpus {corpus.source} ({corpus.files} files, {len(text.train) / 1e6:.1f} MB "
             "train)",
             flush=True,
         )
+        if corpus is not text:
+            print(ids.describe(out), flush=True)
         for notice in notices:
             print(notice, file=sys.stderr, flush=True)
         # A fresh run's options, before anything of it is written. A resumed run's are
@@ -388,6 +430,7 @@ def _train(args, argv, run, mesh, out: Path, interrupt_at) -> dict[str, dict]:
         fresh = [p for p in todo if not resume[p]]
         if fresh:
             write_marker(out, {p: config_record(run, p) for p in fresh}, meta["command"])
+        ids.keep(out)  # after the marker: --out is one of the trainer's runs
     common = dict(
         quiet=args.quiet, interrupt_at=interrupt_at, mesh=mesh, tensorboard=not args.no_tensorboard
     )

@@ -55,8 +55,9 @@ PRESETS = {
         selective=False,
     ),
     # LLaMA-3-8B: dim 4096, 32 layers, ffn 14336, GQA 32/8 heads, rope base 5e5 and its
-    # 128,256-entry vocabulary (the embedding and head are 1.05B of the 8.0B parameters; the
-    # data's byte tokens use the first 256 rows). A multi-GPU config (4x H200: --mesh fsdp=4).
+    # 128,256-entry vocabulary (the embedding and head are 1.05B of the 8.0B parameters; byte
+    # tokens use the first 256 rows, --tokenizer bpe all). A multi-GPU config (4x H200: --mesh
+    # fsdp=4).
     # The layer scan is kept rolled (32 unrolled layers compile slowly; not measured).
     "8b": dict(
         model=ModelConfig(
@@ -96,6 +97,9 @@ class RunConfig:
         scaling, recipe, fast_accumulation, cast_kernel: the `Fp8Config` fields.
         fp8_attention, fp8_head: also run attention / the LM head in FP8 (fp8 run).
         sequence_parallel: Megatron sequence parallelism over the mesh's tensor axis.
+        tokenizer, tokenizer_vocab, tokenizer_sha256: the data's tokens (``--tokenizer``):
+            ``"bytes"``, ``"bpe"`` or ``"file"`` (a user's tokenizer.json), its vocabulary
+            and its tokenizer.json's hash (None: bytes, or a BPE not trained yet).
     """
 
     model: ModelConfig
@@ -115,6 +119,9 @@ class RunConfig:
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
     fp8_head: bool = False  # the fp8 run also runs the LM head's GEMMs in FP8
     sequence_parallel: bool = False  # Megatron sequence parallelism over the mesh's tensor axis
+    tokenizer: str = "bytes"  # `tokenizer.BYTES`, `BPE` or `USER`
+    tokenizer_vocab: int | None = 256
+    tokenizer_sha256: str | None = None
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:

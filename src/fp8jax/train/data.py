@@ -1,6 +1,7 @@
 """Byte-level corpus that needs no download: the Python standard library's own source
 files (sorted paths, so the same on every machine with the same Python), or any text
-file / directory given with ``--data``."""
+file / directory given with ``--data``. `tokenizer.tokenize` turns its byte ids into a
+tokenizer's."""
 
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def _files(root: Path) -> list[Path]:
 
 @dataclasses.dataclass
 class Corpus:
-    train: np.ndarray  # uint8
+    train: np.ndarray  # token ids: uint8 (bytes), or a tokenizer's (uint16, uint32)
     val: np.ndarray
     source: str
     files: int
+    unit: str = "bytes"  # what an id is: a byte, or a tokenizer's token ("tokens")
+    text_bytes: tuple[int, int] | None = None  # (train, val) bytes of text, ids of tokens
 
     def batch(self, seed: int, step: int, batch: int, seq: int) -> np.ndarray:
         """Training windows ``[batch, seq + 1]`` for ``step``: a function of (seed, step)
@@ -89,12 +92,13 @@ def load_corpus(
 
 
 def check_seq(corpus: Corpus, seq: int) -> None:
-    """A window is ``seq + 1`` bytes of one split: refuse a ``--seq`` a split cannot hold
-    (numpy's ``high <= 0`` at the first batch otherwise)."""
+    """A window is ``seq + 1`` ids (bytes or tokens) of one split: refuse a ``--seq`` a
+    split cannot hold (numpy's ``high <= 0`` at the first batch otherwise)."""
     if len(corpus.train) < seq + 2 or len(corpus.val) < seq + 1:
-        size = len(corpus.train) + len(corpus.val)
+        size, unit = len(corpus.train) + len(corpus.val), corpus.unit
         raise ValueError(
-            f"--seq {seq}: the corpus {corpus.source} is too small ({size:,} bytes: "
+            f"--seq {seq}: the corpus {corpus.source} is too small ({size:,} {unit}: "
             f"{len(corpus.train):,} train, {len(corpus.val):,} validation; a window is "
-            "--seq + 1 bytes of each): give a smaller --seq, more --data or a larger --max-bytes"
+            f"--seq + 1 {unit} of each): give a smaller --seq, more --data or a larger "
+            "--max-bytes"
         )

@@ -1,4 +1,4 @@
-"""``fp8jax-generate``: text from the trainer's byte-level LM, prefill + KV-cache decode.
+"""``fp8jax-generate``: text from the trainer's LM, prefill + KV-cache decode.
 
     fp8jax-generate --run runs/tiny --prompt "def main("        # the newest checkpoint of a run
     fp8jax-generate --run runs/tiny --precision fp8 --inference fp8 --weight-scaling channel
@@ -9,6 +9,8 @@ rewritten here, to read and write a fixed-size KV cache. ``--inference fp8`` ser
 checkpoint through `fp8jax.to_inference` (e4m3 weights, FP8 GEMMs); ``bf16`` serves the
 weights in bf16 (an FP8 checkpoint's linears lose their FP8 state). Prints the text, the
 prefill tokens/s and the decode ms per step (one token for each of the batch's sequences).
+The prompt is encoded and the text decoded with the run's tokenizer: bytes, or the
+``tokenizer.json`` of a run trained with ``--tokenizer bpe`` or ``PATH.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from ..nn.linear import Linear, apply_linear
 from ..nn.mha import rotary
 from ..nn.mlp import normalize
 from . import cli
+from .checkpoint import stored_config
 from .model import VOCAB, ModelConfig, MoE, Transformer, split_qkv
+from .tokenizer import BYTES, FILE, USER, ByteTokenizer, kind_of
+from .tokenizer import load as load_tokenizer
 
 F32 = jnp.float32
 
@@ -47,16 +52,20 @@ class KVCache(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """``temperature`` 0: greedy (argmax); else softmax sampling at that temperature from
-    the ``top_k`` most likely bytes (0: all of them)."""
+    the ``top_k`` most likely tokens (0: all of them), among the first ``vocab`` ids only
+    (the tokenizer's: a model's vocabulary may have rows its data never trained)."""
 
     temperature: float = 0.0
     top_k: int = 0
+    vocab: int = VOCAB  # the tokenizer's size (default: the 256 bytes)
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature!r} is not allowed; expected >= 0.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} is not allowed; expected an int >= 0.")
+        if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1:
+            raise ValueError(f"vocab={self.vocab!r} is not allowed; expected an int >= 1.")
 
 
 @dataclasses.dataclass
@@ -131,9 +140,9 @@ def forward_cached(model: Transformer, tokens, cache: KVCache, pos):
 
 
 def sample(logits, key, sampling: Sampling):
-    """Next tokens ``[B]`` from ``logits [B, vocab]``, among the byte tokens only (a
-    vocabulary larger than 256 has rows the byte-level data never trains)."""
-    logits = logits[:, :VOCAB]
+    """Next tokens ``[B]`` from ``logits [B, vocab]``, among the tokenizer's ids only
+    (``sampling.vocab``: a larger vocabulary has rows the data never trains)."""
+    logits = logits[:, : sampling.vocab]
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature
@@ -172,7 +181,7 @@ def generate(
     key=None,
     warmup: bool = True,
 ) -> Generation:
-    """``new_tokens`` bytes after each row of ``prompt [B, P]`` (all rows one length):
+    """``new_tokens`` tokens after each row of ``prompt [B, P]`` (all rows one length):
     one jitted prefill of the prompt into a cache of ``P + new_tokens`` positions, then one
     jitted ``lax.scan`` of decode steps. ``model`` is used as given (cast it first: see
     `prepare`). ``warmup`` compiles both before timing them."""
@@ -235,7 +244,31 @@ def run_config_of(run_dir: Path, argv: list[str] | None = None):
     if argv is None and meta_path.exists():
         command = json.loads(meta_path.read_text())["meta"]["command"]
         argv = shlex.split(command)[1:]
-    return cli.run_config(cli.parse_args(argv or []))
+    args = cli.parse_args(argv or [])
+    own = run_dir / FILE  # a user's tokenizer as the run keeps it (the path may have moved)
+    if kind_of(args.tokenizer) == USER and own.is_file():
+        return cli.run_config(args, load_tokenizer(own))
+    return cli.run_config(args)
+
+
+def run_tokenizer(run_dir: Path, run, precision: str):
+    """The tokenizer ``run`` trained with: bytes, or ``run_dir``'s `FILE` (checked against
+    the hash ``precision``'s checkpoint recorded)."""
+    if run.tokenizer == BYTES:
+        return ByteTokenizer()
+    if not (run_dir / FILE).is_file():
+        raise FileNotFoundError(
+            f"no {FILE} in {run_dir}: the run's tokenizer (it trained with --tokenizer "
+            f"{'bpe' if run.tokenizer == 'bpe' else 'PATH.json'})"
+        )
+    tokenizer = load_tokenizer(run_dir / FILE, run.tokenizer)
+    want = (stored_config(run_dir, precision) or {}).get("tokenizer_sha256")
+    if want and want != tokenizer.sha256:
+        raise ValueError(
+            f"{run_dir / FILE} is not the tokenizer the {precision} checkpoint was trained with "
+            f"(sha256 {tokenizer.sha256}, the checkpoint's {want})"
+        )
+    return tokenizer
 
 
 def load_trained(run_dir: Path, precision: str, run) -> tuple[Transformer, int]:
@@ -304,13 +337,13 @@ def parse_args(argv):
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--batch", type=cli._at_least(1), default=1, help="sequences generated at once")
     p.add_argument(
-        "--new-tokens", type=cli._at_least(1), default=128, help="bytes to generate (default 128)"
+        "--new-tokens", type=cli._at_least(1), default=128, help="tokens to generate (default 128)"
     )
     p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
-        help="sampling temperature (default: %(default)s, greedy: the likeliest byte)",
+        help="sampling temperature (default: %(default)s, greedy: the likeliest token)",
     )
     p.add_argument(
         "--top-k", type=cli._at_least(0), default=0, help="sample from the k likeliest (0: all)"
@@ -322,30 +355,31 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> Generation:
     args = parse_args(sys.argv[1:] if argv is None else argv)
 
-    sampling = Sampling(args.temperature, args.top_k)
     if args.run is not None:
         run = run_config_of(args.run, shlex.split(args.train_args) if args.train_args else None)
         precision = args.precision or ("fp8" if (args.run / "ckpt-fp8").is_dir() else "bf16")
         model, step = load_trained(args.run, precision, run)
         source = f"{args.run / f'ckpt-{precision}'} step {step}"
+        tokenizer = run_tokenizer(args.run, run, precision)
     else:
         run = cli.run_config(cli.parse_args(["--preset", args.preset]))
         precision = args.precision or "fp8"
         model, source = cli.build_model(run, precision), f"fresh {args.preset} model"
+        tokenizer = ByteTokenizer()
+    sampling = Sampling(args.temperature, args.top_k, tokenizer.vocab_size)
     mode = args.inference or precision
     if mode == "fp8" and precision != "fp8":
         raise ValueError("--inference fp8 needs an FP8 model (--precision fp8)")
     input_scale = args.input_scale or ("frozen" if args.run is not None else "dynamic")
     served = prepare(model, mode, weight_scaling=args.weight_scaling, input_scale=input_scale)
-    prompt_bytes = np.frombuffer(args.prompt.encode(), np.uint8).astype(np.int32)
-    prompt = np.tile(prompt_bytes[None], (args.batch, 1))
+    prompt = np.tile(tokenizer.encode(args.prompt)[None], (args.batch, 1))
     out = generate(
         served, prompt, args.new_tokens, sampling=sampling, key=jax.random.PRNGKey(args.seed)
     )
     detail = f"{args.weight_scaling} weights, {input_scale} inputs" if mode == "fp8" else "bf16"
     print(f"fp8jax-generate: {source}, served {mode} ({detail}) on {jax.devices()[0].device_kind}")
     for row in out.tokens:
-        text = bytes(np.asarray(row, np.uint8)).decode("utf-8", errors="replace")
+        text = tokenizer.decode(row)
         print("-" * 40 + f"\n{args.prompt}{text}")
     decode = out.decode_ms_per_token
     print(

@@ -41,7 +41,7 @@ class ModelConfig:
         rope_base: the rotary embedding's base.
         attention: ``"bf16"`` or ``"fp8_dpa"`` (FP8 attention).
         scan_unroll: layers per scan iteration (same math).
-        vocab: embedding rows and logits (>= 256, the byte tokens).
+        vocab: embedding rows and logits (>= 256, the byte tokens; >= a tokenizer's size).
     """
 
     dim: int = 128
@@ -57,8 +57,9 @@ class ModelConfig:
     rope_base: float = 10000.0
     attention: str = "bf16"  # or "fp8_dpa": `fp8jax.nn.DotProductAttention` (cuDNN FP8 on Hopper)
     scan_unroll: int = 1  # layers per scan iteration (`jax.lax.scan(unroll=...)`); same math
-    # Embedding rows and logits. Byte data (ids < 256) trains at any size >= 256; a larger
-    # vocabulary costs what a real tokenizer's would (embedding, head GEMMs, softmax).
+    # Embedding rows and logits. Byte data (ids < 256) trains at any size >= 256, a tokenizer's
+    # (`fp8jax.train.tokenizer`) at any size >= its own; a larger vocabulary than the data's
+    # costs what a real tokenizer's would (embedding, head GEMMs, softmax).
     vocab: int = VOCAB
 
     def __post_init__(self):

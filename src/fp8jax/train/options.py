@@ -9,6 +9,7 @@ from pathlib import Path
 from .. import compilation
 from ..recipe import RECIPES
 from .config import PRESETS
+from .tokenizer import BPE_VOCAB, FILE, INSTALL
 
 
 def _at_least(low: int):
@@ -78,6 +79,17 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         "needs memory for both models",
     )
     add("--data", default=None, help="text file or directory (default: the Python stdlib sources)")
+    add(
+        "--tokenizer",
+        default="bytes",
+        metavar="bytes|bpe|PATH.json",
+        help="the data's tokens: bytes (the default: ids 0..255); bpe: a byte-level BPE of "
+        f"--vocab tokens (left out: the preset's if larger than 256, else {BPE_VOCAB}) trained "
+        f"on the corpus's training split and kept as --out/{FILE} (--resume and "
+        "fp8jax-generate use it); or PATH.json, your tokenizers tokenizer (--vocab left out: "
+        "its size rounded up to a multiple of 128). The corpus's ids are cached in --out "
+        f"(tokens-<hash>.npz). bpe and PATH.json need {INSTALL}",
+    )
     add("--out", type=Path, default=None, help="output directory (default runs/<preset>)")
     add(
         "--resume",
@@ -107,10 +119,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         ("heads", "attention heads"),
         ("kv-heads", "key/value heads (GQA)"),
         ("ffn", "MLP hidden width"),
-        ("seq", "bytes per training sequence"),
+        ("seq", "tokens per training sequence (bytes with --tokenizer bytes)"),
         ("experts", "MoE experts per block (0: a dense MLP)"),
         ("top-k", "MoE experts per token"),
-        ("vocab", "embedding rows and logits (>= 256; the data's tokens are bytes)"),
+        ("vocab", "embedding rows and logits (>= 256 and the tokenizer's size); BPE's size"),
     ):
         add(f"--{name}", type=_at_least(1), default=None, help=f"{what}; {_preset_default(name)}")
     add(

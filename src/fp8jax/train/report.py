@@ -144,6 +144,9 @@ def to_records(
                 fp8_gemm_count=r.get("fp8_gemms"),
                 gemm_count=r.get("gemms"),
                 gemm_census=r.get("gemm_census"),
+                tokenizer=dict(
+                    kind=run.tokenizer, vocab=run.tokenizer_vocab, sha256=run.tokenizer_sha256
+                ),
             )
         )
     return recs

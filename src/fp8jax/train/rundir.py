@@ -29,11 +29,20 @@ class UsageError(ValueError):
 def atomic_write_text(path: Path, text: str) -> None:
     """``path`` holds ``text``, written to a temporary file beside it first: readers (and a
     ``--resume`` after a kill) see the old content or the new, never a truncated file."""
+    _atomic_write(path, text, dict(mode="w", newline=""))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``path`` holds ``data``, written as `atomic_write_text` writes."""
+    _atomic_write(path, data, dict(mode="wb"))
+
+
+def _atomic_write(path: Path, data, mode: dict) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", newline="") as f:
-            f.write(text)
+        with open(tmp, **mode) as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -164,15 +173,22 @@ def clear_outputs(out: Path, precision: str) -> None:
 
 # ----------------------------------------------------------------------------- run config
 # Options a checkpoint cannot be resumed with another value of: the parameters' shapes, the
-# model's function, the FP8 state (the last four: fp8 runs only). Any other option (schedule,
-# batch, seed, kernels, placement) is applied from the resumed step on, with a notice.
+# model's function, the tokens it reads, the FP8 state (the last four: fp8 runs only). Any
+# other option (schedule, batch, seed, kernels, placement) is applied from the resumed step on,
+# with a notice.
 MODEL_KEYS = (
     "dim", "layers", "heads", "kv_heads", "ffn", "seq", "experts", "top_k",
     "aux_loss_coef", "rope_base", "vocab", "precision",
+    "tokenizer", "tokenizer_vocab", "tokenizer_sha256",
 )  # fmt: skip
 FP8_KEYS = ("scaling", "recipe", "selective", "fp8_attention")
 FP8_ONLY = (*FP8_KEYS, "fast_accumulation", "cast_kernel", "fp8_head")
-_OPTION = dict(selective="--fp8-everywhere (selective)", cast_kernel="--cast-kernel")
+_OPTION = dict(
+    selective="--fp8-everywhere (selective)",
+    cast_kernel="--cast-kernel",
+    tokenizer_vocab="the tokenizer's vocabulary",
+    tokenizer_sha256="the tokenizer's sha256",
+)
 _NO_OPTION = ("aux_loss_coef", "rope_base")
 
 
