@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from fp8jax.train import census, cli, rundir
+from fp8jax.train import resume as resume_
 from fp8jax.train import checkpoint as ckpt
 from fp8jax.train.census import lowered_gemm_calls
 
@@ -310,8 +311,8 @@ def test_resume_after_one_precision_finished_starts_the_other(tmp_path):
     args = cli.parse_args(TINY + ["--compare", "--resume", "--steps", "2"])
     run = cli.run_config(args)
     (tmp_path / "result-bf16.json").write_text(json.dumps(dict(steps=2, interrupted=False)))
-    results, todo, resume = cli._todo(args, ["bf16", "fp8"], tmp_path, run, {})
+    results, todo, resume = resume_.todo(args, ["bf16", "fp8"], tmp_path, run, {})
     assert list(results) == ["bf16"] and todo == ["fp8"] and resume == {"fp8": False}
     (tmp_path / "result-bf16.json").unlink()
     with pytest.raises(ValueError, match="no checkpoint in .*ckpt-bf16 to continue from"):
-        cli._todo(args, ["bf16", "fp8"], tmp_path, run, {})
+        resume_.todo(args, ["bf16", "fp8"], tmp_path, run, {})

@@ -14,6 +14,7 @@ Import from `fp8jax.train` itself (its ``__all__``); the modules are its impleme
 - `census`: how many of the step's GEMM calls run in FP8.
 - `metering`: peak FLOP/s (for MFU) and the GPU's energy counter.
 - `report`: the summary table, CSV/JSON metrics, loss plot, TensorBoard events.
+- `resume`: ``--resume``: which precisions are done or continue, and the options check.
 - `rundir`: ``--out``: ownership, atomic writes, the stored options.
 - `options`: the command-line options (``--help``).
 - `cli`: ``fp8jax-train``'s `main`.

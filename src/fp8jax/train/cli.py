@@ -37,7 +37,8 @@ from jax.experimental import multihost_utils
 
 from .. import compilation
 from . import interrupts, launch, tokenizer
-from .checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint, stored_config
+from . import resume as resume_
+from .checkpoint import restore_checkpoint, save_checkpoint
 from .config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
 from .data import check_seq, load_corpus
 from .loop import Trainer, TrainRun, lm_loss, train, train_interleaved
@@ -49,7 +50,6 @@ from .report import plot, summarize, to_records, write_metrics
 from .rundir import (
     UsageError,
     atomic_write_text,
-    config_diff,
     config_record,
     prepare_out,
     read_json,
@@ -200,72 +200,6 @@ def _compare(args) -> bool:
     return not args.precision or args.compare
 
 
-def _stored(out: Path, precision: str, marker: dict) -> dict | None:
-    """``precision``'s stored options: its newest checkpoint's, else the run marker's."""
-    return stored_config(out, precision) or marker.get("runs", {}).get(precision)
-
-
-def _check_resume(out: Path, run: RunConfig, precisions, marker: dict) -> list[str]:
-    """``--resume``: each precision's stored options against these. A model option that
-    differs is refused, naming each (the checkpoint would not fit, or would continue
-    another model); any other is applied from the resumed step on: returns those notices."""
-    notices = []
-    for precision in precisions:
-        stored = _stored(out, precision, marker)
-        if not stored:
-            continue  # not started, or a run from before configs were stored
-        model, other = config_diff(stored, config_record(run, precision))
-        if model:
-            command = marker.get("runs", {}).get(precision, {}).get("command")
-            ran = f"; it ran as: {command}" if command else ""
-            raise UsageError(
-                f"--resume: the {precision} run in {out} has other model options (run's -> "
-                f"given): {', '.join(model)}; resume with the run's options{ran}"
-            )
-        if other:
-            notices.append(
-                f"fp8jax-train --resume: {precision} continues with changed options (run's -> "
-                f"given, applied from its checkpoint on): {', '.join(other)}"
-            )
-    return notices
-
-
-def _earlier_results(precisions, out: Path, run: RunConfig, marker: dict) -> dict[str, dict]:
-    """Results of the other precision from an earlier invocation into the same --out (of the
-    same model: another model's would make a meaningless comparison)."""
-    results: dict[str, dict] = {}
-    for name in ("bf16", "fp8"):
-        path = out / f"result-{name}.json"
-        if name not in precisions and path.exists():
-            stored = _stored(out, name, marker)
-            if stored and config_diff(stored, config_record(run, name))[0]:
-                continue
-            results[name] = read_json(path)
-    return results
-
-
-def _todo(args, precisions, out, run, marker) -> tuple[dict, list[str], dict[str, bool]]:
-    """Results of these precisions finished before, the precisions to train, and which of
-    them resume."""
-    results: dict[str, dict] = {}
-    todo = []
-    for precision in precisions:
-        done = out / f"result-{precision}.json"
-        if args.resume and done.exists():
-            previous = read_json(done)
-            if previous["steps"] >= run.steps and not previous["interrupted"]:
-                results[precision] = previous  # finished before the interruption
-                continue
-        todo.append(precision)
-    # --resume continues what has a checkpoint; a precision the interruption came before starts
-    # fresh (unless nothing has one or finished: then there is nothing to resume).
-    started = [p for p in todo if has_checkpoint(out, p)]
-    if args.resume and todo and not started and len(todo) == len(precisions):
-        raise UsageError(f"--resume: no checkpoint in {out / f'ckpt-{todo[0]}'} to continue from")
-    resume = {p: args.resume and p in started for p in todo}
-    return results, todo, resume
-
-
 def main(argv: list[str] | None = None, *, interrupt_at: int | None = None) -> dict[str, dict]:
     """Train as the command line says. ``argv`` None (``fp8jax-train``, ``python -m
     fp8jax.train``): ``sys.argv``, a bad option value is a usage error (exit status 2) and
@@ -366,14 +300,14 @@ def _train(args, argv, run, tok, mesh, out: Path, interrupt_at) -> dict[str, dic
     if tok is None and args.resume:  # --tokenizer bpe: the run's, not trained again
         tok = tokenizer.of_run(out)
         run = dataclasses.replace(run, **tokenizer.record(tok))
-    notices = _check_resume(out, run, precisions, marker) if args.resume else []
-    results, todo, resume = _todo(args, precisions, out, run, marker)
+    notices = resume_.check_resume(out, run, precisions, marker) if args.resume else []
+    results, todo, resume = resume_.todo(args, precisions, out, run, marker)
     text = _usage(load_corpus, args.data, max_bytes=args.max_bytes)
     # tok None (--tokenizer bpe, a fresh run): trained on this corpus's training split
     ids = tokenizer.tokens(text, tok, out, run.model.vocab)
     tok, corpus = ids.tokenizer, ids.corpus
     run = dataclasses.replace(run, **tokenizer.record(tok))
-    results = {**_earlier_results(precisions, out, run, marker), **results}
+    results = {**resume_.earlier_results(precisions, out, run, marker), **results}
     _usage(check_seq, corpus, run.model.seq)
     if jax.process_count() > 1 and tok.sha256:
         digest = np.frombuffer(bytes.fromhex(tok.sha256), np.uint8)
