@@ -196,17 +196,23 @@ def run_meta(argv: list[str], bench: str, prefix: str) -> dict:
 
 
 def append_records(
-    rows: list[dict], path: Path, fields, rounding: dict | None = None, optional=()
+    rows: list[dict],
+    path: Path,
+    fields,
+    rounding: dict | None = None,
+    optional=(),
+    measured: str = "ms",
 ) -> int:
-    """Append ``fields`` of the measured rows (errors left out; values rounded to
-    ``rounding[field]`` digits) to ``path`` as JSON lines, then the ``optional`` fields a
-    row has (not None: e.g. a peer framework's versions); the number written."""
+    """Append ``fields`` of the measured rows (those with a ``measured`` value: errors left
+    out; values rounded to ``rounding[field]`` digits) to ``path`` as JSON lines, then the
+    ``optional`` fields a row has (not None: e.g. a peer framework's versions); the number
+    written."""
     rounding = rounding or {}
     path.parent.mkdir(parents=True, exist_ok=True)
     written = 0
     with open(path, "a") as f:
         for r in rows:
-            if r.get("ms") is None:
+            if r.get(measured) is None:
                 continue
             rec = {}
             for k in fields:
@@ -227,12 +233,19 @@ def print_records_written(record: bool, written: int, path: Path, quick: bool) -
 
 
 def run_cases(
-    cases, run_one, table, path: Path, fields, record: bool = True, optional=()
+    cases,
+    run_one,
+    table,
+    path: Path,
+    fields,
+    record: bool = True,
+    optional=(),
+    measured: str = "ms",
 ) -> list[dict]:
     """``run_one(case) -> rows`` for each case, printing ``table(rows)`` as it goes and, on a
-    GPU when ``record``, appending the rows' ``fields`` (and ``optional`` ones, see
-    `append_records`) to ``path`` per case (a run cut short keeps what it measured); then
-    the whole table. Returns all rows."""
+    GPU when ``record``, appending the rows' ``fields`` (and ``optional`` ones; ``measured``:
+    the field a row that did not fail has, see `append_records`) to ``path`` per case (a
+    run cut short keeps what it measured); then the whole table. Returns all rows."""
     record = record and on_gpu()
     rows = []
     for case in cases:
@@ -240,7 +253,7 @@ def run_cases(
         print(table(case_rows), flush=True)
         rows += case_rows
         if record:
-            append_records(case_rows, path, fields, optional=optional)
+            append_records(case_rows, path, fields, optional=optional, measured=measured)
     print("\n" + table(rows), flush=True)
     return rows
 

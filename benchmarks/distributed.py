@@ -21,10 +21,18 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
 * ``speedup_vs_bf16`` (FP8 rows: over the bf16 row of the same run);
 * ``peak_mem_mb`` of the compiled step.
 
+``--max-batch`` times nothing: per variant it finds ``max_batch``, the largest global batch
+(a multiple of ``data x fsdp``) whose compiled step fits in one device's memory (XLA's
+memory analysis: temporaries + arguments + outputs, against the GPU's ``bytes_limit`` or
+``--memory-limit-gb``), by compiling only: doubling, then bisecting. FP8 keeps its GEMM
+inputs for the backward in one byte instead of two, so it fits a larger batch where
+activations dominate.
+
     python -m benchmarks.distributed --preset 1b              # 1 GPU: a mesh of one
     python -m benchmarks.distributed --mesh data=2,fsdp=4     # 8 devices
     python -m benchmarks.distributed --preset 8b --mesh fsdp=4 --no-baseline  # 128k vocab
     python -m benchmarks.distributed --quick                  # CPU smoke run, writes nothing
+    python -m benchmarks.distributed --preset 1b --max-batch  # largest batch per variant
 
 Records (GPU, not ``--quick``) go to ``benchmarks/results/distributed.jsonl``.
 """
@@ -76,6 +84,9 @@ RECORD_FIELDS = (
     "comm_ms",
     "peak_mem_mb",
 )
+# Fields only some records have (written where a row has them): ``--max-batch``'s.
+OPTIONAL_FIELDS = ("max_batch", "max_batch_mem_mb", "next_mem_mb", "memory_limit_gb", "compiles")
+MAX_BATCH_STEPS = 2**16  # --max-batch gives up above this many sequences per rank
 
 
 def parse_mesh(text: str, devices: int) -> dict[str, int]:
@@ -140,15 +151,33 @@ def gather_summary(collectives) -> tuple[int, dict[str, int]]:
     return total.get("all-gather", 0), kinds.get("all-gather", {})
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """The batch's sharding: its sequences split over ``data`` x ``fsdp``."""
+    data_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+    return NamedSharding(mesh, P(data_axes))
+
+
+def compiled_bytes(compiled, donated: bool = False) -> int | None:
+    """Device bytes a compiled step needs (XLA's memory analysis, per device): its
+    temporaries, arguments and outputs, less the outputs that reuse donated arguments'
+    buffers where ``donated``; None where the backend has no such analysis."""
+    try:
+        stats = compiled.memory_analysis()
+        total = stats.temp_size_in_bytes + stats.argument_size_in_bytes
+        total += stats.output_size_in_bytes
+        return total - (stats.alias_size_in_bytes if donated else 0)
+    except Exception:  # not every backend implements it
+        return None
+
+
 def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True) -> dict:
     """Step time, tokens/s, collectives (and their exposed time on GPUs) and peak memory of
     one variant on ``mesh``."""
     step, params, opt_state = build_step(run, precision, mesh)
     rng = np.random.default_rng(0)
-    data_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     batch = jax.device_put(
         rng.integers(0, run.model.vocab, (batch_size, run.model.seq + 1), dtype=np.int32),
-        NamedSharding(mesh, P(data_axes)),
+        batch_sharding(mesh),
     )
     lowered = step.lower(params, opt_state, batch)
     row = {}
@@ -178,17 +207,90 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
         params, opt_state = state
         if comm is not None:
             row["exposed_comm_ms"], row["comm_ms"] = comm
-    try:
-        stats = compiled.memory_analysis()
-        mem = (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
-        mem += stats.output_size_in_bytes / 2**20
-    except Exception:  # not every backend implements it
-        mem = None
+    mem = compiled_bytes(compiled)
+    mem = None if mem is None else mem / 2**20
     return dict(row, ms=ms, tokens_per_s=batch_size * run.model.seq / (ms * 1e-3), peak_mem_mb=mem)
 
 
-def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
-    mesh = make_mesh(sizes, devices)
+def max_batch(run, precision, mesh, limit_bytes: int) -> dict:
+    """The largest global batch (a multiple of the data-parallel size ``dp = data x
+    fsdp``) whose compiled step fits in ``limit_bytes`` per device (`compiled_bytes`, the
+    donated parameters and optimizer state counted once), found by compiling only: no
+    step runs. From ``dp``, each next batch is where the line through two batches
+    already compiled meets the limit (memory grows about linearly with the batch; where
+    the line says nothing, the batch doubles), and after a step that did not halve the
+    range between the largest batch that fits and the smallest that does not, the middle
+    of it (bisection); until they are ``dp`` apart.
+
+    Returns:
+        ``max_batch`` (0: not even ``dp`` fits), its ``max_batch_mem_mb``,
+        ``next_mem_mb`` (of ``max_batch + dp``, which does not fit) and the number of
+        ``compiles``.
+    """
+    step, params, opt_state = build_step(run, precision, mesh)
+    sharding, dp = batch_sharding(mesh), mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def compiled(batch: int) -> int:
+        if batch > dp * MAX_BATCH_STEPS:
+            raise RuntimeError(f"--max-batch: {batch} sequences would fit; raise the limit")
+        spec = jax.ShapeDtypeStruct((batch, run.model.seq + 1), np.int32, sharding=sharding)
+        nbytes = compiled_bytes(step.lower(params, opt_state, spec).compile(), donated=True)
+        if nbytes is None:
+            raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
+        return nbytes
+
+    fit, over, found = search_batch(compiled, dp, limit_bytes)
+    return dict(
+        max_batch=fit,
+        max_batch_mem_mb=found[fit] / 2**20 if fit else None,
+        next_mem_mb=found[over] / 2**20,
+        compiles=len(found),
+    )
+
+
+def search_batch(nbytes, dp: int, limit: int) -> tuple[int, int, dict[int, int]]:
+    """The largest multiple of ``dp`` whose ``nbytes(batch)`` is at most ``limit``, that
+    plus ``dp`` (over it), and the bytes of each batch tried; by the search `max_batch`
+    describes."""
+    found: dict[int, int] = {}
+
+    def fits(batch: int) -> bool:
+        found[batch] = nbytes(batch)
+        return found[batch] <= limit
+
+    fit, over, batch, bisected = 0, None, dp, False
+    while True:
+        width = None if over is None else over - fit
+        fit, over = (batch, over) if fits(batch) else (fit, batch)
+        if over is not None and over - fit <= dp:  # over == dp: not even dp fits
+            return fit, over, found
+        bisected = width is not None and not bisected and 2 * (over - fit) > width
+        batch = _middle(fit, over, dp) if bisected else _secant(found, fit, over, dp, limit)
+
+
+def _middle(fit: int, over: int, dp: int) -> int:
+    return fit + (over - fit) // (2 * dp) * dp
+
+
+def _secant(found: dict[int, int], fit: int, over: int | None, dp: int, limit: int) -> int:
+    """The multiple of ``dp`` strictly between ``fit`` and ``over`` (or above ``fit``)
+    where the line through ``fit``'s bytes and ``over``'s (or the two largest batches that
+    fit) meets ``limit``; twice ``fit`` where no rising line is known."""
+    if over is not None:
+        (b1, m1), (b2, m2) = (fit, found[fit]), (over, found[over])
+    else:
+        fitting = sorted(b for b in found if found[b] <= limit)
+        if len(fitting) < 2:
+            return 2 * fit
+        (b1, m1), (b2, m2) = ((b, found[b]) for b in fitting[-2:])
+    if m2 <= m1:
+        return _middle(fit, over, dp) if over is not None else 2 * fit
+    target = int(b1 + (limit - m1) * (b2 - b1) / (m2 - m1)) // dp * dp
+    return max(target, fit + dp) if over is None else min(max(target, fit + dp), over - dp)
+
+
+def run_params(run, sizes, devices) -> dict:
+    """A record's ``params``: what the run measured (mesh, devices, model, settings)."""
     params = dict(
         mesh=",".join(f"{a}={sizes[a]}" for a in AXES),
         gpus=len(devices),
@@ -203,6 +305,12 @@ def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
     flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "").strip()
     if flags:  # the user's XLA flags change what is measured: they go with the record
         params["xla_flags"] = flags
+    return params
+
+
+def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
+    mesh = make_mesh(sizes, devices)
+    params = run_params(run, sizes, devices)
     try:
         row = measure(run, precision, mesh, run.batch, steps)
         row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
@@ -216,6 +324,45 @@ def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
     except Exception as e:  # a variant that fails is reported, the others still run
         row = dict(error=common.error_text(e))
     return dict(params=params, variant=precision, **row)
+
+
+def memory_limit(gb: float | None) -> int:
+    """Bytes of one device's memory: ``gb`` GiB if given, else the GPU's ``bytes_limit``."""
+    if gb is not None:
+        return int(gb * 2**30)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError("--max-batch: this device reports no memory limit; give --memory-limit-gb")
+    return int(stats["bytes_limit"])
+
+
+def probe_variant(run, precision, sizes, devices, limit_bytes: int) -> dict:
+    """A ``--max-batch`` row: `max_batch` of one variant on the mesh ``sizes``."""
+    params = run_params(run, sizes, devices)
+    del params["batch"]  # the probe's to find
+    try:
+        row = max_batch(run, precision, make_mesh(sizes, devices), limit_bytes)
+    except Exception as e:  # a variant that fails is reported, the others still run
+        row = dict(error=common.error_text(e))
+    return dict(params=params, variant=precision, memory_limit_gb=limit_bytes / 2**30, **row)
+
+
+def max_batch_table(rows) -> str:
+    limit = rows[0]["memory_limit_gb"] if rows else None
+    return "\n".join(
+        common.markdown_rows(
+            # markdown_rows shows a row without a time as its error: a probe has no time
+            [dict(r, ms=0.0 if r.get("max_batch") is not None else None) for r in rows],
+            f"mesh (limit {common.fmt(limit, '.3g')} GiB)",
+            lambda r: r["params"]["mesh"],
+            [
+                ("max batch", lambda r: str(r["max_batch"])),
+                ("its MiB", lambda r: common.fmt(r.get("max_batch_mem_mb"), ".1f")),
+                ("next MiB", lambda r: common.fmt(r.get("next_mem_mb"), ".1f")),
+                ("compiles", lambda r: str(r.get("compiles"))),
+            ],
+        )
+    )
 
 
 def table(rows) -> str:
@@ -263,8 +410,24 @@ def main(argv=None):
     p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="find each variant's largest global batch that fits in device memory, by "
+        "compiling only (no step runs)",
+    )
+    p.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=None,
+        help="--max-batch: one device's memory in GiB (default: the GPU's; needed on a CPU)",
+    )
     args = p.parse_args(argv)
     devices = jax.devices()
+    if args.max_batch and args.memory_limit_gb is None and not common.on_gpu():
+        p.error("--max-batch on a CPU needs --memory-limit-gb")
+    if args.memory_limit_gb is not None and not args.memory_limit_gb > 0:
+        p.error(f"--memory-limit-gb must be > 0, got {args.memory_limit_gb}")
     sizes = parse_mesh(args.mesh or f"fsdp={len(devices)}", len(devices))
     run = cli.RunConfig(**cli.PRESETS["tiny" if args.quick else args.preset])
     model = QUICK_MODEL if args.quick else run.model
@@ -286,6 +449,24 @@ def main(argv=None):
     print(f"{devices[0].device_kind} x{len(devices)}, jax {jax.__version__}, {sizes}", flush=True)
     meta = common.run_meta(argv, bench="distributed", prefix=COMMAND_PREFIX)
     preset = "quick" if args.quick else args.preset
+    if args.max_batch:
+        limit = memory_limit(args.memory_limit_gb)
+
+        def probe_one(precision):
+            row = probe_variant(run, precision, sizes, devices, limit)
+            row["params"] = dict(preset=preset, **row["params"])
+            return [dict(meta, **row)]
+
+        return common.run_cases(
+            args.variants,
+            probe_one,
+            max_batch_table,
+            Path(args.out),
+            RECORD_FIELDS,
+            record=not args.quick,
+            optional=OPTIONAL_FIELDS,
+            measured="max_batch",
+        )
     bf16_ms = []
 
     def run_one(precision):

@@ -251,6 +251,77 @@ def test_distributed_vocab_option(tmp_path):
         assert r["params"]["vocab"] == 1000 and r["params"]["fp8_head"]
 
 
+def test_distributed_max_batch_finds_each_variants_largest_batch(tmp_path):
+    """``--max-batch`` compiles (runs nothing) until it has, per variant, the largest
+    global batch (a multiple of the data-parallel size) whose step fits the memory limit
+    and, one data-parallel step larger, one that does not; a quick run writes nothing.
+    (On a CPU XLA runs FP8 dots in float32, so FP8 fits no larger batch here.)"""
+    from benchmarks import distributed
+
+    out, limit_gb = tmp_path / "distributed.jsonl", 0.003
+    args = ["--quick", "--max-batch", "--memory-limit-gb", str(limit_gb), "--mesh", "data=8",
+            "--out", str(out)]
+    rows = distributed.main(args)
+    assert [r["variant"] for r in rows] == list(distributed.VARIANTS)
+    for r in rows:
+        assert r.get("error") is None, r.get("error")
+        assert r["max_batch"] >= 8 and r["max_batch"] % 8 == 0  # 8 data-parallel ranks
+        assert r["max_batch_mem_mb"] <= limit_gb * 1024 < r["next_mem_mb"]  # MiB
+        assert 3 <= r["compiles"] <= 6 and r.get("ms") is None  # compiled, never run
+        assert r["params"]["mesh"] == "data=8,fsdp=1,tensor=1" and "batch" not in r["params"]
+    assert not out.exists()
+
+
+def test_distributed_max_batch_search_matches_a_linear_scan():
+    """The search on made-up memory curves (linear, steeper at large batches, with a jump,
+    flat): the largest multiple of ``dp`` under the limit, as a scan finds it, in few
+    tries."""
+    from benchmarks.distributed import search_batch
+
+    curves = {
+        "linear": lambda b: 1000 + 50 * b,
+        "steeper": lambda b: 1000 + 20 * b + b * b // 10,
+        "jump": lambda b: 1000 + 40 * b + (5000 if b >= 600 else 0),
+        "flat at first": lambda b: 30_000 if b <= 64 else 30_000 + 80 * (b - 64),
+    }
+    for name, nbytes in curves.items():
+        for dp in (1, 8):
+            for limit in (500, 2_000, 40_000, 61_000):
+                fit, over, found = search_batch(nbytes, dp, limit)
+                best = 0
+                while nbytes(best + dp) <= limit:
+                    best += dp
+                assert (fit, over) == (best, best + dp), (name, dp, limit)
+                assert found[over] > limit and (fit == 0 or found[fit] <= limit)
+                assert len(found) <= 2 * math.log2(max(best, dp) / dp) + 4, (name, dp, found)
+
+
+def test_distributed_max_batch_needs_a_memory_limit_on_cpu(capsys):
+    from benchmarks import distributed
+
+    with pytest.raises(SystemExit):
+        distributed.main(["--quick", "--max-batch"])
+    assert "--max-batch on a CPU needs --memory-limit-gb" in capsys.readouterr().err
+
+
+def test_distributed_probe_records_have_no_time(tmp_path):
+    """A ``--max-batch`` row has no ``ms``: it is written by its ``max_batch``, with the
+    optional fields it has; rows that failed (no ``max_batch``) are left out."""
+    import json
+
+    from benchmarks import common, distributed
+
+    path = tmp_path / "r.jsonl"
+    rows = [dict(bench="distributed", max_batch=24, next_mem_mb=3.2), dict(error="boom")]
+    assert common.append_records(rows, path, distributed.RECORD_FIELDS) == 0  # no time
+    written = common.append_records(rows, path, distributed.RECORD_FIELDS,
+                                    optional=distributed.OPTIONAL_FIELDS, measured="max_batch")
+    assert written == 1
+    record = json.loads(path.read_text())
+    assert record["max_batch"] == 24 and record["next_mem_mb"] == 3.2 and record["ms"] is None
+    assert "compiles" not in record  # an optional field the row lacks
+
+
 def test_front_doors_quick_times_the_nnx_object_doors(tmp_path):
     """The ``@nnx.jit`` step as the README writes it and under ``nnx.cached_partial``: both
     run and are timed; no records from a quick run."""

@@ -23,7 +23,14 @@ from .grad_overwrite import (
     trainable,
 )
 from .inference import Fp8InferenceLinear, load_inference, save_inference, to_inference
-from .inspect import GemmReport, assert_fp8, fp8_gemm_report, saved_activation_bytes
+from .inspect import (
+    GemmReport,
+    ResidualsReport,
+    assert_fp8,
+    fp8_gemm_report,
+    residuals_report,
+    saved_activation_bytes,
+)
 from .state import OverwriteWithGradient
 
 __version__ = "0.1.0"
@@ -35,6 +42,7 @@ __all__ = [
     "Fp8InferenceLinear",
     "GemmReport",
     "OverwriteWithGradient",
+    "ResidualsReport",
     "accumulate_grads",
     "apply_updates",
     "assert_fp8",
@@ -49,6 +57,7 @@ __all__ = [
     "optax_step",
     "partition_for_grad_overwrite",
     "record_fsdp",
+    "residuals_report",
     "save_inference",
     "saved_activation_bytes",
     "scale_grads",

@@ -92,6 +92,14 @@ INTERNALS = (
     Internal(_ATTN, "AttentionLayout", _ATTN_WHY, required=False),
     Internal(_ATTN, "check_cudnn_version", _ATTN_WHY, required=False),
     Internal(
+        "jax._src.source_info_util",
+        "summarize",
+        "the user source line of a jaxpr equation (file:line (function)), as JAX's "
+        "print_saved_residuals writes it, for fp8jax.inspect.residuals_report; without it "
+        "the report's lines read 'unknown'",
+        required=False,
+    ),
+    Internal(
         "jax._src.pallas.mosaic_gpu.interpret.params",
         "InterpretGPUParams",
         "runs the Mosaic-GPU block-scaled GEMM in Pallas' interpret mode (CPU tests)",
@@ -182,6 +190,19 @@ def cudnn_attention():
 def interpret_gpu_params():
     """Pallas Mosaic-GPU's ``InterpretGPUParams`` class; ImportError where this JAX lacks it."""
     return _get("jax._src.pallas.mosaic_gpu.interpret.params", "InterpretGPUParams")
+
+
+def source_line(eqn: Any) -> str:
+    """``file:line:column (function)`` of the user code that bound the jaxpr equation
+    ``eqn`` (the wording of JAX's ``print_saved_residuals``); ``""`` where it has none or
+    this JAX has no such summary."""
+    summarize = resolve(_BY_NAME[("jax._src.source_info_util", "summarize")])
+    if summarize is None:
+        return ""
+    try:
+        return str(summarize(eqn.source_info))
+    except (AttributeError, TypeError):  # an equation without source info
+        return ""
 
 
 def backend_started() -> bool:

@@ -1,4 +1,5 @@
-"""See whether the GEMMs of a function really run in FP8, from its compiled HLO."""
+"""See whether the GEMMs of a function really run in FP8, from its compiled HLO, and what
+its backward keeps (`residuals_report`, `saved_activation_bytes`)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import equinox as eqx
 
 from .kernels.blockwise_gemm import BLOCKWISE_SCOPE
 from .ops.grouped import GROUPED_SCOPE
+from .residuals import Residual, ResidualsReport, _nbytes, residuals_report
 
 __all__ = [
     "GemmInfo",
     "GemmReport",
+    "Residual",
+    "ResidualsReport",
     "assert_fp8",
     "fp8_gemm_report",
     "parse_gemms",
     "parse_stablehlo_gemms",
+    "residuals_report",
     "saved_activation_bytes",
 ]
 
@@ -286,11 +291,7 @@ def saved_activation_bytes(model: Any, *inputs: Any, dim: int | None = None) -> 
         res = jax.eval_shape(residuals, params, inputs)
     else:
         res = _closure_residuals(model, inputs)
-    return sum(
-        r.size * r.dtype.itemsize
-        for r in jax.tree_util.tree_leaves(res)
-        if dim is None or dim in r.shape
-    )
+    return sum(_nbytes(r) for r in jax.tree_util.tree_leaves(res) if dim is None or dim in r.shape)
 
 
 def _closure_residuals(fn: Callable, inputs: tuple):
