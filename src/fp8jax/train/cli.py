@@ -270,10 +270,6 @@ def _main(argv: list[str], interrupt_at: int | None) -> dict[str, dict]:
     except BaseException:
         remove_created(created)  # those still empty: a failed start leaves nothing behind
         raise
-    if jax.process_count() > 1:  # leave together: a process whose peers already left the
-        # coordination service otherwise prints a gRPC "CANCELLED" trace at exit (GPU)
-        multihost_utils.sync_global_devices("fp8jax-train: done")
-        jax.distributed.shutdown()
     return results
 
 
