@@ -221,11 +221,12 @@ def test_a_recipe_of_ones_own_names_what_it_cannot_run():
 
 # ----------------------------------------------------------------------------- no name checks
 KIND_CHECK = re.compile(
-    r"""\bkind\s*(==|!=)|\bkind\s+(not\s+)?in\s*[(\[{]"""  # kind == "...", kind in ("...",
-    r"""|\.kind\s+(not\s+)?in\b|(==|!=)\s*[\w.]*\.kind\b"""  # r.kind in ..., "..." == r.kind
+    r"""recipe\w*\.kind\s*(==|!=|(not\s+)?in\b)"""  # cfg.recipe.kind == ..., recipe.kind in
+    r"""|(==|!=)\s*[\w.]*recipe\w*\.kind\b"""  # "..." == recipe.kind
     r"""|\brecipe_name\b\s*(==|!=|(not\s+)?in\b)"""
     r"""|["']kind["']\s*(,[^)]*)?\)\s*(==|!=|(not\s+)?in\b)"""  # getattr(r, "kind", None) ==
-    r"""|(==|!=|\bin)\s*\(?\s*["'](rowwise|blockwise)["']"""  # == "blockwise", in ("rowwise",
+    r"""|(==|!=|\bin)\s*\(?\s*["'](rowwise|blockwise)["']"""  # == "blockwise", in (..
+    r"""|\bkind\s*(==|!=)\s*["']tensor["']"""  # kind == "tensor"
 )
 
 
@@ -245,7 +246,9 @@ def test_no_recipe_name_comparisons_outside_recipe_module():
     assert KIND_CHECK.search('ts = 2 if "blockwise" == recipe.kind else None')
     assert KIND_CHECK.search('getattr(recipe, "kind", None) == "blockwise"')
     assert KIND_CHECK.search('_split.of_weight(ws) if cfg.recipe.kind in ("rowwise",) else None')
+    assert KIND_CHECK.search('kind = config.recipe.kind; ok = kind == "tensor"')
     assert not KIND_CHECK.search("for path, kind in kinds.items():")
+    assert not KIND_CHECK.search('if tokenizer.kind == BYTES:')  # not a recipe's kind
 
 
 def test_a_setting_the_recipe_ignores_is_named_not_dropped_silently():
