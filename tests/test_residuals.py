@@ -125,7 +125,7 @@ def test_a_bf16_copy_of_an_fp8_input_is_found(recipe):
     pairs = report.bf16_copies_of_fp8_inputs()
     assert len(pairs) == 1, report
     fp8_copy, bf16_copy = pairs[0]
-    assert fp8_copy.shape == (1, F, M) and fp8_copy.is_fp8 and fp8_copy.name is None
+    assert fp8_copy.shape == (1, F, M) and fp8_copy.is_fp8 and fp8_copy.name == "fp8jax_input_fp8"
     assert bf16_copy.shape == (M, F) and str(bf16_copy.dtype) == "bfloat16"
     assert fp8_copy.tensor == bf16_copy.tensor
     assert "FP8 residuals also kept in high precision" in str(report)

@@ -31,6 +31,7 @@ from .inspect import (
     residuals_report,
     saved_activation_bytes,
 )
+from .nn import remat_policy
 from .state import OverwriteWithGradient
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "optax_step",
     "partition_for_grad_overwrite",
     "record_fsdp",
+    "remat_policy",
     "residuals_report",
     "save_inference",
     "saved_activation_bytes",

@@ -69,7 +69,7 @@ def is_fp8(dtype) -> bool:
 # where the element count stays, a unit dim added).
 _SAME = set(
     "broadcast_in_dim convert_element_type copy copy_p device_put expand_dims mesh_cast "
-    "reduce_precision reshape reshard sharding_constraint squeeze transpose".split()
+    "name reduce_precision reshape reshard sharding_constraint squeeze transpose".split()
 )
 _POSITIONAL = {"optimization_barrier", "device_put"}
 _NO_CALL = {"while", "cond"}  # their inner jaxprs do not line up with their operands

@@ -10,6 +10,7 @@ from `fp8jax.nn` itself (its ``__all__``); the modules are its implementation.
 - `moe`: the `MoE` layer (router, top-k, the grouped experts) and its `RoutingInfo`.
 - `expert_shards`: `split_experts` / `merge_experts` for expert checkpoints.
 - `losses`: `cross_entropy` that keeps bf16 logits for its backward.
+- `remat`: `remat_policy`, a ``jax.checkpoint`` policy that keeps the FP8 copies only.
 """
 
 from .attention import DotProductAttention, Fp8AttentionState, dot_product_attention
@@ -26,6 +27,7 @@ from .losses import cross_entropy
 from .mha import MultiHeadAttention, rotary
 from .mlp import ACTIVATIONS, FusedMLP
 from .moe import MoE, RoutingInfo
+from .remat import remat_policy
 
 __all__ = [
     "ACTIVATIONS",
@@ -43,6 +45,7 @@ __all__ = [
     "dot_product_attention",
     "make_layout",
     "merge_experts",
+    "remat_policy",
     "rotary",
     "row_align",
     "split_experts",

@@ -43,6 +43,7 @@ STATE_FIELDS = _state.STATE_FIELDS
 # not the FP8 input copy recomputes only the input's cast (see `fp8jax.nn.FusedMLP`).
 KERNEL_RESIDUAL = "fp8jax_kernel_fp8"
 SCALAR_RESIDUALS = "fp8jax_gemm_scalars"
+INPUT_RESIDUAL = "fp8jax_input_fp8"  # the input's copy the backward reads (FP8 on FP8 paths)
 SAVED_RESIDUAL_NAMES = (KERNEL_RESIDUAL, SCALAR_RESIDUALS)
 
 
@@ -465,7 +466,7 @@ def _fp8_dot3_fwd(spec, x3, w3, state):
     values = _state.values(state)
     y, (xr, wr, *scalars) = fwd_fn(spec)(x3, w3, values)
     res = (
-        xr,
+        checkpoint_name(xr, INPUT_RESIDUAL),
         checkpoint_name(wr, KERNEL_RESIDUAL),
         *(checkpoint_name(s, SCALAR_RESIDUALS) for s in scalars),
     )

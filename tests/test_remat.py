@@ -1,0 +1,89 @@
+"""`fp8jax.nn.remat_policy`: under ``jax.checkpoint`` the loss, gradients and new FP8 state are
+those of the step without it, bit for bit (CPU); the region keeps only FP8 copies of the FP8
+GEMMs' operands (and FusedMLP's fc1 output), none of their bf16 inputs."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import normal
+
+import fp8jax
+from fp8jax.nn import remat_policy
+
+CFG = fp8jax.Fp8Config(selective=False, amax_history_length=4)
+
+
+class Block(eqx.Module):
+    up: eqx.Module
+    down: eqx.Module
+    mlp: fp8jax.nn.FusedMLP
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.up = eqx.nn.Linear(64, 128, key=k1)
+        self.down = eqx.nn.Linear(128, 64, key=k2)
+        self.mlp = fp8jax.nn.FusedMLP(64, 128, activation="swiglu", config=CFG, key=k3)
+
+    def __call__(self, x):
+        h = jax.nn.gelu(jax.vmap(self.up)(x))
+        x = x + jax.vmap(self.down)(h)
+        return self.mlp(x)
+
+
+def _model(key):
+    block = Block(key)
+    return fp8jax.fp8_linear_layers(block, CFG)
+
+
+def _loss(model, x, policy):
+    def run(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    entered = fp8jax.enter_state(model)
+    if policy is None:
+        return run(entered, x)
+    return jax.checkpoint(run, policy=policy)(entered, x)
+
+
+def test_remat_policy_gives_the_same_loss_gradients_and_state_bit_for_bit(key):
+    model = _model(key)
+    x = normal(jax.random.fold_in(key, 1), (256, 64), jnp.bfloat16)
+    plain = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x: _loss(m, x, None)))
+    remat = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x: _loss(m, x, remat_policy())))
+    (l0, g0), (l1, g1) = plain(model, x), remat(model, x)
+    assert float(l0) == float(l1)
+    leaves0, leaves1 = jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)
+    assert len(leaves0) == len(leaves1) > 10  # weights, biases and every FP8 state's fields
+    for a, b in zip(leaves0, leaves1):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_remat_policy_keeps_fp8_copies_and_no_bf16_gemm_inputs(key):
+    model = _model(key)
+    x = normal(jax.random.fold_in(key, 2), (256, 64), jnp.bfloat16)
+    plain = fp8jax.residuals_report(lambda m, x: _loss(m, x, None), model, x)
+    remat = fp8jax.residuals_report(lambda m, x: _loss(m, x, remat_policy()), model, x)
+    tokens = 256
+
+    def by_dtype(report):
+        out = {}
+        for r in report.residuals:
+            if r.kind == "activation" and tokens in r.shape:
+                out[str(r.dtype)] = out.get(str(r.dtype), 0) + r.nbytes
+        return out
+
+    before, after = by_dtype(plain), by_dtype(remat)
+    assert after.get("float8_e4m3fn", 0) > 0  # the FP8 inputs are what stays
+    assert sum(after.values()) < sum(before.values())
+    # no activation is kept in bf16 beside its FP8 copy (the weights are the step's arguments:
+    # the caller holds them anyway)
+    copies = [(f, h) for f, h in remat.bf16_copies_of_fp8_inputs() if h.kind == "activation"]
+    assert not copies, copies
+
+
+def test_remat_policy_takes_the_users_names_and_refuses_others():
+    assert callable(remat_policy("my_residual"))
+    with pytest.raises(TypeError, match="remat_policy: names must be strings"):
+        remat_policy(3)
