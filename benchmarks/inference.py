@@ -42,6 +42,7 @@ from fp8jax.train import cli
 from fp8jax.train import generate as gen
 from fp8jax.train.data import load_corpus
 from fp8jax.train.model import cast_for_compute
+from fp8jax.train.tokenizer import tokenize
 
 VARIANTS = ("bf16", "fp8")
 DEFAULT_CASES = [(1, 1024), (8, 1024)]  # (batch, prompt length)
@@ -107,7 +108,9 @@ def run_case(case, served, corpus, args, meta, val_batches, train_val) -> list[d
     batch, prompt_len = case
     need = batch * prompt_len
     if len(corpus.val) < need:
-        raise ValueError(f"case {case}: the validation split has {len(corpus.val)} bytes < {need}")
+        raise ValueError(
+            f"case {case}: the validation split has {len(corpus.val)} {corpus.unit} < {need}"
+        )
     prompt = jnp.asarray(corpus.val[:need].reshape(batch, prompt_len).astype(np.int32))
     rows = []
     for variant in VARIANTS:
@@ -200,6 +203,8 @@ def main(argv=None) -> list[dict]:
     args.reps = args.reps or (1 if quick else 3)
     cases = args.cases or (QUICK_CASES if quick else DEFAULT_CASES)
     corpus = load_corpus(args.data, max_bytes=300_000 if quick else 64 * 2**20)
+    if args.run is not None:  # the run's own tokens (a BPE or user tokenizer), not bytes
+        corpus = tokenize(corpus, gen.run_tokenizer(args.run, run, "fp8"))[0]
     model, args.source = trained_model(args, run, corpus)
     val_batches = corpus.val_batches(
         run.batch, run.model.seq, args.val_batches or (1 if quick else 8)

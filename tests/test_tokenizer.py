@@ -161,6 +161,21 @@ def test_user_tokenizer_json_loads_trains_and_generates(tmp_path, monkeypatch, c
     assert result.tokens.shape == (4, 8) and result.tokens.max() < 300  # not the 84 more rows
     for row in result.tokens:
         assert "héllo" + tok.decode(row) in printed
+    # benchmarks.inference --run serves that run on its own tokens, not on bytes
+    from benchmarks import inference
+
+    seen = []
+
+    def spy(corpus, tokenizer_, cache=None):
+        seen.append(tokenizer_.vocab_size)
+        return tokenizer.tokenize(corpus, tokenizer_, cache)
+
+    monkeypatch.setattr(inference, "tokenize", spy)
+    served = tmp_path / "served"  # a run with a checkpoint (fp8 only, 2 steps)
+    cli.main(SMALL + ["--tokenizer", str(tmp_path / "moved.json"), "--steps", "2",
+                      "--checkpoint-every", "2", "--precision", "fp8", "--out", str(served)])
+    rows = inference.main(["--run", str(served), "--quick", "--out", str(tmp_path / "i.jsonl")])
+    assert seen == [300] and all(r.get("error") is None for r in rows), rows
 
 
 def test_the_token_cache_is_hit_and_keeps_other_files(tmp_path, corpus, bpe):
