@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import glob
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 
@@ -60,19 +61,25 @@ def is_collective(kernel: str) -> bool:
     return "nccl" in kernel.lower()
 
 
-def device_kernels(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:
-    """``{GPU plane: [(kernel, start ns, end ns)]}`` of every kernel on the GPUs' streams."""
-    out: dict[str, list[tuple[str, int, int]]] = {}
+def gpu_stream_events(trace_dir: str) -> Iterator[tuple[str, Any]]:
+    """``(GPU plane name, event)`` of every kernel on the GPUs' streams in the trace under
+    ``trace_dir`` (its ``*.xplane.pb`` files)."""
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         for plane in jax.profiler.ProfileData.from_file(path).planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
-            events = out.setdefault(plane.name, [])
             for line in plane.lines:
-                if "stream" not in line.name.lower():
-                    continue
-                for e in line.events:
-                    events.append((e.name, int(e.start_ns), int(e.start_ns + e.duration_ns)))
+                if "stream" in line.name.lower():
+                    for event in line.events:
+                        yield plane.name, event
+
+
+def device_kernels(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:
+    """``{GPU plane: [(kernel, start ns, end ns)]}`` of every kernel on the GPUs' streams."""
+    out: dict[str, list[tuple[str, int, int]]] = {}
+    for plane, e in gpu_stream_events(trace_dir):
+        start = int(e.start_ns)
+        out.setdefault(plane, []).append((e.name, start, start + int(e.duration_ns)))
     return out
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
 import os
 import re
 import tempfile
@@ -27,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import comm_profile
 from fp8jax.train import cli
 
 TOP_OPS = 30
@@ -142,19 +142,9 @@ def _category_from_name(kernel: str) -> str:
 def device_kernel_ns(trace_dir: str) -> list[tuple[str, str, float]]:
     """``(kernel name, hlo op, ns)`` of every device kernel in the trace under ``trace_dir``."""
     out = []
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        data = jax.profiler.ProfileData.from_file(path)
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if "stream" not in line.name.lower():
-                    continue
-                for event in line.events:
-                    stats = dict(
-                        s if isinstance(s, tuple) else (s.name, s.value) for s in event.stats
-                    )
-                    out.append((event.name, str(stats.get("hlo_op", "")), float(event.duration_ns)))
+    for _, event in comm_profile.gpu_stream_events(trace_dir):
+        stats = dict(s if isinstance(s, tuple) else (s.name, s.value) for s in event.stats)
+        out.append((event.name, str(stats.get("hlo_op", "")), float(event.duration_ns)))
     return out
 
 

@@ -193,7 +193,7 @@ def test_a_recipe_of_ones_own_runs_through_the_op(key):
     if jax.default_backend() == "cpu":
         np.testing.assert_allclose(y, manual, rtol=1e-6)
     else:
-        assert sqnr_db(manual, y) > 45
+        assert sqnr_db(y, manual) > 45
     assert sqnr_db(y, x @ w.T) > 20
 
     def loss(op, x, w):
