@@ -220,22 +220,22 @@ class Fp8Config(_Stored):
         super().__init__(**fields, recipe=built.configure(_checked(built.settings())))
         held = built.settings()
         unused = [  # given by hand, not at its default, and not a setting of this recipe
-            f"{name}={value!r}"
+            name
             for name, value in given.items()
             if name not in held
             and value != DEFAULTS[name]
             and not (name == "scaling" and value == "current")  # row/block-wise: always
         ]
         if unused:  # set by hand, they would do nothing: say so
-            only = [n for n in BLOCKWISE_ONLY if n in given]
-            holds = ", ".join(sorted(held)) or "none"
+            blockwise = any(name in BLOCKWISE_ONLY for name in unused)
             warnings.warn(
-                f"Fp8Config: recipe={built.kind!r} ignores {', '.join(unused)} (its settings: "
-                f"{holds})"
+                f"Fp8Config: recipe={built.kind!r} ignores "
+                f"{', '.join(f'{n}={given[n]!r}' for n in unused)} (its settings: "
+                f"{', '.join(sorted(held)) or 'none'})"
                 + (
                     "; block_size, power_of_two_scales and blockwise_backend apply "
                     "to recipe='blockwise' only."
-                    if only
+                    if blockwise
                     else "."
                 ),
                 stacklevel=2,
