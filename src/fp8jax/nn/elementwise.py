@@ -119,9 +119,7 @@ def _affine(xhat: Array, weight, bias, zero_centered_gamma: bool) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _normalize(x, weight, bias, norm, eps, zero_centered_gamma):
-    x32 = x.astype(F32)
-    mean, rstd = _stats(x32, norm, eps)
-    return _affine((x32 - mean) * rstd, weight, bias, zero_centered_gamma).astype(x.dtype)
+    return _normalize_fwd(x, weight, bias, norm, eps, zero_centered_gamma)[0]
 
 
 def _normalize_fwd(x, weight, bias, norm, eps, zero_centered_gamma):
