@@ -2,10 +2,10 @@
 left operand and 128x128 block scales on the right (the forward of a block-wise linear),
 against XLA's bf16 GEMM and its per-tensor FP8 GEMM (cuBLASLt) on the same shapes.
 
-Variants: ``fp8jax-blockwise`` (`fp8jax.kernels.blockwise_gemm`, backend ``auto``: the
+Variants: ``fp8jax-blockwise`` (`fp8jax._kernels.blockwise_gemm`, backend ``auto``: the
 Hopper kernel where it runs, the plain-JAX reference elsewhere; the ``backend`` field
 says which), ``fp8jax-blockwise-grouped`` (the same rows split into 8 equal experts, each
-with its own ``[N, K]`` weight: `fp8jax.kernels.blockwise_grouped_mgpu.grouped_rows`, the
+with its own ``[N, K]`` weight: `fp8jax._kernels.blockwise_grouped_mgpu.grouped_rows`, the
 grouped reference elsewhere; same FLOPs), ``xla-fp8-tensor`` (one scale per operand),
 ``xla-bf16``.
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common
-from fp8jax.kernels import blockwise_gemm as bg
+from fp8jax._kernels import blockwise_gemm as bg
 
 COMMAND_PREFIX = "python -m benchmarks.blockwise_gemm"
 BENCH = "blockwise_gemm"
@@ -68,16 +68,16 @@ def _fn(variant):
 def _grouped(a8, sa, b8, sb):
     """(function, args, backend) of the grouped variant: the rows split into equal experts
     (fewer than `EXPERTS` where M is small), each expert's weight a copy of ``b``."""
-    from fp8jax.ops import grouped as gr
-    from fp8jax.ops import grouped_gemms as gemms
-    from fp8jax.recipe import BlockWise
+    from fp8jax._ops import grouped as gr
+    from fp8jax._ops import grouped_gemms as gemms
+    from fp8jax._recipe import BlockWise
 
     m, k = a8.shape[1:]
     groups = max(1, min(EXPERTS, m // 128))
     layout = gr.layout_from_sizes(jnp.full((groups,), m // groups), m, 128)
     b8g, sbg = (jnp.broadcast_to(t[0], (groups, *t.shape[1:])) + 0 for t in (b8, sb))
     try:
-        from fp8jax.kernels import blockwise_grouped_mgpu as bgk
+        from fp8jax._kernels import blockwise_grouped_mgpu as bgk
 
         why = bgk.reason(m, k, b8.shape[1], a8.dtype, jnp.bfloat16) or None
     except ImportError as e:  # pragma: no cover - depends on the installed JAX

@@ -1,7 +1,7 @@
 """Benchmark: the trainer's LM train step on a device mesh, bf16 vs FP8.
 
 Builds a `fp8jax-train` preset's model (`fp8jax.train`), places it with
-the trainer's `fp8jax.train.mesh.place_model` (`fp8jax.shard_model`) on a mesh over all
+the trainer's `fp8jax.train._mesh.place_model` (`fp8jax.shard_model`) on a mesh over all
 visible devices (FSDP over ``fsdp``, Megatron column/row over ``tensor``: ``qkv``/``fc1``
 column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch over
 ``data`` x ``fsdp``), and times a plain jitted train step. Reports per variant:
@@ -57,11 +57,12 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax
 from benchmarks import comm_profile, common
-from fp8jax import compilation, distributed
+from fp8jax import _compilation as compilation
+from fp8jax import distributed
 from fp8jax.nn import cross_entropy
-from fp8jax.train import cli
-from fp8jax.train.mesh import check_sequence_parallel, place_model
-from fp8jax.train.model import ModelConfig, cast_for_compute
+from fp8jax.train import _cli as cli
+from fp8jax.train._mesh import check_sequence_parallel, place_model
+from fp8jax.train._model import ModelConfig, cast_for_compute
 
 VARIANTS = ("bf16", "fp8")
 AXES = ("data", "fsdp", "tensor")

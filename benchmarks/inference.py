@@ -4,7 +4,7 @@ One FP8-trained model (an ``fp8jax-train --out`` run's ``ckpt-fp8`` with ``--run
 fresh model of ``--preset`` trained ``--train-steps`` steps by the trainer's own step, so
 its amax histories are real) is served two ways, in one process:
 
-* ``bf16``  its weights in bf16 (`fp8jax.train.generate.prepare(model, "bf16")`)
+* ``bf16``  its weights in bf16 (`fp8jax.train._generate.prepare(model, "bf16")`)
 * ``fp8``   `fp8jax.to_inference`: block linears in e4m3 with their scales, input scales
             frozen from the training history (``--input-scale``), one FP8 GEMM each
 
@@ -37,12 +37,12 @@ import optax
 
 import fp8jax
 from benchmarks import common
-from fp8jax.inference import weight_bytes
-from fp8jax.train import cli
-from fp8jax.train import generate as gen
-from fp8jax.train.data import load_corpus
-from fp8jax.train.model import cast_for_compute
-from fp8jax.train.tokenizer import tokenize
+from fp8jax._inference import weight_bytes
+from fp8jax.train import _cli as cli
+from fp8jax.train import _generate as gen
+from fp8jax.train._data import load_corpus
+from fp8jax.train._model import cast_for_compute
+from fp8jax.train._tokenizer import tokenize
 
 VARIANTS = ("bf16", "fp8")
 DEFAULT_CASES = [(1, 1024), (8, 1024)]  # (batch, prompt length)
@@ -183,8 +183,8 @@ def main(argv=None) -> list[dict]:
         default=None,
         help="without --run: trainer steps before serving (default 20; quick 1)",
     )
-    ap.add_argument("--weight-scaling", choices=fp8jax.inference.WEIGHT_SCALINGS, default="tensor")
-    ap.add_argument("--input-scale", choices=fp8jax.inference.INPUT_SCALES, default="frozen")
+    ap.add_argument("--weight-scaling", choices=fp8jax._inference.WEIGHT_SCALINGS, default="tensor")
+    ap.add_argument("--input-scale", choices=fp8jax._inference.INPUT_SCALES, default="frozen")
     ap.add_argument("--val-batches", type=cli._at_least(1), default=None)
     ap.add_argument("--reps", type=cli._at_least(1), default=None)
     ap.add_argument("--data", default=None, help="corpus (default: the Python stdlib sources)")

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 import fp8jax
 from benchmarks import common, linear
-from fp8jax.kernels import cast as _cast_kernel
-from fp8jax.kernels import gemm as _gemm
+from fp8jax._kernels import cast as _cast_kernel
+from fp8jax._kernels import gemm as _gemm
 
 BF16, E4M3, E5M2 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2
 STEP_VARIANTS = ("bf16", "fp8jax-delayed", "flax-direct")

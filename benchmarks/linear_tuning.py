@@ -1,4 +1,4 @@
-r"""Compare lowering choices of the fp8jax linear step (``fp8jax.kernels.gemm.tuning``) on a
+r"""Compare lowering choices of the fp8jax linear step (``fp8jax.tuning.gemm``) on a
 GPU.
 
     python -m benchmarks.linear_tuning --set f32_gemm_out=1 cast_transposed=0 \
@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from benchmarks import hlo, linear
-from fp8jax.kernels import gemm as _gemm
+from fp8jax import tuning
 
 
 def main(argv=None):
@@ -33,14 +33,14 @@ def main(argv=None):
         "--dump", default=None, help="write each shape's compiled fp8 step HLO into this folder"
     )
     args = parser.parse_args(argv)
-    known = sorted(f.name for f in dataclasses.fields(_gemm.Tuning))
+    known = sorted(f.name for f in dataclasses.fields(tuning.GemmTuning))
     choices = {}
     for item in args.set:
         key, value = item.split("=")
         if key not in known:
             raise SystemExit(f"unknown tuning key {key}; known: {known}")
         choices[key] = bool(int(value)) if value in ("0", "1") else value
-    with _gemm.tuning(**choices) as chosen:
+    with tuning.gemm(**choices) as chosen:
         print("TUNING", chosen)
         _run(args)
 

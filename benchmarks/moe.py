@@ -35,8 +35,8 @@ import numpy as np
 
 from benchmarks import common
 from fp8jax import Fp8Config
+from fp8jax._ops import grouped as gr
 from fp8jax.nn import GroupedMLP, make_layout
-from fp8jax.ops import grouped as gr
 
 BF16 = jnp.bfloat16
 COMMAND_PREFIX = "python -m benchmarks.moe"

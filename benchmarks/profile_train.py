@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from benchmarks import comm_profile
-from fp8jax.train import cli
+from fp8jax.train import _cli as cli
 
 TOP_OPS = 30
 CATEGORIES = (

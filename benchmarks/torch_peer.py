@@ -248,7 +248,7 @@ def _modules(torch):
     nn = torch.nn
 
     class RMSNorm(nn.Module):
-        """`fp8jax.nn.mlp.normalize`'s RMSNorm: statistics in f32, output in x's dtype."""
+        """`fp8jax.nn._mlp.normalize`'s RMSNorm: statistics in f32, output in x's dtype."""
 
         def __init__(self, dim: int, eps: float = 1e-5):
             super().__init__()

@@ -11,7 +11,7 @@ import pytest
 
 import fp8jax
 from fp8jax.nn import DotProductAttention, Fp8AttentionState, MultiHeadAttention, dot_product_attention
-from fp8jax.nn.attention import TENSORS
+from fp8jax.nn._attention import TENSORS
 from helpers import attention_loss as _loss
 from helpers import calibrated_attention as _calibrated
 from helpers import normal, recorded, sqnr_db, take_state
@@ -212,7 +212,7 @@ def test_clear_errors(key):
         dot_product_attention(q, k, v, state, backend="reference", query_seq_lengths=jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="stack shape"):
         dot_product_attention(q, k, v, Fp8AttentionState(stack_shape=(2,)), backend="reference")
-    if not fp8jax.kernels.cudnn_attention.availability()[0]:
+    if not fp8jax._kernels.cudnn_attention.availability()[0]:
         with pytest.raises(ValueError, match="the kernel cannot run this call"):
             dot_product_attention(q, k, v, state, backend="cudnn")
     with pytest.raises(ValueError, match="unknown attention tensor"):
@@ -242,7 +242,7 @@ def test_stacked_state_under_scan(key):
 
 
 def test_cudnn_backward_chunking_plan():
-    from fp8jax.kernels.cudnn_attention import backward_chunks
+    from fp8jax._kernels.cudnn_attention import backward_chunks
 
     assert backward_chunks(2, 16, 16) == (2, 16)  # fits: one call
     assert backward_chunks(16, 16, 16) == (2, 16)  # batch split into 8 calls of 2 x 16 heads

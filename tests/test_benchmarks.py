@@ -11,7 +11,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, not 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import linear, mlp  # noqa: E402
-from fp8jax.train import cli
+from fp8jax.train import _cli as cli
 
 
 def test_linear_quick_runs_all_variants(capsys, tmp_path):

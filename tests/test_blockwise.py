@@ -14,8 +14,8 @@ from conftest import ON_GPU, gpu, sqnr_db
 
 import fp8jax
 from fp8jax import nn
-from fp8jax.kernels import blockwise_gemm as bg
-from fp8jax.recipe import BlockWise, RowWise, tile_cast
+from fp8jax._kernels import blockwise_gemm as bg
+from fp8jax._recipe import BlockWise, RowWise, tile_cast
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -151,7 +151,7 @@ def test_kernel_matches_reference(key, m, k, n, b_blocks):
 def test_kernel_configs_give_the_same_output(key, b_blocks):
     """Two 64-row waves per warpgroup, two-CTA clusters and the pipeline depth change only
     the schedule: every element is the same sum in the same order, so bit-identical."""
-    mg = pytest.importorskip("fp8jax.kernels.blockwise_gemm_mgpu")
+    mg = pytest.importorskip("fp8jax._kernels.blockwise_gemm_mgpu")
     m, k, n = 512, 768, 512
     a, sa, b, sb = _fp8_operands(key, m, n, k, m, n // 128 if b_blocks else n)
     if why := bg.kernel_reason(a, sa, b, sb, jnp.bfloat16, 128):
@@ -367,7 +367,7 @@ def test_kernel_logic_in_interpret_mode(key, b_rows):
     if ON_GPU:  # on a GPU the interpreter's dot runs at XLA's default GPU precision (23%
         # off at 1e4-sized outputs, H100, 2026-11-25); the GPU tests above cover the kernel
         pytest.skip("interpret mode is the CPU check; the GPU runs the kernel itself")
-    mg = pytest.importorskip("fp8jax.kernels.blockwise_gemm_mgpu")
+    mg = pytest.importorskip("fp8jax._kernels.blockwise_gemm_mgpu")
     try:
         fp8jax._jax_compat.interpret_gpu_params()
     except ImportError:

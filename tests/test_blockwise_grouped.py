@@ -1,4 +1,4 @@
-"""Block-scaled grouped expert GEMMs (`fp8jax.kernels.blockwise_grouped_mgpu`) against the
+"""Block-scaled grouped expert GEMMs (`fp8jax._kernels.blockwise_grouped_mgpu`) against the
 float32 grouped reference, and `GroupedLinear(recipe="blockwise")` on the kernels against
 its reference backend. The kernels need a Hopper GPU; on CPU the layer's reference path is
 covered by `tests/test_blockwise.py::test_grouped_linear_recipe`."""
@@ -13,16 +13,16 @@ from conftest import gpu, sqnr_db
 
 import fp8jax
 from fp8jax import nn
-from fp8jax.ops import grouped as gr
-from fp8jax.ops import grouped_gemms as gemms
-from fp8jax.recipe import BlockWise
+from fp8jax._ops import grouped as gr
+from fp8jax._ops import grouped_gemms as gemms
+from fp8jax._recipe import BlockWise
 
 E4M3 = jnp.float8_e4m3fn
 SIZES = [300, 0, 130, 77]  # an empty expert, and groups that end mid-block
 
 
 def test_kernel_reason_names_what_does_not_fit():
-    from fp8jax.ops import grouped_tiled as gt
+    from fp8jax._ops import grouped_tiled as gt
 
     spec = gr.Spec(fp8jax.Fp8Config(recipe="rowwise"), "auto", jnp.bfloat16, jnp.bfloat16)
     layout = nn.make_layout(jnp.array(SIZES), 507)
@@ -52,7 +52,7 @@ def test_blockwise_layers_lay_large_groups_out_on_256_rows(key):
     """Block-wise grouped layers whose experts average >= 512 rows align groups to 256 rows
     (the kernels then take 256-row blocks); smaller batches and per-tensor layers keep 128.
     The alignment only moves padding: outputs and gradients stay the same."""
-    from fp8jax.nn import grouped as nng
+    from fp8jax.nn import _grouped as nng
 
     experts, k, n = 2, 128, 128
     rows = experts * nng.ALIGN_256_MIN_ROWS
@@ -92,7 +92,7 @@ def test_blockwise_layers_lay_large_groups_out_on_256_rows(key):
 @pytest.mark.parametrize("align", [128, 256])
 def test_grouped_kernels_match_reference(key, align):
     """``align`` 256: dx (bf16 out) runs the 256-row blocks; y (float32 out) 128-row ones."""
-    from fp8jax.kernels import blockwise_grouped_mgpu as bgk
+    from fp8jax._kernels import blockwise_grouped_mgpu as bgk
 
     k, n = 256, 384
     layout = nn.make_layout(jnp.array(SIZES), sum(SIZES), align)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.kernels import cast as _cast_kernel
-from fp8jax.kernels import gemm as _gemm
-from fp8jax import quant as q
+from fp8jax._kernels import cast as _cast_kernel
+from fp8jax._kernels import gemm as _gemm
+from fp8jax import _quant as q
 from helpers import normal
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

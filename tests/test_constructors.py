@@ -18,10 +18,10 @@ from jax.sharding import Mesh
 import fp8jax
 from fp8jax import Fp8Config, Fp8DotGeneral
 from fp8jax.nn import FusedMLP, GroupedLinear, Linear
-from fp8jax.ops.dot import WeightSharding
-from fp8jax.ops.expert_parallel import ExpertSharding
-from fp8jax.state import STATE_FIELDS
-from fp8jax.train.model import ModelConfig, Transformer
+from fp8jax._ops.dot import WeightSharding
+from fp8jax._ops.expert_parallel import ExpertSharding
+from fp8jax._state import STATE_FIELDS
+from fp8jax.train._model import ModelConfig, Transformer
 
 SRC = Path(fp8jax.__file__).resolve().parent
 CFG = Fp8Config(selective=False)
@@ -249,10 +249,10 @@ def test_config_is_normalised_before_it_is_stored():
     spelled = Fp8Config("current", None, np.int64(8), margin=np.float32(1.0),
                         selective=np.True_, targets=["a", "b"], recipe="rowwise")
     plain = Fp8Config(scaling="current", amax_history_length=8, margin=1.0, targets=("a", "b"),
-                      recipe=fp8jax.recipe.RowWise(margin=1.0))
+                      recipe=fp8jax._recipe.RowWise(margin=1.0))
     assert spelled == plain and hash(spelled) == hash(plain)
     assert type(spelled.amax_history_length) is int and type(spelled.margin) is float
-    assert spelled.recipe == fp8jax.recipe.RowWise(margin=1.0)
+    assert spelled.recipe == fp8jax._recipe.RowWise(margin=1.0)
     assert dataclasses.replace(spelled) == spelled
     assert dataclasses.replace(spelled, margin=2.0).recipe.margin == 2.0
     assert pickle.loads(pickle.dumps(spelled)) == spelled
@@ -261,13 +261,13 @@ def test_config_is_normalised_before_it_is_stored():
 
 def test_config_signature_and_argument_errors_are_the_constructors():
     """``Fp8Config.__init__`` is a plain function: its signature names every keyword (the
-    stored fields and the recipe's settings, `fp8jax.config.DEFAULTS`), once, and a wrong
+    stored fields and the recipe's settings, `fp8jax._config.DEFAULTS`), once, and a wrong
     call gets Python's own TypeError."""
     import inspect
 
     names = list(inspect.signature(Fp8Config).parameters)
     fields = [f.name for f in dataclasses.fields(Fp8Config)]
-    assert sorted(names) == sorted(fields + list(fp8jax.config.DEFAULTS))
+    assert sorted(names) == sorted(fields + list(fp8jax._config.DEFAULTS))
     assert [n for n in names if n in fields] == fields
     with pytest.raises(TypeError, match=r"multiple values for argument 'scaling'"):
         Fp8Config("current", scaling="delayed")

@@ -1,4 +1,4 @@
-from fp8jax import demo
+from fp8jax import _demo as demo
 
 
 def test_demo_runs_and_fp8_tracks_bf16():

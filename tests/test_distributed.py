@@ -154,7 +154,7 @@ def _user_placed(mesh):
 
 def test_user_placed_weights_zero_configuration(reference):
     """Weights placed by the user and a plain `eqx.filter_jit` step: the weights are
-    all-gathered in FP8 (found when compiling, `fp8jax.ops.fsdp`) and the run matches
+    all-gathered in FP8 (found when compiling, `fp8jax._ops.fsdp`) and the run matches
     the single-device one; `record_fsdp` (recorded shardings) gives the same."""
     mesh = _mesh(1, 8, 1)
     model = _user_placed(mesh)
@@ -183,7 +183,7 @@ def test_user_placed_weights_zero_configuration(reference):
 
 def _gathered_over(model) -> set:
     """The axes each FP8 weight gather of a newly traced step gathers over (a new function:
-    no outer trace to reuse; `fp8jax.ops.fsdp.gather_fsdp`'s static argument)."""
+    no outer trace to reuse; `fp8jax._ops.fsdp.gather_fsdp`'s static argument)."""
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
@@ -201,7 +201,7 @@ def _gathered_over(model) -> set:
 
 def test_set_fsdp_axes_after_a_trace_is_not_served_a_stale_trace():
     """`set_fsdp_axes` after a step was traced under other axes: the next trace gathers over
-    the new ones. The op's cached trace (`fp8jax.ops.dot._traced_once`) is keyed by the FSDP
+    the new ones. The op's cached trace (`fp8jax._ops.dot._traced_once`) is keyed by the FSDP
     axes; it used to be reused, gathering over the old axes."""
     model = _model()
     assert _gathered_over(model) == {("fsdp",)}
@@ -225,7 +225,7 @@ def test_set_fsdp_axes_holds_for_the_whole_process():
     import contextvars
     import threading
 
-    from fp8jax.ops import fsdp
+    from fp8jax._ops import fsdp
 
     seen = []
     try:
@@ -294,7 +294,7 @@ def test_single_device_path_has_no_constraint():
     sharded = fp8jax.shard_model(model, mesh)
     assert not _collectives(sharded, mesh)
     ws = sharded.l1.dot_general.weight_sharding
-    assert fp8jax.ops.dot.w3_shardings(ws, (), (0,), (1,), False) == ()  # nothing to gather
+    assert fp8jax._ops.dot.w3_shardings(ws, (), (0,), (1,), False) == ()  # nothing to gather
 
 
 # --- errors --------------------------------------------------------------------------------------

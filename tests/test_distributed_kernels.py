@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 def test_kernels_without_partitioning_rules_step_aside_over_several_devices():
     """Our Pallas / Mosaic kernels are custom calls that XLA cannot partition: with 8
     devices they run only inside a shard_map that makes every mesh axis manual."""
-    from fp8jax.kernels import dispatch
+    from fp8jax._kernels import dispatch
 
     assert jax.device_count() == 8
     assert "8 devices and no shard_map" in dispatch.unpartitioned_reason()
@@ -52,8 +52,8 @@ def test_fused_mlp_core_runs_per_device_on_its_rows():
     """`FusedMLP`'s gated core (Pallas kernels, here in interpret mode) on a data x FSDP mesh:
     its activation kernels run under shard_map on each device's 64 token rows with one
     scalar pmax per amax; no activation is gathered; loss and gradients match one device."""
-    from fp8jax.nn import mlp as mlp_module
-    from fp8jax.ops import gated
+    from fp8jax.nn import _mlp as mlp_module
+    from fp8jax._ops import gated
 
     with gated.tuning(activation="interpret"):
         kx, km, kc = jax.random.split(jax.random.PRNGKey(6), 3)

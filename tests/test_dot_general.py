@@ -69,7 +69,7 @@ def test_bad_dimension_numbers_raise():
 def test_misaligned_dims_fall_back_with_one_warning(key):
     op = fp8jax.Fp8DotGeneral(CURRENT)
     lhs, rhs = normal(key, (32, 40)), normal(key, (32, 40))  # K = 40
-    fp8jax.ops.dot._WARNED.clear()
+    fp8jax._ops.dot._WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         y1 = op(lhs, rhs, (((1,), (1,)), ((), ())))
@@ -126,10 +126,10 @@ def test_gradients_come_back_in_operand_dtypes(key, m):
 
 
 def test_gemm_tuning_holds_in_its_block_and_keys_the_ops_trace(key):
-    """`fp8jax.kernels.gemm.tuning` changes the next trace of the FP8 op though the op's
+    """`fp8jax._kernels.gemm.tuning` changes the next trace of the FP8 op though the op's
     forward was traced already (its cached trace is keyed by the tuning), and ends with its
     ``with`` block."""
-    from fp8jax.kernels import gemm as _gemm
+    from fp8jax._kernels import gemm as _gemm
 
     op = fp8jax.Fp8DotGeneral(CURRENT)
     lhs, rhs = normal(key, (64, 32)), normal(jax.random.fold_in(key, 1), (48, 32))

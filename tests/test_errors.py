@@ -328,7 +328,7 @@ def test_assert_fp8_and_saved_activation_bytes_reject(key):
     (["--steps", "abc"], r"argument --steps: invalid int value: 'abc'"),
 ])
 def test_demo_rejects_options(argv, match, capsys):
-    from fp8jax import demo
+    from fp8jax import _demo as demo
 
     with pytest.raises(SystemExit) as exc:
         demo.run(argv)

@@ -63,7 +63,7 @@ def test_attention_and_dot_general_reject():
 
 
 def test_trainer_rejects_inconsistent_model_options():
-    from fp8jax.train import cli
+    from fp8jax.train import _cli as cli
 
     with pytest.raises(ValueError, match=r"dim \(100\) must divide by heads \(3\)"):
         cli.run_config(cli.parse_args(["--dim", "100", "--heads", "3"]))
@@ -287,7 +287,7 @@ def test_same_named_classes_are_told_apart():
     model = fp8jax.fp8_linear_layers(plain, CFG)
     grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(jnp.ones((16, 32)))))(plain)
     opt = optax.sgd(0.1)
-    with pytest.raises(ValueError, match=r"fp8jax\.nn\.linear\.Linear.*equinox"):
+    with pytest.raises(ValueError, match=r"fp8jax\.nn\._linear\.Linear.*equinox"):
         fp8jax.optax_step(opt, model, grads, opt.init(fp8jax.trainable(model)))
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import fp8jax
-from fp8jax.train.census import lowered_gemm_calls
+from fp8jax.train._census import lowered_gemm_calls
 
 CFG = fp8jax.Fp8Config(selective=False)
 K, N, M = 64, 128, 32

@@ -1,4 +1,4 @@
-"""fp8jax.ops.gated: the gated FP8 MLP core (one custom VJP, Pallas activation kernels)."""
+"""fp8jax._ops.gated: the gated FP8 MLP core (one custom VJP, Pallas activation kernels)."""
 
 import contextlib
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.kernels import gated_activation as _act
-from fp8jax.ops import gated as _gated
+from fp8jax._kernels import gated_activation as _act
+from fp8jax._ops import gated as _gated
 from fp8jax.nn import FusedMLP
-from fp8jax.nn import mlp as mlp_module
+from fp8jax.nn import _mlp as mlp_module
 from helpers import normal, sqnr_db, take_state
 from test_mlp import _grad_ref, _grads, _np_act, _params, _reference
 
@@ -183,7 +183,7 @@ def test_core_writes_the_same_state_as_the_xla_path(key, mode):
             assert float(jnp.max(getattr(a, field))) > 0, (layer, field)
     # A second step from the recorded histories chooses scales off the bf16 grid; both paths
     # record them as chosen, not the rounded copies the casts and GEMMs take
-    # (`fp8jax.kernels.gemm.gemm_scale`).
+    # (`fp8jax._kernels.gemm.gemm_scale`).
     overwrites, _ = fp8jax.partition_for_grad_overwrite(new)
     mlp = fp8jax.apply_updates(mlp, None, overwrites)
     new, old = eqx.filter_grad(loss)(mlp, x), eqx.filter_grad(loss_xla)(mlp, x)
@@ -191,7 +191,7 @@ def test_core_writes_the_same_state_as_the_xla_path(key, mode):
         a, b = getattr(new, layer).dot_general, getattr(old, layer).dot_general
         for field in ("input_scale", "kernel_scale", "output_grad_scale"):
             value = getattr(a, field)
-            assert float(fp8jax.kernels.gemm.gemm_scale(value)[0]) != float(value[0]), (layer, field)
+            assert float(fp8jax._kernels.gemm.gemm_scale(value)[0]) != float(value[0]), (layer, field)
             np.testing.assert_array_equal(value, getattr(b, field), err_msg=f"{layer}.{field}")
 
 
@@ -232,7 +232,7 @@ def test_core_runs_only_where_it_applies(key, mode):
 
 
 def test_activation_tuning_is_checked_and_ends_with_its_block():
-    """`fp8jax.kernels.gated_activation.tuning`: its values inside the block, the defaults
+    """`fp8jax._kernels.gated_activation.tuning`: its values inside the block, the defaults
     after; a mode it does not know is refused."""
     with _act.tuning(activation="xla", rows=128) as tuning:
         assert _act.current_tuning() is tuning

@@ -175,8 +175,8 @@ def test_cudnn_fp8_attention_under_vmap(key):
 
 def test_cudnn_fp8_backward_scale_operands_have_their_roles(key):
     """Doubling one scale doubles exactly the outputs it should (guards the operand
-    order of the private primitive, see fp8jax.kernels.cudnn_attention.BWD_OPERAND_ROLES)."""
-    from fp8jax.kernels import cudnn_attention as cu
+    order of the private primitive, see fp8jax._kernels.cudnn_attention.BWD_OPERAND_ROLES)."""
+    from fp8jax._kernels import cudnn_attention as cu
 
     e4m3 = jnp.float8_e4m3fn
     q8, k8, v8, do8 = (normal(k_, (1, 256, 2, 128)).astype(e4m3) for k_ in jax.random.split(key, 4))
@@ -255,8 +255,8 @@ def test_cast_kernel_matches_xla_cast_on_gpu(key, dtype):
     """The compiled Triton cast-transpose kernel is bit-for-bit XLA's cast + transpose."""
     import numpy as np
 
-    from fp8jax.kernels import cast as _cast_kernel
-    from fp8jax import quant as q
+    from fp8jax._kernels import cast as _cast_kernel
+    from fp8jax import _quant as q
 
     x = normal(key, (2, 1024, 768), jnp.bfloat16, scale=5.0)
     assert _cast_kernel.supported(x.shape)[0]
@@ -281,7 +281,7 @@ def test_promoted_fp8_accumulation_is_more_accurate(key):
     """Hopper's fast FP8 accumulation loses precision at large K; HIGHEST promotes it."""
     import numpy as np
 
-    from fp8jax.kernels import gemm as _gemm
+    from fp8jax._kernels import gemm as _gemm
 
     ka, kb = jax.random.split(key)
     a = normal(ka, (1, 1024, 8192), jnp.float32).astype(jnp.float8_e5m2)
@@ -315,7 +315,7 @@ def test_cublaslt_takes_the_scales_of_kernel_cast_operands(key, scaling, monkeyp
     same gradients as the dequantizing multiply after the GEMM within FP8's rounding."""
     import re
 
-    from fp8jax.kernels import gemm as _gemm
+    from fp8jax._kernels import gemm as _gemm
 
     layer = eqx.nn.Linear(1024, 2048, dtype=jnp.bfloat16, key=key)
     model = fp8jax.fp8_linear_layers(layer, fp8jax.Fp8Config(scaling=scaling, selective=False))
@@ -342,10 +342,10 @@ def test_cublaslt_takes_the_scales_of_kernel_cast_operands(key, scaling, monkeyp
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "qgeglu", "reglu", "sreglu"])
 def test_gated_mlp_core_runs_its_kernels_with_six_fp8_gemms(key, activation, monkeypatch):
-    """`FusedMLP` (a gated activation, delayed scaling) on Hopper takes `fp8jax.ops.gated`: six
+    """`FusedMLP` (a gated activation, delayed scaling) on Hopper takes `fp8jax._ops.gated`: six
     FP8 GEMMs, the two activation kernels, and the same numbers as its plain-JAX twin."""
-    from fp8jax.ops import gated as _gated
-    from fp8jax.nn import mlp as mlp_module
+    from fp8jax._ops import gated as _gated
+    from fp8jax.nn import _mlp as mlp_module
 
     # "auto" does not take an activation's kernels until this test has passed for it
     mode = "auto" if activation in _gated.GPU_TESTED else "kernel"

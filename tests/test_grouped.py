@@ -9,8 +9,8 @@ import pytest
 from helpers import normal, recorded, sqnr_db, take_state
 
 import fp8jax
-from fp8jax.ops import grouped as gr
-from fp8jax.ops import grouped_gemms as gemms
+from fp8jax._ops import grouped as gr
+from fp8jax._ops import grouped_gemms as gemms
 from fp8jax import nn
 
 G, D, F = 4, 32, 64
@@ -318,7 +318,7 @@ def test_layout_and_kernel_fallback_on_cpu():
 
 
 def test_pinned_kernel_configs_are_found():
-    from fp8jax.kernels import grouped_gemm as gk
+    from fp8jax._kernels import grouped_gemm as gk
     rows, wgrad = gk.RowsConfig(max_concurrent_steps=2), gk.WgradConfig(max_concurrent_steps=2)
     gr.set_kernel_configs(jnp.float8_e4m3fn, 7, rows, wgrad)
     try:

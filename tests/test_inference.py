@@ -1,5 +1,5 @@
 """FP8 inference weights (`fp8jax.to_inference`) and the trainer LM's generation path
-(`fp8jax.train.generate`): numerics against the training model, e4m3 storage and memory,
+(`fp8jax.train._generate`): numerics against the training model, e4m3 storage and memory,
 KV-cache decode against the full forward, orbax round trip, option errors, FP8 GEMMs."""
 
 import json
@@ -14,10 +14,10 @@ import pytest
 from conftest import ON_GPU, gpu, sqnr_db
 
 import fp8jax
-from fp8jax.inference import Fp8InferenceLinear, cast_compute, weight_bytes
-from fp8jax.train import cli
-from fp8jax.train import generate as gen
-from fp8jax.train.model import ModelConfig, Transformer
+from fp8jax._inference import Fp8InferenceLinear, cast_compute, weight_bytes
+from fp8jax.train import _cli as cli
+from fp8jax.train import _generate as gen
+from fp8jax.train._model import ModelConfig, Transformer
 
 CFG = ModelConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=32)
 FP8 = fp8jax.Fp8Config(selective=False, targets=r"blocks\..*")
@@ -85,7 +85,7 @@ def test_channel_scales_follow_uneven_rows(key):
     ref = np.asarray(x, np.float64) @ np.asarray(layer.weight, np.float64).T
     got = {}
     for scaling in ("tensor", "channel"):
-        inf = fp8jax.inference.inference_linear(layer, scaling, "dynamic")
+        inf = fp8jax._inference.inference_linear(layer, scaling, "dynamic")
         y = inf(x)
         assert y.shape == (32, 64) and y.dtype == x.dtype
         # per column: each output channel's own SQNR, the worst one
@@ -99,7 +99,7 @@ def test_e4m3_weights_and_half_the_weight_memory(key):
               for k in jax.random.split(key, 3)]
     bf16 = weight_bytes(cast_compute([lay.to_linear() for lay in layers], jnp.bfloat16))
     for scaling in ("tensor", "channel"):
-        inf = [fp8jax.inference.inference_linear(lay, scaling, "frozen") for lay in layers]
+        inf = [fp8jax._inference.inference_linear(lay, scaling, "frozen") for lay in layers]
         assert all(lay.weight.dtype == jnp.float8_e4m3fn for lay in inf)
         assert all(lay.weight_scale.dtype == jnp.float32 for lay in inf)
         shape = (1,) if scaling == "tensor" else (128,)

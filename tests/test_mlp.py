@@ -9,7 +9,7 @@ from helpers import normal, sqnr_db, take_state, recorded
 
 import fp8jax
 from fp8jax.nn import ACTIVATIONS, FusedMLP
-from fp8jax.nn.mlp import activate
+from fp8jax.nn._mlp import activate
 
 ALL = fp8jax.Fp8Config(selective=False, scaling="current")
 DELAYED = fp8jax.Fp8Config(selective=False)

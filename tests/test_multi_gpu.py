@@ -112,7 +112,7 @@ def test_sharded_step_matches_one_gpu_in_fp8(shape):
 def test_fused_mlp_core_runs_per_gpu_on_its_rows():
     """The gated core's Pallas kernels on a data-parallel mesh of the GPUs: each device runs
     them on its own token rows (no activation gathered), and the step matches one GPU."""
-    from fp8jax.nn import mlp as mlp_module
+    from fp8jax.nn import _mlp as mlp_module
 
     kx, km, kc = jax.random.split(jax.random.PRNGKey(6), 3)
     mlp = fp8jax.nn.FusedMLP(512, 1024, config=CFG, gate_block=64, dtype=BF16, key=km)

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from fp8jax.train import cli, launch, loop
-from fp8jax.train.data import load_corpus
-from fp8jax.train.mesh import make_mesh, parse_mesh
+from fp8jax.train import _cli as cli, _launch as launch, _loop as loop
+from fp8jax.train._data import load_corpus
+from fp8jax.train._mesh import make_mesh, parse_mesh
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "cpu" or len(jax.devices()) != 8,

@@ -12,7 +12,7 @@ from helpers import normal, sqnr_db
 
 nnx = pytest.importorskip("flax.nnx")
 import fp8jax.nnx as fp8nnx  # noqa: E402
-from fp8jax.state import STATE_FIELDS  # noqa: E402
+from fp8jax._state import STATE_FIELDS  # noqa: E402
 
 CFG = fp8jax.Fp8Config(selective=False, amax_history_length=8)
 D_IN, HIDDEN, D_OUT, ROWS = 32, 64, 16, 32

@@ -1,4 +1,4 @@
-"""`fp8jax.nn.elementwise.normalize`: its backward (kept: the input and two f32 numbers per row)
+"""`fp8jax.nn._elementwise.normalize`: its backward (kept: the input and two f32 numbers per row)
 matches differentiating the f32 formula, in float64, for both norms and every affine option;
 and it keeps no f32 copy of its input for the backward (issue 49)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import sqnr_db
 
-from fp8jax.nn.elementwise import normalize
+from fp8jax.nn._elementwise import normalize
 
 
 def _reference(x, weight, bias, norm, eps, zero_centered_gamma):

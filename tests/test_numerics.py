@@ -71,7 +71,7 @@ def test_matches_original_linear(key):
 def test_gemm_scales_equal_one_scale_per_tensor(key, algo):
     """The forward's one-reduction scales (`PerTensor.gemm_scales`) are bit-identical to
     three `PerTensor.scale` calls: fresh histories, one all-zero (keeps its old scale)."""
-    from fp8jax.recipe import PerTensor
+    from fp8jax._recipe import PerTensor
 
     recipe = PerTensor(algo=algo, margin=1.0)
     k1, k2 = jax.random.split(key)

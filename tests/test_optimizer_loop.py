@@ -12,7 +12,7 @@ import pytest
 
 import fp8jax
 from fp8jax import _guard
-from fp8jax.config import Fp8Config
+from fp8jax._config import Fp8Config
 
 CFG = Fp8Config(selective=False, amax_history_length=4, on_unsupported="silent")
 

@@ -1,7 +1,7 @@
 """Delayed scaling against outliers and corrupt state: one outlier batch is skipped (and
 counted), a real shift of the distribution is still tracked, NaN/Inf/0/negative entries
-of the state are repaired and counted (`fp8jax.recipe.PerTensor.screen`,
-`fp8jax.state.needs_repair`)."""
+of the state are repaired and counted (`fp8jax._recipe.PerTensor.screen`,
+`fp8jax._state.needs_repair`)."""
 
 import equinox as eqx
 import jax

@@ -1,4 +1,4 @@
-"""Recipes as objects (`fp8jax.recipe_base.Recipe`): each provides what the ops ask of it,
+"""Recipes as objects (`fp8jax._recipe_base.Recipe`): each provides what the ops ask of it,
 the config holds its settings once, a recipe of one's own runs through `Fp8DotGeneral`
 without touching an op, and no op compares recipe names."""
 
@@ -15,11 +15,11 @@ from conftest import sqnr_db
 from helpers import normal
 
 import fp8jax
-from fp8jax import quant as q
-from fp8jax import recipe as recipes
-from fp8jax.recipe import BlockWise, PerTensor, RowWise
-from fp8jax.recipe_base import Cast, Recipe, UnsupportedByRecipe
-from fp8jax.state import STATE_FIELDS
+from fp8jax import _quant as q
+from fp8jax import _recipe as recipes
+from fp8jax._recipe import BlockWise, PerTensor, RowWise
+from fp8jax._recipe_base import Cast, Recipe, UnsupportedByRecipe
+from fp8jax._state import STATE_FIELDS
 
 E4M3 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -67,7 +67,7 @@ ALL = [
 
 
 def _identity_rows(fn, args, in_dims, out_dims):
-    """`fp8jax.ops.rows.on_rows` without a split: the plain call."""
+    """`fp8jax._ops.rows.on_rows` without a split: the plain call."""
     return fn(*args)
 
 
@@ -149,7 +149,7 @@ def test_builtin_recipes_by_name():
 # ----------------------------------------------------------------------------- settings
 def test_config_holds_the_settings_once():
     fields = {f.name for f in dataclasses.fields(fp8jax.Fp8Config)}
-    assert fields.isdisjoint(fp8jax.config.DEFAULTS) and "recipe" in fields
+    assert fields.isdisjoint(fp8jax._config.DEFAULTS) and "recipe" in fields
     # A recipe object is used as it is; keywords given with it change it.
     block = fp8jax.Fp8Config(recipe=BlockWise(block_size=64))
     assert block.block_size == 64 and block.recipe.block_size == 64
@@ -231,13 +231,13 @@ KIND_CHECK = re.compile(
 
 
 def test_no_recipe_name_comparisons_outside_recipe_module():
-    """Ops ask the recipe object; only `fp8jax/recipe.py` (the names' registry) compares
+    """Ops ask the recipe object; only `fp8jax/_recipe.py` (the names' registry) compares
     names."""
     root = Path(fp8jax.__file__).parent
     found = [
         f"{path.relative_to(root)}:{n}: {line.strip()}"
         for path in sorted(root.rglob("*.py"))
-        if path != root / "recipe.py"
+        if path != root / "_recipe.py"
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if KIND_CHECK.search(line)
     ]

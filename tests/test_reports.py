@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import fp8jax
-from fp8jax import config as _config
+from fp8jax import _config
 
 SMALL_FP8 = fp8jax.Fp8Config(min_features=0, min_weight_elements=0)  # min_tokens stays 4096
 ALL = fp8jax.Fp8Config(selective=False)

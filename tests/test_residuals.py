@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import fp8jax
-from fp8jax import _jax_compat, residuals
+from fp8jax import _jax_compat, _residuals as residuals
 from fp8jax.inspect import Residual, ResidualsReport, residuals_report
 
 M, D, F = 16, 32, 64  # tokens, model width, hidden width
@@ -195,4 +195,4 @@ def test_residuals_report_rejects_a_non_callable():
 def test_public_names():
     assert fp8jax.residuals_report is residuals_report
     assert fp8jax.ResidualsReport is ResidualsReport
-    assert Residual.__module__ == "fp8jax.residuals"
+    assert Residual.__module__ == "fp8jax._residuals"

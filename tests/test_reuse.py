@@ -1,7 +1,7 @@
 """A layer used several times in one step records one update: the max over its uses.
 
 Each use proposes the state it would write; the proposals combine by max under every
-transform (`fp8jax.state`). Two uses with amaxes ``a < b`` must leave the newest
+transform (`fp8jax._state`). Two uses with amaxes ``a < b`` must leave the newest
 history entry at ``b`` (a sum would give ``a + b``), the history rolled once, and the
 scales those of one use.
 """

@@ -1,7 +1,7 @@
 """Megatron sequence parallelism with FP8 linears (issue 24) on 8 host CPU devices: the
 tokens outside the tensor-parallel pair are split over the tensor axis; the column-parallel
 layer all-gathers its FP8 input, the row-parallel one reduce-scatters its output, and
-training matches the single-device run (`fp8jax.ops.sequence_parallel`)."""
+training matches the single-device run (`fp8jax._ops.sequence_parallel`)."""
 
 import jax
 import numpy as np

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import fp8jax
-from fp8jax import state as _state
+from fp8jax import _state
 from helpers import normal, take_state, recorded
 
 CFG = fp8jax.Fp8Config(selective=False, amax_history_length=4)
@@ -252,7 +252,7 @@ def test_stacked_state_entered_before_the_scan_gives_the_same_step(key):
 
 
 def test_each_layers_new_state_sits_behind_an_optimization_barrier(key):
-    """The compile-time fix of `fp8jax.state.proposal` (issue 21): every proposal of the
+    """The compile-time fix of `fp8jax._state.proposal` (issue 21): every proposal of the
     stacked layers' backward goes through an optimization barrier, so XLA cannot fuse one
     layer's state math into the kernel that stacks all layers' new state."""
     model = fp8jax.fp8_linear_layers(Stack(key), CFG)

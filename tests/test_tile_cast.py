@@ -1,5 +1,5 @@
-"""The block-wise recipe's one-pass cast (`fp8jax.kernels.tile_cast`) against the XLA path
-(`fp8jax.recipe.tile_cast` twice). The kernel body runs in Pallas interpret mode on CPU;
+"""The block-wise recipe's one-pass cast (`fp8jax._kernels.tile_cast`) against the XLA path
+(`fp8jax._recipe.tile_cast` twice). The kernel body runs in Pallas interpret mode on CPU;
 the GPU test runs the compiled Triton kernel."""
 
 import jax
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import gpu
 
-from fp8jax import quant, recipe
-from fp8jax.kernels import tile_cast as tc
+from fp8jax import _quant as quant, _recipe as recipe
+from fp8jax._kernels import tile_cast as tc
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from fp8jax.train import cli, tokenizer
-from fp8jax.train import generate as gen
-from fp8jax.train.data import Corpus, load_corpus
-from fp8jax.train.tokenizer import TextTokenizer
+from fp8jax.train import _cli as cli, _tokenizer as tokenizer
+from fp8jax.train import _generate as gen
+from fp8jax.train._data import Corpus, load_corpus
+from fp8jax.train._tokenizer import TextTokenizer
 
 pytest.importorskip("tokenizers")
 
@@ -216,7 +216,7 @@ def test_without_tokenizers_installed_the_option_is_a_usage_error(tmp_path, monk
 
 
 def test_the_byte_default_imports_no_tokenizers():
-    code = ("import sys\nfrom fp8jax.train import cli, generate\n"
+    code = ("import sys\nfrom fp8jax.train import _cli as cli, _generate as generate\n"
             "cli._check_options(cli.parse_args([]))\n"
             "assert 'tokenizers' not in sys.modules, 'imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.train import cli
-from fp8jax.train.data import load_corpus
+from fp8jax.train import _cli as cli
+from fp8jax.train._data import load_corpus
 
 SMALL = ["--dim", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--seq", "32",
          "--batch", "8", "--eval-batches", "2", "--max-bytes", "300000", "--quiet", "--lr", "3e-3"]
@@ -92,7 +92,7 @@ def _check_tensorboard_matches_csv(out):
     """The TensorBoard event files under ``out/tb/<precision>`` hold the CSV's losses."""
     import csv
 
-    from fp8jax.train.report import read_tensorboard_scalars
+    from fp8jax.train._report import read_tensorboard_scalars
 
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -220,7 +220,7 @@ def test_moe_blocks_use_grouped_experts_with_fp8_state():
     assert float(dense.forward(tokens[:, :-1])[1]) == 0.0
     # fp8_state lists the grouped experts' state beside the linear layers'.
     from fp8jax import Fp8DotGeneral
-    from fp8jax.nn.grouped import Fp8GroupedState
+    from fp8jax.nn._grouped import Fp8GroupedState
 
     kinds = {type(s) for _, s in fp8jax.fp8_state(fp8)}
     paths = [p for p, s in fp8jax.fp8_state(fp8) if isinstance(s, Fp8GroupedState)]
@@ -279,7 +279,7 @@ def test_console_script_exits_zero_after_training(tmp_path):
 def test_tensorboard_log_without_tensorboardx_says_so_once(tmp_path, monkeypatch, capsys):
     import sys
 
-    from fp8jax.train import report
+    from fp8jax.train import _report as report
 
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
     monkeypatch.setattr(report, "_warned_no_tensorboard", False)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from fp8jax import distributed
-from fp8jax.train import cli, loop
-from fp8jax.train.checkpoint import restore_checkpoint
-from fp8jax.train.data import load_corpus
-from fp8jax.train.mesh import make_mesh, parse_mesh
+from fp8jax.train import _cli as cli, _loop as loop
+from fp8jax.train._checkpoint import restore_checkpoint
+from fp8jax.train._data import load_corpus
+from fp8jax.train._mesh import make_mesh, parse_mesh
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) != 8, reason="needs 8 devices (conftest's XLA_FLAGS)"

@@ -13,10 +13,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from fp8jax.train import census, cli, rundir
-from fp8jax.train import resume as resume_
-from fp8jax.train import checkpoint as ckpt
-from fp8jax.train.census import lowered_gemm_calls
+from fp8jax.train import _census as census, _cli as cli, _rundir as rundir
+from fp8jax.train import _resume as resume_
+from fp8jax.train import _checkpoint as ckpt
+from fp8jax.train._census import lowered_gemm_calls
 
 # The smallest model that trains (8 host devices in the tests: the batch splits over data=8),
 # on a small text file (listing the stdlib for the default corpus takes seconds).
@@ -174,7 +174,7 @@ def test_resume_of_a_run_from_before_stored_configs_names_the_misfit(tmp_path, d
     --dim fails in one line naming the checkpoint and the shapes, not an orbax traceback."""
     import orbax.checkpoint as ocp
 
-    from fp8jax.train.loop import Trainer
+    from fp8jax.train._loop import Trainer
 
     out = tmp_path / "old"
     run = cli.run_config(cli.parse_args(TINY))
@@ -276,7 +276,7 @@ def test_config_diff_sorts_model_options_from_schedule():
 
 
 def test_help_texts_and_param_count(capsys):
-    from fp8jax.train import generate
+    from fp8jax.train import _generate as generate
 
     text = " ".join(cli._parser().format_help().split())
     for option, default in (("--steps STEPS", "tiny 300"), ("--batch BATCH", "tiny 16"),

@@ -1,20 +1,17 @@
 """fp8jax: FP8 training for JAX on NVIDIA Hopper GPUs."""
 
 # First, before anything can start JAX's backend: no Triton GEMM autotuning (see compilation).
-from .compilation import apply_at_import as _apply_at_import
+from ._compilation import apply_at_import as _apply_at_import
 
 _apply_at_import()
 
 
 from . import nn
-from ._guard import check_state
-from ._guard import enter_tree as enter_state
-from .compilation import enable_compilation_cache, skip_triton_gemm_autotuning
-from .config import Fp8Config
-from .convert import ConversionReport, fp8_linear_layers, fp8_state
-from .distributed import record_fsdp, shard_model
-from .dot_general import Fp8DotGeneral
-from .grad_overwrite import (
+from ._compilation import enable_compilation_cache, skip_triton_gemm_autotuning
+from ._config import Fp8Config
+from ._convert import ConversionReport, fp8_linear_layers, fp8_state
+from ._dot_general import Fp8DotGeneral
+from ._grad_overwrite import (
     accumulate_grads,
     apply_updates,
     optax_step,
@@ -22,7 +19,11 @@ from .grad_overwrite import (
     scale_grads,
     trainable,
 )
-from .inference import Fp8InferenceLinear, load_inference, save_inference, to_inference
+from ._guard import check_state
+from ._guard import enter_tree as enter_state
+from ._inference import Fp8InferenceLinear, load_inference, save_inference, to_inference
+from ._state import OverwriteWithGradient
+from .distributed import record_fsdp, shard_model
 from .inspect import (
     GemmReport,
     ResidualsReport,
@@ -32,7 +33,6 @@ from .inspect import (
     saved_activation_bytes,
 )
 from .nn import remat_policy
-from .state import OverwriteWithGradient
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ No layout can hide the state from that loop and still return its new value: both
 ``eqx.filter_value_and_grad`` and the optimizer's filter select the same
 ``eqx.is_inexact_array`` leaves, and the new value must come back as a gradient. So the
 loop is detected instead. Each `fp8jax.Fp8DotGeneral` carries one more float32 leaf
-beside the seven `fp8jax.state.STATE_FIELDS` (whose layout the flax and haliax peers pin):
+beside the seven `fp8jax._state.STATE_FIELDS` (whose layout the flax and haliax peers pin):
 ``guard``, shape ``[*stack, 1]``, one of `VALUES` (2**-20 ... 2**-17). Like the other
 fields its "gradient" is its new value, `advance` of it (the next of the four, in a
 cycle), combined by max over a step's uses, so `fp8jax.apply_updates` writes it exactly.
@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core, lax
 
-from . import state as _state
+from . import _state
 
 F32 = jnp.float32
 VALUES = (2.0**-20, 2.0**-19, 2.0**-18, 2.0**-17)  # exact in float32, bfloat16, float16
@@ -212,7 +212,7 @@ def _checked_bwd(sizes, raising, guards, cts):
 
 _checked.defvjp(_checked_fwd, _checked_bwd)
 
-# Entered guard -> a value of the trace that checked it (weak, as `fp8jax.state`'s cache).
+# Entered guard -> a value of the trace that checked it (weak, as `fp8jax._state`'s cache).
 _CHECKED: dict[int, tuple[weakref.ref, Any]] = {}
 
 
@@ -288,7 +288,7 @@ def _op_poison(entered, guard):
 
 def op_state(module: Any) -> tuple[tuple, jax.Array | None]:
     """``(state, poison)``: an `fp8jax.Fp8DotGeneral`'s seven state arrays, entered
-    (`fp8jax.state.enter`) with its guard, and checked (mode ``raise``, once per trace),
+    (`fp8jax._state.enter`) with its guard, and checked (mode ``raise``, once per trace),
     unless `enter_tree` entered (and checked) the guard already (a `MAX_GRAD`
     guard); ``poison`` (mode ``nan``, else None): a float32 scalar to add to the op's output,
     ``-0.0`` where the guard is valid, NaN where not (`_poison`)."""
@@ -327,7 +327,7 @@ def enter_tree(tree: Any) -> Any:
 
 
 def check_entered_tree(tree: Any) -> Any:
-    """``tree``, entered by `fp8jax.state.enter_states`, with one check of the guards of all
+    """``tree``, entered by `fp8jax._state.enter_states`, with one check of the guards of all
     its states attached to their entered leaves (mode ``raise``; in mode ``nan`` no check:
     the ops poison their outputs from their entered guards)."""
     states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_state) if _is_state(x)]

@@ -36,14 +36,14 @@ class Internal(NamedTuple):
 
 _ATTN = "jax._src.cudnn.fused_attention_stablehlo"
 _ATTN_WHY = (
-    "cuDNN's FP8 flash attention (fp8jax.kernels.cudnn_attention): the public "
+    "cuDNN's FP8 flash attention (fp8jax._kernels.cudnn_attention): the public "
     "jax.nn.dot_product_attention has no FP8 path, so fp8jax binds its primitives"
 )
 INTERNALS = (
     Internal(
         "jax._src.dtypes",
         "ExtendedDType",
-        "base class of the FP8 state's MAX_GRAD dtype (fp8jax.state), whose cotangents add by "
+        "base class of the FP8 state's MAX_GRAD dtype (fp8jax._state), whose cotangents add by "
         "max; JAX has no public way to define an extended dtype",
     ),
     Internal(
@@ -65,7 +65,7 @@ INTERNALS = (
         "jax._src.core",
         "set_current_trace",
         "converts an FP8 state leaf to MAX_GRAD in the trace the leaf lives in "
-        "(fp8jax.state.enter); public as jax.extend.core.set_current_trace from jax 0.10",
+        "(fp8jax._state.enter); public as jax.extend.core.set_current_trace from jax 0.10",
         public="jax.extend.core",
     ),
     Internal(
@@ -84,7 +84,7 @@ INTERNALS = (
     Internal(
         "jax._src.compiler",
         "get_compile_options",
-        "sets an XLA option per compile after the backend started (fp8jax.compilation)",
+        "sets an XLA option per compile after the backend started (fp8jax._compilation)",
         required=False,
     ),
     Internal(_ATTN, "_dot_product_attention_fp8_fwd_p_wrapper", _ATTN_WHY, required=False),

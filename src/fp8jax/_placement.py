@@ -1,4 +1,4 @@
-"""Checks and small helpers shared by `fp8jax.distributed` and `fp8jax.sequence`: mesh
+"""Checks and small helpers shared by `fp8jax.distributed` and `fp8jax._sequence`: mesh
 axes, name lists, layer-path patterns."""
 
 from __future__ import annotations

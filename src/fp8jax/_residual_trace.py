@@ -1,4 +1,4 @@
-"""How `fp8jax.residuals` reads a vjp's jaxpr: where a residual comes from (`origin`: the
+"""How `fp8jax._residuals` reads a vjp's jaxpr: where a residual comes from (`origin`: the
 primitive, checkpoint name, source line and the calls around it) and which logical tensor it
 holds (`Tensors`: through reshapes, transposes, casts and an FP8 cast's scaling)."""
 

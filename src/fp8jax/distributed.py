@@ -18,23 +18,23 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import sequence as _sequence
-from ._placement import _axis_size, _check_auto, _check_mesh, _kinds, _matches, _names
-from .collectives import (  # noqa: F401  (public here too)
+from . import _sequence
+from ._collectives import (  # noqa: F401  (public here too)
     Collective,
     compile_with_collectives,
     hlo_collectives,
     parse_collectives,
 )
-from .convert import _path_str
-from .nn.grouped import GroupedLinear
-from .nn.linear import Linear
-from .nn.mlp import ACTIVATIONS, FusedMLP
-from .ops import fsdp
-from .ops.dot import WeightSharding
-from .ops.expert_parallel import ExpertSharding
-from .sequence import _batch_axes, _record_sequence
-from .state import OverwriteWithGradient
+from ._convert import _path_str
+from ._ops import fsdp
+from ._ops.dot import WeightSharding
+from ._ops.expert_parallel import ExpertSharding
+from ._placement import _axis_size, _check_auto, _check_mesh, _kinds, _matches, _names
+from ._sequence import _batch_axes, _record_sequence
+from ._state import OverwriteWithGradient
+from .nn._grouped import GroupedLinear
+from .nn._linear import Linear
+from .nn._mlp import ACTIVATIONS, FusedMLP
 
 __all__ = [
     "Collective",
@@ -117,7 +117,7 @@ def shard_model(
     parallel), else replicate them. ``fp8_all_gather``: record the sharding
     in each FP8 layer so it casts its shard and all-gathers FP8 (`record_fsdp`).
 
-    ``sequence_parallel``: Megatron sequence parallelism (`fp8jax.ops.sequence_parallel`).
+    ``sequence_parallel``: Megatron sequence parallelism (`fp8jax._ops.sequence_parallel`).
     Outside the tensor-parallel layers the tokens are split over ``batch_axes`` (default:
     every mesh axis but ``tensor_axis``) and then ``tensor_axis``, as the user's own
     sharding constraints on the activations say; each column-parallel layer all-gathers
@@ -271,7 +271,7 @@ def _record_experts(model: Any, experts: ExpertSharding) -> Any:
 def set_fsdp_axes(axes: Sequence[str]) -> None:
     """Mesh axis names meaning FSDP for weights placed by the user (default ``("fsdp",)``):
     an FP8 layer whose weight is sharded over one of them all-gathers its FP8 copy over
-    it before the GEMM (`fp8jax.ops.fsdp`). Read when a step is traced (and part of its cache
+    it before the GEMM (`fp8jax._ops.fsdp`). Read when a step is traced (and part of its cache
     key): set it first. For the whole process, every thread and notebook cell; `fsdp_axes`
     sets them for a ``with`` block.
 

@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 import equinox as eqx
 
-from .kernels.blockwise_gemm import BLOCKWISE_SCOPE
-from .ops.grouped import GROUPED_SCOPE
-from .residuals import Residual, ResidualsReport, _nbytes, residuals_report
+from ._kernels.blockwise_gemm import BLOCKWISE_SCOPE
+from ._ops.grouped import GROUPED_SCOPE
+from ._residuals import Residual, ResidualsReport, _nbytes, residuals_report
 
 __all__ = [
     "GemmInfo",

@@ -1,7 +1,7 @@
 """flax nnx adapter, at its public path: ``fp8jax.nnx.fp8_linear_layers``, ``update`` and
-friends (the code is in `fp8jax.interop.nnx`; ``pip install fp8jax[flax]``)."""
+friends (the code is in `fp8jax._interop.nnx`; ``pip install fp8jax[flax]``)."""
 
-from .interop.nnx import (
+from ._interop.nnx import (
     WRT,
     Fp8DotGeneralOp,
     Fp8EinsumOp,

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import console_main
+from ._cli import console_main
 
 sys.exit(console_main())

@@ -1,0 +1,490 @@
+"""The FP8 GEMM with its custom VJP, on canonical 3-D operands.
+
+Any ``dot_general`` is brought to ``x3: [B, M, K]`` and ``w3: [B, N, K]`` (or
+``[B, K, N]`` when the kernel is stored that way, as flax's is), and every GEMM gets
+both operands contracting on their minor dim (the "TN" layout Hopper's FP8 GEMMs want):
+
+* forward  ``y  = x3 . w3``         (xq [B,M,K] e4m3, wq  [B,N,K] e4m3)
+* dgrad    ``dx = g  . w3^T``       (gq [B,M,N] e5m2, wq  [B,K,N] e4m3)
+* wgrad    ``dw = g^T . x3``        (gTq [B,N,M] e5m2, xTq [B,K,M] e4m3)
+
+Residuals are FP8 (1 byte/element): ``xTq`` and the kernel in ``[B, K, N]`` layout.
+The scaling state's new value is returned as the state's "gradient" (gradient
+hijacking); the state enters as `fp8jax._state.MAX_GRAD` values, so several uses of
+one layer in a step combine their proposals by max.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_batching import custom_vmap
+
+from .. import _quant as q
+from .. import _state
+from .._config import Fp8Config, warn_below_min_tokens
+from .._kernels import gemm as _gemm
+from .._recipe_base import Cast, Recipe
+from . import fsdp as _fsdp_op
+from . import rows as _split
+from . import sequence_parallel as _sp
+
+F32 = jnp.float32
+STATE_FIELDS = _state.STATE_FIELDS
+# Names given to the residuals that are cheap to keep and costly to recompute (the FP8
+# weight, scales, amaxes), for `jax.checkpoint` policies: a policy saving these and
+# not the FP8 input copy recomputes only the input's cast (see `fp8jax.nn.FusedMLP`).
+KERNEL_RESIDUAL = "fp8jax_kernel_fp8"
+SCALAR_RESIDUALS = "fp8jax_gemm_scalars"
+INPUT_RESIDUAL = "fp8jax_input_fp8"  # the input's copy the backward reads (FP8 on FP8 paths)
+SAVED_RESIDUAL_NAMES = (KERNEL_RESIDUAL, SCALAR_RESIDUALS)
+
+
+class Spec(NamedTuple):
+    """Static description of one FP8 GEMM call (hashable: a custom_vjp nondiff arg)."""
+
+    config: Fp8Config
+    out_dtype: np.dtype
+    x_dtype: np.dtype  # dtypes of the operands: their gradients come back in these
+    w_dtype: np.dtype
+    rhs_k_first: bool  # w3 is [B, K, N] (kernel stored contracting-dims-first) instead of [B, N, K]
+    # FSDP: (shard, gathered) NamedShardings of w3, see `w3_shardings`; () for a recorded
+    # sharding with nothing to gather; None when nothing is recorded (found when compiling).
+    w_shardings: tuple | None = None
+    sequence: _sp.SequenceParallel | None = None  # Megatron sequence parallelism
+    # Row- or block-wise recipe over several devices: the kernels' token split (`ops.rows`)
+    rows: _split.RowSplit | None = None
+
+
+class WeightSharding(NamedTuple):
+    """How a layer's kernel (the ``rhs``, as called) is sharded, and the mesh axes
+    (``gather``) it is all-gathered over before the GEMM (FSDP). Set by
+    `fp8jax.distributed`; hashable, so it can be a static field."""
+
+    mesh: jax.sharding.Mesh
+    spec: tuple | None  # PartitionSpec entries of the rhs, one per dim; None: not recorded
+    gather: tuple[str, ...]
+    sequence: _sp.SequenceParallel | None = None  # tokens split over the tensor axis around it
+
+
+def w3_shardings(ws: WeightSharding, rb, rf, rc, rhs_k_first: bool):
+    """(shard, gathered) NamedShardings of the canonical ``w3`` for a kernel sharded as
+    ``ws``; () when nothing is gathered; None when a merged dim would need a reshard
+    (then `fp8jax._ops.fsdp` gathers it, as for weights placed by the user)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    spec = tuple(ws.spec) + (None,) * (len(rb) + len(rf) + len(rc) - len(ws.spec))
+    merged = []
+    for group in (rb, rc, rf) if rhs_k_first else (rb, rf, rc):
+        sharded = [spec[i] for i in group if spec[i] is not None]
+        if len(sharded) > 1 or (sharded and spec[group[0]] is None):
+            return None  # only a group's leading dim may be sharded for a free reshape
+        merged.append(sharded[0] if sharded else None)
+
+    gathered = [_fsdp_op.split_axes(e, ws.gather)[0] for e in merged]
+    if gathered == merged:
+        return ()
+    return (
+        NamedSharding(ws.mesh, PartitionSpec(*merged)),
+        NamedSharding(ws.mesh, PartitionSpec(*gathered)),
+    )
+
+
+def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
+    """FSDP: pin ``a`` (w3's layout, or its transpose) to the kernel's shard layout, or
+    to the gathered one. A constraint pair shard -> gathered makes XLA all-gather ``a``
+    itself (FP8, 1 byte/element) instead of choosing what to move. Without a recorded
+    sharding (weights placed by the user), gathering is `_fsdp_op.gather_fsdp`'s, decided
+    from the real sharding when compiling; identity on one device."""
+    if spec.w_shardings is None:
+        return _fsdp_op.gather_fsdp(a) if gathered and not _under_vmap(a) else a
+    if not spec.w_shardings:
+        return a
+    s = spec.w_shardings[gathered]
+    if transposed:
+        b, p, c = s.spec
+        s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(b, c, p))
+    return jax.lax.with_sharding_constraint(a, s)
+
+
+_WARNED: set[str] = set()
+# >0 while custom_vmap traces the per-example function only to get its shapes
+_QUIET: contextvars.ContextVar[int] = contextvars.ContextVar("fp8jax_quiet", default=0)
+
+
+def unsupported(config: Fp8Config, message: str) -> None:
+    """Apply ``config.on_unsupported`` to a call FP8 cannot run (raise, warn once, or not)."""
+    if _QUIET.get():
+        return
+    if config.on_unsupported == "raise":
+        raise ValueError(message)
+    message += " Running it in the input precision instead."
+    if config.on_unsupported == "warn" and message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=5)
+
+
+def uses_fp8(spec: Spec, m: int, k: int = 0, n: int = 0) -> bool:
+    """Runtime (shape) part of the policy: rows aligned, and enough of them (``selective``);
+    ``k``, ``n``: the layer's features, for the warning below ``min_tokens``."""
+    cfg = spec.config
+    if m % cfg.alignment:
+        unsupported(
+            cfg, f"Fp8DotGeneral: the GEMM has M={m} rows, not a multiple of {cfg.alignment}."
+        )
+        return False
+    if cfg.selective and m < cfg.min_tokens:
+        if not _QUIET.get():
+            warn_below_min_tokens(cfg, m, k, n, spec.x_dtype)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- forward
+def scale_inputs(config: Fp8Config, state) -> tuple[tuple, tuple, tuple]:
+    """What `fp8jax._recipe.PerTensor.gemm_scales` takes for one layer's state: the input,
+    kernel and output-gradient histories, old scales and FP8 dtypes, in that order."""
+    in_s, k_s, g_s, in_h, k_h, g_h, _ = state
+    dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
+    return (in_h, k_h, g_h), (in_s, k_s, g_s), dtypes
+
+
+def row_split(cfg: Fp8Config, ws) -> _split.RowSplit | None:
+    """The token split a row- or block-wise layer's kernels run under on a mesh
+    (`fp8jax._ops.rows`)."""
+    return _split.of_weight(ws) if cfg.recipe.per_device_rows else None
+
+
+def _rows(spec: Spec, m: int) -> _split.RowSplit | None:
+    """``spec.rows`` where each device's share of ``m`` token rows holds whole tiles (of
+    the block-wise recipe, or the row-wise cast kernel's 128-row squares)."""
+    rows, tile = spec.rows, spec.config.recipe.row_tile
+    return rows if rows and m % (rows.count * tile) == 0 else None
+
+
+def _cast_rows(rows, recipe: Recipe, t3, dtype) -> Cast:
+    """An activation or output gradient ``[B, M, K]`` in both layouts, per device on its
+    tokens (``rows``): `fp8jax._recipe_base.Recipe.quantize_rows`."""
+    return recipe.quantize_rows(functools.partial(_split.on_rows, rows), t3, dtype)
+
+
+def _gemm_rows(rows, recipe: Recipe, a, sa, b, sb, out_dtype, fast: bool, wgrad: bool = False):
+    """``recipe.gemm``; with ``rows``, per device on its tokens: the rows of ``a`` (forward,
+    dgrad: ``b`` whole on every device) or, for the wgrad (``wgrad``), the contracted
+    tokens of both, summed over the devices in the gradient's dtype (under FSDP XLA makes
+    the sum and the layer's shard constraint a reduce-scatter)."""
+    if rows is None:
+        return recipe.gemm(a, sa, b, sb, out_dtype, fast)
+    on_rows = functools.partial(_split.on_rows, rows)
+    return recipe.gemm_rows(on_rows, a, sa, b, sb, out_dtype, fast, wgrad)
+
+
+def _scales_in_forward(spec: Spec) -> bool:
+    """Delayed per-tensor scaling: the forward computes all three scales at once
+    (`fp8jax._recipe.PerTensor.gemm_scales`) and hands the output gradient's to the backward."""
+    return spec.config.recipe.scale_known_before_cast
+
+
+def _fwd_impl(spec: Spec, x3, w3, state):
+    cfg, recipe = spec.config, spec.config.recipe
+    in_s, k_s, g_s, in_h, k_h, _, _ = state
+    out_dtype = spec.out_dtype
+    if not uses_fp8(spec, x3.shape[1], x3.shape[2], w3.shape[2 if spec.rhs_k_first else 1]):
+        y = _gemm.gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
+        zero = jnp.zeros((), F32)
+        return y, (x3, w3, in_s, k_s, zero, zero, g_s)
+    sx, sw, sg = None, None, g_s  # None: each cast chooses its own scale
+    if _scales_in_forward(spec):  # all three in one small computation; sg to the backward
+        scales = recipe.gemm_scales(*scale_inputs(cfg, state))
+        sx, sw, sg = scales[0:1], scales[1:2], scales[2:3]
+    rows = _rows(spec, x3.shape[1])
+    if rows is None:
+        x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
+    else:
+        x = _cast_rows(rows, recipe, x3, cfg.input_dtype)
+    # FSDP: each device casts its own shard (global amax: a scalar all-reduce), the FP8
+    # copy is all-gathered for the GEMM and kept sharded as the residual.
+    w3 = _fsdp(spec, w3, False, False)
+    w = recipe.quantize_both(w3, k_s, k_h, cfg.kernel_dtype, weight=True, scale=sw)
+    w_nk, w_kn = (w.data_t, w.data) if spec.rhs_k_first else (w.data, w.data_t)
+    # Per-tensor: scale_t is scale. Row/block-wise: each layout has its own scales.
+    sw_nk, sw_kn = (w.scale_t, w.scale) if spec.rhs_k_first else (w.scale, w.scale_t)
+    t = spec.rhs_k_first  # w_nk is w3's transpose
+    w_nk = _fsdp(spec, _fsdp(spec, w_nk, t, False), t, True)
+    w_kn = _fsdp(spec, w_kn, not t, False)
+    # Sequence parallel: a column-parallel layer all-gathers its FP8 input's tokens (its
+    # transposed copy stays split until the backward); a row-parallel one reduce-scatters
+    # its output. Identities without it.
+    col, row = _sp.sides(spec.sequence)
+    x_data, x_scale = _sp.gather_scaled(col, x.data, x.scale, 1)
+    x_data_t = _sp.constrain(col, x.data_t, 2, True) if col else x.data_t
+    # x [B, M, K] . w [B, N, K]: column splits N (w's dim 1), row splits K (both dims 2)
+    x_data, w_nk = _sp.pin_operands(col, x_data, w_nk, None, 1)
+    x_data, w_nk = _sp.pin_operands(row, x_data, w_nk, 2, 2)
+    y = _gemm_rows(rows, recipe, x_data, x_scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
+    y = _sp.scatter(row, y, 1)
+    return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
+
+
+def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
+    """``g_scale``: the output gradient's scale where the forward chose it (delayed
+    per-tensor scaling), else its old scale."""
+    cfg, recipe = spec.config, spec.config.recipe
+    xr, wr, sx, sw, _, _ = res
+    if xr.dtype != cfg.input_dtype:  # plain (non-FP8) path chosen in the forward
+        w_kn = wr if spec.rhs_k_first else jnp.swapaxes(wr, 1, 2)
+        dx = _gemm.gemm(g3, w_kn, xr.dtype)
+        gT, xT = jnp.swapaxes(g3, 1, 2), jnp.swapaxes(xr, 1, 2)
+        dw = _gemm.gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm.gemm(gT, xT, wr.dtype)
+        return dx, dw, jnp.zeros((), F32), g_scale
+    xTq, w_kn = xr, _fsdp(spec, wr, not spec.rhs_k_first, True)  # FSDP: all-gather FP8 again
+    known = g_scale if _scales_in_forward(spec) else None
+    rows = _rows(spec, g3.shape[1])  # as the forward's: the same token count
+    if rows is None:
+        g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype, scale=known)
+    else:
+        g = _cast_rows(rows, recipe, g3, cfg.grad_dtype)
+    # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
+    # row gathers the FP8 output gradient's tokens, both layouts.
+    col, row = _sp.sides(spec.sequence)
+    xTq, sx = _sp.gather_scaled(col, xTq, sx, 2)
+    g_data, g_scale_nk = _sp.gather_scaled(row, g.data, g.scale, 1)
+    g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
+    # dgrad g [B, M, N] . w [B, K, N]: column contracts the split N, row splits K
+    g_data, w_kn = _sp.pin_operands(col, g_data, w_kn, 2, 2)
+    g_data, w_kn = _sp.pin_operands(row, g_data, w_kn, None, 1)
+    fast = cfg.fast_backward
+    dx = _gemm_rows(rows, recipe, g_data, g_scale_nk, w_kn, sw, spec.x_dtype, fast)
+    dx = _sp.scatter(col, dx, 1)
+    wdt = spec.w_dtype
+    if spec.rhs_k_first:
+        dw = _gemm_rows(rows, recipe, xTq, sx, g_data_t, g_scale_t, wdt, fast, wgrad=True)
+    else:
+        dw = _gemm_rows(rows, recipe, g_data_t, g_scale_t, xTq, sx, wdt, fast, wgrad=True)
+    dw = _fsdp(spec, dw, False, False)  # FSDP: reduce-scatter in the gradient dtype
+    return dx, dw, g.amax, recipe.summary(g.scale)
+
+
+# ----------------------------------------------------------------------------- vmap rules
+def _merge(a, axis_size):
+    """[V, B, M, C] -> [B, V*M, C]: fold a vmapped axis into the GEMM rows."""
+    _, b, m, c = a.shape
+    return jnp.swapaxes(a, 0, 1).reshape(b, axis_size * m, c)
+
+
+def _split_rows(a, axis_size):
+    """[B, V*M, C] -> [V, B, M, C]."""
+    b, vm, c = a.shape
+    return jnp.swapaxes(a.reshape(b, axis_size, vm // axis_size, c), 0, 1)
+
+
+def _split_cols(a, axis_size):
+    """[B, C, V*M] -> [V, B, C, M]."""
+    b, c, vm = a.shape
+    return jnp.moveaxis(a.reshape(b, c, axis_size, vm // axis_size), 2, 0)
+
+
+def _fallback_vmap(impl, in_batched, args):
+    axes = jax.tree_util.tree_map(lambda b: 0 if b else None, in_batched)
+    out = jax.vmap(impl, in_axes=tuple(axes))(*args)
+    return out, jax.tree_util.tree_map(lambda _: True, out)
+
+
+def _under_vmap(x) -> bool:
+    trace = getattr(x, "_trace", None)
+    return trace is not None and "Batch" in type(trace).__name__
+
+
+def _quiet_when_vmapped(fn, probe_arg):
+    """Call ``fn``; when its input is vmapped, the per-example trace custom_vmap makes
+    for shapes must not warn or raise (the vmap rule decides on the merged rows)."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        quiet = _under_vmap(jax.tree_util.tree_leaves(args[probe_arg])[0])
+        token = _QUIET.set(_QUIET.get() + quiet)
+        try:
+            return fn(*args)
+        finally:
+            _QUIET.reset(token)
+
+    return call
+
+
+def _decide_loudly(probe, fn, *args):
+    """``fn(*args)`` from a vmap rule (the real rows known): the policy's warnings are not
+    muted there, unless ``probe`` is still vmapped (an outer ``jax.vmap`` decides)."""
+    token = _QUIET.set(int(_under_vmap(probe)))
+    try:
+        return fn(*args)
+    finally:
+        _QUIET.reset(token)
+
+
+def _traced_once(impl, name: str):
+    """``impl`` under ``jax.jit`` (named ``name`` in the HLO): the layers of a model that
+    share a `Spec` and shapes (a transformer's blocks) trace and lower it once, and the step
+    calls that one function (issue 21: tracing and lowering are much of a small FP8 step's
+    extra compile time). What the trace reads besides its arguments is part of the cache key:
+    whether warnings are muted (`_QUIET`, so custom_vmap's per-example trace is never the one
+    a real call reuses), `fp8jax._kernels.gemm.tuning` and the FSDP axes
+    (`fp8jax.distributed.fsdp_axes`). ``vmap`` over the state or the weight
+    (`_fallback_vmap`) maps the plain ``impl``."""
+
+    def run(settings: tuple, *args):
+        del settings
+        return impl(*args)
+
+    run.__name__ = run.__qualname__ = name
+    jitted = jax.jit(run, static_argnums=0)
+
+    @functools.wraps(impl)
+    def call(*args):
+        settings = (bool(_QUIET.get()), _gemm.current_tuning(), _fsdp_op.current_axes())
+        return jitted(settings, *args)
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_fn(spec: Spec):
+    """Forward compute as a ``custom_vmap``: under ``jax.vmap`` over the activations
+    the vmapped axis becomes GEMM rows (one GEMM, one amax over the whole batch)."""
+
+    def impl(x3, w3, state):
+        return _fwd_impl(spec, x3, w3, state)
+
+    fn = custom_vmap(_traced_once(impl, "fp8_gemm_forward"))
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, x3, w3, state):
+        xb, wb, sb = in_batched
+        if axis_size == 0:
+            raise ValueError(
+                f"Fp8DotGeneral: vmapped over an axis of size 0 (each example's input "
+                f"{tuple(x3.shape[1:])}): no rows, so no amax for the FP8 scales."
+            )
+        if not xb or wb or any(jax.tree_util.tree_leaves(sb)):
+            return _decide_loudly(x3, _fallback_vmap, impl, in_batched, (x3, w3, state))
+        y, (xr, *others) = _decide_loudly(x3, fn, _merge(x3, axis_size), w3, state)
+        fp8 = xr.dtype == spec.config.input_dtype
+        xr = _split_cols(xr, axis_size) if fp8 else _split_rows(xr, axis_size)
+        out = (_split_rows(y, axis_size), (xr, *others))
+        return out, (True, (True,) + (False,) * len(others))
+
+    return _quiet_when_vmapped(fn, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_fn(spec: Spec):
+    """Backward compute as a ``custom_vmap`` (mirror of `fwd_fn`)."""
+
+    def impl(res, g_scale, g_history, g3):
+        return _bwd_impl(spec, res, g_scale, g_history, g3)
+
+    fn = custom_vmap(_traced_once(impl, "fp8_gemm_backward"))
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, res, g_scale, g_history, g3):
+        rb, sb, hb, gb = in_batched
+        x_b, w_b, *others_b = rb
+        if not (x_b and gb) or w_b or any(others_b) or sb or hb:
+            return _fallback_vmap(impl, in_batched, (res, g_scale, g_history, g3))
+        xr = res[0]
+        fp8 = xr.dtype == spec.config.input_dtype
+        xm = jnp.moveaxis(xr, 0, -2).reshape(*xr.shape[1:-1], -1) if fp8 else _merge(xr, axis_size)
+        dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, _merge(g3, axis_size))
+        return (_split_rows(dx, axis_size), dw, ag, sg), (True, False, False, False)
+
+    return _quiet_when_vmapped(fn, 3)
+
+
+# ----------------------------------------------------------------------------- custom VJP
+def observed_amaxes(ax, aw, ag):
+    """What one use saw: ``[amax_x, amax_w, amax_g, nonfinite flag]``, non-finite
+    amaxes zeroed and flagged. Each amax is a scalar or a cast kernel's tile maxima
+    (`q.combined_max`)."""
+    observed, bad = q.sanitize_amax(q.combined_max(ax, aw, ag))
+    # Behind a barrier: the tile maxima's reduction runs once, in its own kernel. Without it
+    # XLA (jax 0.11.2) fused it into the loop over the history update and recomputed it per
+    # history entry, which cost the flax linen step its whole FP8 gain (issue 47;
+    # benchmarks/RESULTS.md, "Front doors (issue 47)").
+    return jax.lax.optimization_barrier(jnp.concatenate([observed, jnp.max(bad).reshape(1)]))
+
+
+def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
+    """The float32 state one use proposes: the scales it used, its amaxes recorded
+    (`_state.record`), its non-finite flag counted. Histories of one length are recorded
+    as one ``[3, L]`` update (one kernel where three separate ones compiled three).
+
+    With ``config``, an outlier amax is recorded as 0 where its recipe says so (delayed
+    scaling: `fp8jax._recipe.PerTensor.screen`). Corrupt fields of the old state (NaN, Inf or
+    negative history entries, scales not finite and positive: `_state.needs_repair`) come
+    out repaired: the scales used were computed without them, the histories record them as
+    0. ``nonfinite_count`` counts one per kind of anomaly in the step: a non-finite amax,
+    a rejected outlier, a repaired state. A few scalar selects and one reduction over the
+    histories, fused with their update: no host callback, no ``lax.cond``."""
+    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
+    histories = (in_h, k_h, g_h)
+    stacked = len({h.shape for h in histories}) == 1 and in_h.ndim == 1
+    if stacked:  # one [3, L] array: one reduction and one update for the three
+        histories = (jnp.stack(histories),)
+    repaired = _state.needs_repair((in_s, k_s, g_s), histories, nonfinite)
+    histories = tuple(map(_state.clean_amax, histories))
+    amaxes, rejected = observed[:3], jnp.zeros((), F32)
+    if config is not None and stacked:
+        dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
+        amaxes, rejected = config.recipe.screen(amaxes, histories[0][:, 0], dtypes)
+    if stacked:
+        histories = tuple(_state.record(histories[0], amaxes, axis=1))
+    else:
+        histories = tuple(_state.record(h, a) for h, a in zip(histories, amaxes))
+    return (
+        sx.astype(in_s.dtype),
+        sw.astype(k_s.dtype),
+        sg.astype(g_s.dtype),
+        *histories,
+        _state.clean_amax(nonfinite) + observed[3] + rejected + repaired,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_dot3(spec: Spec, x3, w3, state):
+    """FP8 ``[B,M,K] x [B,N,K] -> [B,M,N]``; ``state``: `STATE_FIELDS` as `_state.MAX_GRAD`."""
+    y, _ = fwd_fn(spec)(x3, w3, _state.values(state))
+    return y
+
+
+def _fp8_dot3_fwd(spec, x3, w3, state):
+    values = _state.values(state)
+    y, (xr, wr, *scalars) = fwd_fn(spec)(x3, w3, values)
+    res = (
+        checkpoint_name(xr, INPUT_RESIDUAL),
+        checkpoint_name(wr, KERNEL_RESIDUAL),
+        *(checkpoint_name(s, SCALAR_RESIDUALS) for s in scalars),
+    )
+    return y, (res, values)
+
+
+def _fp8_dot3_bwd(spec, residuals, g3):
+    res, state = residuals
+    g_h = state[5]  # the output gradient's amax history
+    *res, g_known = res  # the output gradient's scale, or its old one (`_fwd_impl`)
+    dx, dw, ag, sg = bwd_fn(spec)(tuple(res), g_known, g_h, g3)
+    xr, _, sx, sw, ax, aw = res
+    if xr.dtype != spec.config.input_dtype:  # ran in the input precision: propose nothing
+        return dx, dw, _state.no_proposal(state)
+    summary = spec.config.recipe.summary  # per-tensor: the scale itself
+    observed = observed_amaxes(ax, aw, ag)
+    proposed = new_state(state, summary(sx), summary(sw), sg, observed, spec.config)
+    return dx, dw, _state.proposal(proposed)
+
+
+fp8_dot3.defvjp(_fp8_dot3_fwd, _fp8_dot3_bwd)

@@ -1,0 +1,221 @@
+"""FP8 gated MLP core (fc1 -> swiglu/geglu/reglu/... -> fc2) as one custom VJP with one-pass
+activation kernels.
+
+Through XLA, the FP8 MLP spends as much time in memory passes over fc1's output as it
+saves in the GEMMs (`benchmarks/RESULTS.md`, the trainer profile): the dequantize of
+fc1's output, the activation and fc2's input cast, a separate amax pass, a separate FP8
+transpose, and in the backward the gated gradient written as two halves and
+concatenated. Here fc1's GEMM output stays unscaled bf16 (it is the saved residual),
+and two Pallas Triton kernels (`fp8jax._kernels.gated_activation`) do the rest, each in
+one read, so the forward keeps only ``h``, the FP8 ``x^T`` and the FP8 weights.
+
+fc1's weight rows are interleaved in blocks of `BLOCK` when cast to FP8 (one kernel tile
+holds matching gate and up columns), unless they are stored that way
+(``FusedMLP(gate_block=64)``, the layout that splits without communication under tensor
+parallelism); fc1's wgrad comes out in the weight's own order (natural ``[gate | up]``,
+Megatron's convention, or interleaved). Delayed scaling only (the activation's scale must
+be known before the pass).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from .. import _quant as q
+from .. import _state
+from .._config import Fp8Config
+from .._kernels import cast as _cast_kernel
+from .._kernels import gemm as _gemm
+from .._kernels.gated_activation import (  # noqa: F401  (re-exported: the core's public names)
+    ACTIVATIONS,
+    BLOCK,
+    GPU_TESTED,
+    _gate,  # the activations' math, which `fp8jax.nn._elementwise` shares
+    activation_fp8,
+    activation_grad_fp8,
+    current_tuning,
+    deinterleave,
+    interleave,
+    relayout_rows,
+    tuning,
+)
+from . import dot as _dot
+from . import rows as _split
+
+BF16 = jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------- custom VJP
+class Spec(NamedTuple):
+    """Static description of one call (a custom_vjp nondiff arg)."""
+
+    config1: Fp8Config
+    config2: Fp8Config
+    x_dtype: np.dtype
+    w1_dtype: np.dtype
+    w2_dtype: np.dtype
+    activation: str = "swiglu"  # one of `ACTIVATIONS`
+    gate_block: int | None = None  # fc1's row layout (`fp8jax.nn.FusedMLP.gate_block`)
+    rows: _split.RowSplit | None = None  # the kernels' token split on a mesh (`fp8jax._ops.rows`)
+
+
+def usable(
+    config1: Fp8Config,
+    config2: Fp8Config,
+    m: int,
+    hidden: int,
+    ffn: int,
+    out: int,
+    activation: str = "swiglu",
+    rows: _split.RowSplit | None = None,
+) -> bool:
+    """Whether the core can run this MLP (else `FusedMLP` takes its XLA path); ``rows``:
+    the token split its kernels run under (None: the whole program's rows)."""
+    if activation not in ACTIVATIONS:
+        return False
+    n = 1 if rows is None else rows.count
+    if m % n:
+        return False
+    m //= n
+    local = rows is not None
+    if current_tuning().activation == "auto" and (
+        activation not in GPU_TESTED or not _cast_kernel.supported((1, m, 2 * ffn), None, local)[0]
+    ):
+        return False  # the plain-JAX activation is no faster than XLA's own fusions
+    aligned = m % BLOCK == 0 and ffn % BLOCK == 0 and hidden % 16 == 0 and out % 16 == 0
+    return (
+        aligned
+        and config1.recipe.scale_known_before_cast
+        and config2.recipe.scale_known_before_cast
+    )
+
+
+def _scales(spec: Spec, state1, state2) -> tuple[Array, ...]:
+    """The six scales of the two layers' operands, ``(sx, sw1, sdh, sa, sw2, sg)``, from
+    their histories (delayed scaling: the core runs only then), all in the forward and
+    in one reduction where both layers' recipes and history lengths agree."""
+    c1, c2 = spec.config1, spec.config2
+    (h1, o1, d1), (h2, o2, d2) = _dot.scale_inputs(c1, state1), _dot.scale_inputs(c2, state2)
+    if c1.recipe == c2.recipe and len({jnp.shape(h) for h in h1 + h2}) == 1:
+        scales = c1.recipe.gemm_scales(h1 + h2, o1 + o2, d1 + d2)
+    else:
+        scales = jnp.concatenate(
+            [c1.recipe.gemm_scales(h1, o1, d1), c2.recipe.gemm_scales(h2, o2, d2)]
+        )
+    return tuple(scales[i : i + 1] for i in range(6))
+
+
+def _local_amax(rows, fn, index: int):
+    """``fn`` whose output ``index`` (an amax, per-tile maxima from the kernels) is reduced
+    on each device first when the core runs on a token split (``rows``): one scalar
+    ``pmax`` per amax across the devices. Without a split the maxima stay for
+    `q.combined_max`."""
+    if rows is None:
+        return fn
+
+    def call(*args):
+        out = list(fn(*args))
+        out[index] = jnp.max(out[index])
+        return tuple(out)
+
+    return call
+
+
+def _scaled_gemm(a, sa, b, sb, out_dtype, fast: bool, config: Fp8Config):
+    """`fp8jax._kernels.gemm.scaled_fp8_gemm` of the core's operands: cuBLASLt takes the
+    scales where every operand came from a Pallas kernel (the casts and the activation
+    kernels run on the same shapes, `current_tuning`'s activation not ``"xla"``)."""
+    kernels = config.cast_kernel and current_tuning().activation in ("auto", "kernel")
+    return _gemm.scaled_fp8_gemm(a, sa, b, sb, out_dtype, fast, kernels)
+
+
+def _forward(spec: Spec, x, w1, state1, w2, state2):
+    c1, c2 = spec.config1, spec.config2
+    chosen = _scales(spec, state1, state2)  # what the states record
+    sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)  # what casts and GEMMs take
+    xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
+    w1c = relayout_rows(w1, 0, spec.gate_block, BLOCK)[None]  # the core's layout
+    w1q, w1Tq, aw1 = _gemm.quantize_both(w1c, sw1, c1.kernel_dtype, c1.cast_kernel)
+    h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[
+        0
+    ]  # [M, 2F] interleaved, not dequantized
+    h_scale = (sx * sw1).reshape(())
+    aq, _, aa = _split.on_rows(
+        spec.rows,
+        _local_amax(
+            spec.rows,
+            lambda h, hs, s: activation_fp8(h, hs, s, c2.input_dtype, spec.activation, False),
+            2,
+        ),
+        (h, h_scale, sa),
+        (0, None, None),
+        (0, None, "max"),
+    )
+    w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
+    y = _scaled_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward, c2)[0]
+    # fc2's wgrad operand aq^T is not kept: the backward kernel recomputes it from h
+    residuals = (xTq, w1Tq, h, w2Tq, *chosen, ax, aw1, aa, aw2)
+    return y, residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gated_mlp(spec: Spec, x, w1, state1, w2, state2):
+    """``fc2(act(fc1(x)_gate) * fc1(x)_up)`` with FP8 GEMMs (``act`` from ``spec.activation``):
+    ``x [M, C]``, ``w1 [2F, C]`` (rows ``[gate | up]``, or interleaved in blocks of
+    ``spec.gate_block``), ``w2 [N, F]``; ``state1``/``state2``
+    the fc1/fc2 `_dot.STATE_FIELDS` tuples as `fp8jax._state.MAX_GRAD`, whose new values
+    come back as their gradients."""
+    return _forward(spec, x, w1, _state.values(state1), w2, _state.values(state2))[0]
+
+
+def _dht_block(gate_block: int | None) -> int | None:
+    """The row layout the backward kernel writes fc1's transposed gradient in: the stored
+    one where the kernel can (``[gate | up]`` or blocks of `BLOCK`), else ``[gate | up]``
+    (then permuted to the stored one)."""
+    return gate_block if gate_block in (None, BLOCK) else None
+
+
+def _fwd(spec, x, w1, state1, w2, state2):
+    state1, state2 = _state.values(state1), _state.values(state2)
+    y, residuals = _forward(spec, x, w1, state1, w2, state2)
+    return y, (residuals, state1, state2)
+
+
+def _bwd(spec, saved, g):
+    (xTq, w1Tq, h, w2Tq, *chosen, ax, aw1, aa, aw2), state1, state2 = saved
+    c1, c2 = spec.config1, spec.config2
+    sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)
+    gq, gTq, ag = _gemm.quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
+    da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[
+        0
+    ]  # [M, F], not dequantized
+
+    def grad(h, hs, da, das, sdh, sa):
+        return activation_grad_fp8(
+            h, hs, da, das, sdh, c1.grad_dtype, sa, c2.input_dtype, spec.activation,
+            dht_block=_dht_block(spec.gate_block),
+        )  # fmt: skip
+
+    args = (h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh, sa)
+    in_dims = (0, None, 0, None, None, None)
+    grad = _local_amax(spec.rows, grad, 2)
+    dhq, dhTq, adh, aTq = _split.on_rows(spec.rows, grad, args, in_dims, (0, 1, "max", 1))
+    dw2 = _scaled_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward, c2)[0]
+    dx = _scaled_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward, c1)[0]
+    dw1 = _scaled_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward, c1)[0]
+    dw1 = relayout_rows(dw1, 0, _dht_block(spec.gate_block), spec.gate_block)  # as stored
+
+    amaxes = q.combined_max(ax, aw1, adh, aa, aw2, ag)  # both layers' in one reduction
+    cx, cw1, cdh, ca, cw2, cg = chosen
+    state1_ct = _dot.new_state(state1, cx, cw1, cdh, _dot.observed_amaxes(*amaxes[:3]))
+    state2_ct = _dot.new_state(state2, ca, cw2, cg, _dot.observed_amaxes(*amaxes[3:]))
+    return dx, dw1, _state.proposal(state1_ct), dw2, _state.proposal(state2_ct)
+
+
+gated_mlp.defvjp(_fwd, _bwd)

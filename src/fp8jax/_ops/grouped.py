@@ -1,0 +1,182 @@
+"""Grouped (per-expert) GEMMs for MoE: the FP8 and bf16 custom VJPs.
+
+Rows are grouped by expert in a *padded layout* (`fp8jax._ops.group_layout`); the three
+GEMMs of training run per group (`fp8jax._ops.grouped_gemms`: kernels or reference):
+
+* forward ``y = x . W_e``  (``x [M, in]``, ``W [G, in, out]``)
+* dgrad   ``dx = dy . W_e^T``
+* wgrad   ``dW_e = x_e^T . dy_e``
+
+FP8 scaling: inputs and output gradients per tensor (one scale shared by all
+experts: the rows of all experts form one GEMM operand, so one cast pass and one
+amax serve every group, as in Transformer Engine's per-tensor recipe); weights per
+expert (``[G]`` scales, ``[history, G]`` amax histories: experts see different
+numbers of tokens and drift apart, and each expert's scale is one multiply in the
+kernel's epilogue). Row- and block-wise recipes take `fp8jax._ops.grouped_tiled`.
+
+The layout and GEMM names are re-exported here: this module is the grouped ops' front.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _quant as q
+from .. import _state
+from .._config import Fp8Config
+from . import expert_parallel as _ep
+from .group_layout import (  # noqa: F401  (public here too)
+    ROW_ALIGN,
+    GroupLayout,
+    _masked,
+    _zero_ct,
+    check_group_sizes,
+    clip_group_sizes,
+    layout_from_sizes,
+    pad_rows,
+    padded_positions,
+    padded_rows,
+    source_rows,
+    unpad_rows,
+)
+from .grouped_gemms import (  # noqa: F401  (public here too)
+    BACKENDS,
+    F32,
+    GROUPED_SCOPE,
+    _per_expert_amax,
+    check_backend,
+    kernel_configs,
+    resolve_backend,
+    rows_gemm,
+    set_kernel_configs,
+    wgrad_gemm,
+)
+from .grouped_tiled import tiled_bwd, tiled_fwd
+
+
+# ----------------------------------------------------------------------------- bf16 (no FP8)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def grouped_plain(backend: str, x, w, layout: GroupLayout, experts=None):
+    """``y = x . W_e`` per group in the input precision through the same kernels
+    (``experts``: an `ExpertSharding` to run them per device on its own experts)."""
+    return _plain_fwd(backend, x, w, layout, experts)[0]
+
+
+def _plain_fwd(backend, x, w, layout, experts=None):
+    xm = _masked(x, layout)
+    y = _gemms_for(experts)[0](
+        backend,
+        xm,
+        jnp.swapaxes(w, 1, 2).astype(x.dtype),
+        layout,
+        jnp.ones((layout.num_groups,), F32),
+        x.dtype,
+    )
+    return y, (xm, w, layout)
+
+
+def _plain_bwd(backend, experts, res, dy):
+    xm, w, layout = res
+    rows, wgrad = _gemms_for(experts)
+    dym = _masked(dy.astype(xm.dtype), layout)
+    ones = jnp.ones((layout.num_groups,), F32)
+    dx = _masked(rows(backend, dym, w.astype(xm.dtype), layout, ones, xm.dtype), layout)
+    dw = wgrad(backend, xm.T, dym.T, layout, jnp.ones((), F32), w.dtype)
+    return dx, dw, jax.tree_util.tree_map(_zero_ct, layout)
+
+
+grouped_plain.defvjp(_plain_fwd, _plain_bwd)
+
+
+# ----------------------------------------------------------------------------- FP8
+class Spec(NamedTuple):
+    config: Fp8Config
+    backend: str
+    x_dtype: np.dtype
+    w_dtype: np.dtype
+    experts: _ep.ExpertSharding | None = None  # expert parallel: GEMMs per device
+
+
+ExpertSharding = _ep.ExpertSharding
+
+
+def _gemms(spec: Spec):
+    return _gemms_for(spec.experts)
+
+
+def _gemms_for(experts: _ep.ExpertSharding | None):
+    """(rows, wgrad) GEMMs: the module's, or each device's on its experts (`_ep`)."""
+    if experts is None:
+        return rows_gemm, wgrad_gemm
+    return (
+        functools.partial(_ep.rows_gemm, experts),
+        functools.partial(_ep.wgrad_gemm, experts),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
+    """FP8 ``y = x . W_e`` per group; ``state`` as `fp8jax._state.MAX_GRAD`."""
+    y, _ = _fp8_fwd_impl(spec, x, w, layout, _state.values(state))
+    return y
+
+
+def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
+    cfg = spec.config
+    if not cfg.recipe.per_tensor_scale:
+        return tiled_fwd(spec, x, w, layout)
+    in_s, k_s, _, in_h, k_h, _, _ = state
+    xm = _masked(x, layout)
+    ax, aw = q.amax(xm), _per_expert_amax(w)
+    sx = cfg.recipe.scale(in_h, in_s, cfg.input_dtype, ax)
+    sw = cfg.recipe.scale(k_h, k_s, cfg.kernel_dtype, aw, axis=0)  # one per expert
+    xq = q.quantize(xm, sx, cfg.input_dtype)
+    limit = q.fp8_max(cfg.kernel_dtype)
+    wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(
+        cfg.kernel_dtype
+    )  # [G, in, out]
+    y = _gemms(spec)[0](spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
+    return y, (xq.T, wq, sx, sw, ax, aw)
+
+
+def _grouped_fp8_fwd(spec, x, w, layout, state):
+    values = _state.values(state)
+    y, res = _fp8_fwd_impl(spec, x, w, layout, values)
+    return y, (res, layout, values)
+
+
+def _grouped_fp8_bwd(spec, residuals, cotangents):
+    if not spec.config.recipe.per_tensor_scale:
+        return tiled_bwd(spec, residuals, cotangents)
+    dy = cotangents
+    (xTq, wq, sx, sw, ax, aw), layout, state = residuals
+    cfg = spec.config
+    _, _, g_s, _, _, g_h, _ = state
+    dym = _masked(dy, layout)
+    ag = q.amax(dym)
+    sg = cfg.recipe.scale(g_h, g_s, cfg.grad_dtype, ag)
+    dyq = q.quantize(dym, sg, cfg.grad_dtype)
+    rows, wgrad = _gemms(spec)
+    dx = _masked(rows(spec.backend, dyq, wq, layout, sg * sw, spec.x_dtype), layout)
+    dw = wgrad(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)
+
+    observed, bad = q.sanitize_amax(jnp.concatenate([ax.reshape(1), ag.reshape(1), aw]))
+    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
+    proposed = (
+        sx.astype(in_s.dtype),
+        sw.astype(k_s.dtype),
+        sg.astype(g_s.dtype),
+        _state.record(in_h, observed[0]),
+        _state.record(k_h, observed[2:]),
+        _state.record(g_h, observed[1]),
+        nonfinite + jnp.max(bad),
+    )
+    return dx, dw, jax.tree_util.tree_map(_zero_ct, layout), _state.proposal(proposed)
+
+
+grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)

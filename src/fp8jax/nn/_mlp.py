@@ -1,0 +1,480 @@
+"""`FusedMLP`: norm -> fc1 -> activation -> fc2 (-> + residual) with FP8 GEMMs.
+
+The block is one `jax.checkpoint` region whose policy saves only the block input,
+fc1's output and the FP8 weights/scales. So, in the compiled step:
+
+* forward: the norm is computed in the pass that writes its FP8 copy (XLA fuses the
+  norm into fc1's quantize), fc1's dequantize + bias + activation + FP8 cast of fc2's
+  input are one pass;
+* backward: fc2's dgrad is followed by one pass computing the activation's gradient
+  and writing it in FP8 for fc1's GEMMs; the FP8 copies of the normed input and of the
+  activation that the weight gradients need are recomputed from the saved bf16 tensors
+  inside passes that read them anyway, instead of being kept from the forward.
+
+Saved for the backward per token: the input (bf16) and fc1's output (bf16), i.e. the
+normed input and the activation output are not kept (25-40% less than bf16 autodiff).
+``fused=False`` runs the same math op by op (no checkpoint) and can return the
+intermediates for debugging.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .. import _checks as checks
+from .. import _guard, _state
+from .._config import Fp8Config, resolve_config
+from .._ops import dot as _dot
+from .._ops import gated as _gated
+from .._ops import rows as _rows
+from ._elementwise import ACTIVATIONS, NORMS, activate, normalize, relayout_rows
+from ._linear import Linear, apply_linear
+
+F32 = jnp.float32
+FC1_OUT = "fp8jax_mlp_fc1_out"
+__all__ = ["ACTIVATIONS", "NORMS", "FusedMLP", "activate", "normalize", "relayout_rows"]
+
+
+class FusedMLP(eqx.Module):
+    """``y = fc2(act(fc1(norm(x)))) (+ x)`` with FP8 fc1/fc2 and fused elementwise passes.
+
+    ``norm``: ``"layernorm"`` | ``"rmsnorm"`` (``eps``, ``zero_centered_gamma``).
+    ``activation``: one of `ACTIVATIONS` (gated ones -- ``geglu``, ``swiglu``, ``reglu``,
+    ``qgeglu``, ``sreglu`` -- make fc1 ``2 * ffn`` wide; its first half is activated
+    and gates the second, as in Megatron). ``fc1``/``fc2`` are `fp8jax.nn.Linear`
+    (``eqx.nn.Linear`` with ``fp8=False``); inputs may have any leading dims.
+
+    ``gate_block``: how a gated fc1 lays out its output rows. ``None`` (default): ``[gate |
+    up]``, as Megatron and Hugging Face checkpoints store them. An int ``b``: ``[g0 u0 g1 u1
+    ...]`` in blocks of ``b`` rows, so that a tensor-parallel (column) split of fc1 into
+    shards of a multiple of ``2 * b`` rows keeps each gate row on the device of its up row:
+    the activation then needs no communication (with ``None`` XLA reshuffles the halves at
+    every step). ``64`` is also the core's own layout; with the block-wise recipe a multiple of
+    its block (128) keeps gate and up rows in separate scale blocks. `with_gate_block`
+    converts a block.
+
+    On Hopper, a gated activation (those in `_gated.GPU_TESTED`) with both linears FP8
+    (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax._ops.gated`: one
+    custom VJP whose Pallas kernels write the activation and its gradient straight to FP8,
+    in both layouts, with their amax. Over several devices it needs the model placed with
+    `fp8jax.shard_model` (data parallel / FSDP): its kernels then run per device on their
+    own token rows; tensor- and sequence-parallel layers take the XLA path.
+    Everything else runs as one checkpoint region through XLA's fusions.
+    """
+
+    norm_weight: Float[Array, " hidden"] | None
+    norm_bias: Float[Array, " hidden"] | None
+    fc1: Linear | eqx.nn.Linear
+    fc2: Linear | eqx.nn.Linear
+    hidden: int = eqx.field(static=True)
+    ffn: int = eqx.field(static=True)
+    norm: str = eqx.field(static=True)
+    activation: str = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    zero_centered_gamma: bool = eqx.field(static=True)
+    residual: bool = eqx.field(static=True)
+    fused: bool = eqx.field(static=True)
+    gate_block: int | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        *,
+        activation: str = "swiglu",
+        norm: str = "rmsnorm",
+        eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
+        norm_bias: bool | None = None,
+        fc1_bias: bool = False,
+        fc2_bias: bool = False,
+        residual: bool = False,
+        fused: bool = True,
+        fp8: bool = True,
+        config: Fp8Config | None = None,
+        gate_block: int | None = None,
+        dtype=None,
+        key: PRNGKeyArray | None = None,
+        parts: tuple | None = None,
+    ):
+        """``parts``: ``(norm_weight, norm_bias, fc1, fc2)`` to use as they are (shared, no
+        copies; ``norm_bias`` may be None) instead of initialising, which needs ``key``;
+        ``norm_bias``, ``fc1_bias``, ``fc2_bias`` and ``dtype`` are then unused.
+
+        Arguments:
+            hidden, ffn: the block's width and fc1's output size (per half when gated).
+            activation: a name in `ACTIVATIONS`.
+            norm: ``"layernorm"`` or ``"rmsnorm"``; ``eps``, ``zero_centered_gamma`` its
+                options; ``norm_bias``: a LayerNorm bias (None: with ``"layernorm"``).
+            fc1_bias, fc2_bias: biases of the two linears.
+            residual: add the input to the output.
+            fused: one checkpoint region (else op by op, for debugging).
+            fp8: FP8 linears (else ``eqx.nn.Linear``).
+            config: the `Fp8Config` (None: the default one).
+            gate_block: the gated fc1's row layout (None: ``[gate | up]``).
+            dtype: the parameters' dtype.
+            key: initialises the parameters (needed without ``parts``).
+            parts: the parameters to use as they are instead.
+        """
+        hidden = checks.count("FusedMLP", "hidden", hidden)
+        ffn = checks.count("FusedMLP", "ffn", ffn)
+        _check_kinds(norm, activation)
+        if parts is None:
+            if key is None:
+                raise TypeError("FusedMLP: pass key= (to initialise the weights) or parts=.")
+            gated = ACTIVATIONS[activation][1]
+            k1, k2 = jax.random.split(key)
+            fc1 = eqx.nn.Linear(
+                hidden, ffn * (2 if gated else 1), use_bias=fc1_bias, dtype=dtype, key=k1
+            )
+            fc2 = eqx.nn.Linear(ffn, hidden, use_bias=fc2_bias, dtype=dtype, key=k2)
+            param_dtype = fc1.weight.dtype
+            gamma = jnp.zeros if zero_centered_gamma else jnp.ones
+            weight = gamma((hidden,), param_dtype)
+            use_norm_bias = norm == "layernorm" if norm_bias is None else norm_bias
+            bias = jnp.zeros((hidden,), param_dtype) if use_norm_bias else None
+            parts = (weight, bias, fc1, fc2)
+        weight, bias, fc1, fc2 = parts
+        _init(
+            self,
+            weight,
+            bias,
+            fc1,
+            fc2,
+            norm=norm,
+            activation=activation,
+            eps=eps,
+            zero_centered_gamma=zero_centered_gamma,
+            residual=residual,
+            fused=fused,
+            fp8=fp8,
+            config=config,
+            hidden=hidden,
+            gate_block=gate_block,
+        )
+
+    @classmethod
+    def from_modules(
+        cls,
+        norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm,
+        fc1,
+        fc2,
+        *,
+        activation: str,
+        residual: bool = False,
+        fused: bool = True,
+        fp8: bool = True,
+        config: Fp8Config | None = None,
+        zero_centered_gamma: bool = False,
+        gate_block: int | None = None,
+    ) -> "FusedMLP":
+        """Build from an existing norm and two linears (``eqx.nn.Linear`` or
+        `fp8jax.nn.Linear`), sharing their arrays: no copies are made. ``gate_block`` says
+        how fc1's rows are laid out already (see the class); use `with_gate_block` to
+        change it."""
+        if isinstance(norm, eqx.nn.LayerNorm):
+            kind = "layernorm"
+        elif isinstance(norm, eqx.nn.RMSNorm):
+            kind = "rmsnorm"
+        else:
+            raise TypeError(
+                f"FusedMLP.from_modules: norm must be eqx.nn.LayerNorm or eqx.nn.RMSNorm, "
+                f"got {type(norm).__name__}"
+            )
+        shape = norm.shape if isinstance(norm.shape, tuple) else (norm.shape,)
+        if len(shape) != 1:
+            raise ValueError(
+                f"FusedMLP.from_modules: the norm must normalize one (the last) dim, "
+                f"got shape {shape}"
+            )
+        for name, layer in (("fc1", fc1), ("fc2", fc2)):
+            if not isinstance(layer, (eqx.nn.Linear, Linear)):
+                raise TypeError(
+                    f"FusedMLP.from_modules: {name} must be eqx.nn.Linear or fp8jax.nn.Linear, "
+                    f"got {type(layer).__name__}"
+                )
+        return cls(
+            shape[0],
+            fc2.in_features,
+            activation=activation,
+            norm=kind,
+            eps=norm.eps,
+            zero_centered_gamma=zero_centered_gamma,
+            residual=residual,
+            fused=fused,
+            fp8=fp8,
+            config=config,
+            gate_block=gate_block,
+            parts=(norm.weight, norm.bias, fc1, fc2),
+        )
+
+    def with_gate_block(self, gate_block: int | None) -> "FusedMLP":
+        """The same block with fc1's rows (weight, bias) moved to layout ``gate_block``
+        (see the class): the same function of its input. The FP8 state is unchanged (a
+        row permutation keeps every amax)."""
+        _check_gate_block(gate_block, self.ffn, self.activation)
+        src = self.gate_block
+        fc1 = eqx.tree_at(
+            lambda f: f.weight, self.fc1, relayout_rows(self.fc1.weight, -2, src, gate_block)
+        )
+        if fc1.bias is not None:
+            fc1 = eqx.tree_at(lambda f: f.bias, fc1, relayout_rows(fc1.bias, -1, src, gate_block))
+        return self._replace(fc1=fc1, gate_block=gate_block)
+
+    def with_fused(self, fused: bool) -> "FusedMLP":
+        """The same block (same arrays and state) with fusion on or off."""
+        return self._replace(fused=fused)
+
+    def _replace(self, *, fc1=None, **changes) -> "FusedMLP":
+        """A block built by ``__init__`` from this one's arrays and fields (``fc1``, if
+        given, in place of its own), ``changes`` applied. Its linears are kept as they are
+        (``fp8=False``: no conversion, no alignment check)."""
+        parts = (self.norm_weight, self.norm_bias, self.fc1 if fc1 is None else fc1, self.fc2)
+        fields = dict(
+            activation=self.activation,
+            norm=self.norm,
+            eps=self.eps,
+            zero_centered_gamma=self.zero_centered_gamma,
+            residual=self.residual,
+            fused=self.fused,
+            fp8=False,
+            gate_block=self.gate_block,
+            parts=parts,
+        )
+        return type(self)(self.hidden, self.ffn, **(fields | changes))
+
+    # ------------------------------------------------------------------ math
+    def _unfused(self, x):
+        normed = normalize(
+            x, self.norm_weight, self.norm_bias, self.norm, self.eps, self.zero_centered_gamma
+        )
+        fc1_out = apply_linear(self.fc1, normed)
+        act = activate(checkpoint_name(fc1_out, FC1_OUT), self.activation, self.gate_block)
+        y = apply_linear(self.fc2, act)
+        if self.residual:
+            y = y + x.astype(y.dtype)
+        return y, dict(normed=normed, fc1_out=fc1_out, activation=act)
+
+    @jax.named_scope("fp8jax.nn.FusedMLP")
+    def __call__(
+        self,
+        x: Float[Array, "*batch hidden"],
+        *,
+        return_intermediates: bool = False,
+        key: PRNGKeyArray | None = None,
+    ):
+        """``x: [..., hidden]`` -> ``[..., hidden]`` (and a dict of intermediates when
+        ``return_intermediates``, which needs ``fused=False``)."""
+        del key
+        x = checks.float_array("FusedMLP", "x", x)
+        if x.ndim == 0 or x.shape[-1] != self.hidden:
+            raise ValueError(
+                f"FusedMLP expects inputs of shape (..., {self.hidden}), got {x.shape}"
+            )
+        if return_intermediates:
+            if self.fused:
+                raise ValueError(
+                    "FusedMLP: return_intermediates needs fused=False (fusion does not keep "
+                    "the intermediates); call mlp.with_fused(False)(x, return_intermediates=True)."
+                )
+            return self._unfused(x)
+        if not self.fused:
+            return self._unfused(x)[0]
+        if _gated_core_runs(self, x):
+            return _gated_call(self, x)
+        return _checkpointed_call(self, x)
+
+
+def _check_gate_block(gate_block, ffn: int, activation: str) -> None:
+    if gate_block is None:
+        return
+    if not ACTIVATIONS[activation][1]:
+        raise ValueError(
+            f"FusedMLP: gate_block={gate_block!r} lays out a gated fc1's gate and up rows, "
+            f"but activation {activation!r} is not gated; leave gate_block=None"
+        )
+    if isinstance(gate_block, bool) or not isinstance(gate_block, int) or gate_block < 1:
+        raise ValueError(f"FusedMLP: gate_block must be None or a positive int, got {gate_block!r}")
+    if ffn % gate_block:
+        raise ValueError(
+            f"FusedMLP: gate_block={gate_block} must divide ffn={ffn} (fc1's gate and up halves "
+            "are interleaved in blocks of gate_block rows)"
+        )
+
+
+def _check_kinds(norm: str, activation: str) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"FusedMLP: unknown norm {norm!r}; choose from {NORMS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"FusedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}"
+        )
+
+
+def _init(
+    self,
+    weight,
+    bias,
+    fc1,
+    fc2,
+    *,
+    norm,
+    activation,
+    eps,
+    zero_centered_gamma,
+    residual,
+    fused,
+    fp8,
+    config,
+    hidden=None,
+    gate_block=None,
+):
+    """Validate shapes and set the fields (``__init__``'s body)."""
+    _check_kinds(norm, activation)
+    eps = checks.positive_number("FusedMLP", "eps", eps)
+    try:
+        config = resolve_config(config)
+    except TypeError as e:
+        raise TypeError(f"FusedMLP: {e}.") from None
+    gated = ACTIVATIONS[activation][1]
+    hidden = fc1.in_features if hidden is None else hidden
+    if fc1.in_features != hidden:
+        raise ValueError(
+            f"FusedMLP: fc1 takes {fc1.in_features} features but the norm has {hidden}"
+        )
+    width = fc1.out_features
+    if gated and width % 2:
+        raise ValueError(
+            f"FusedMLP: gated activation {activation!r} splits fc1's output in two halves, "
+            f"but fc1 has an odd number of outputs ({width})"
+        )
+    ffn = width // 2 if gated else width
+    _check_gate_block(gate_block, ffn, activation)
+    if fc2.in_features != ffn:
+        raise ValueError(
+            f"FusedMLP: fc2 takes {fc2.in_features} features but {activation!r} gives {ffn} "
+            f"(fc1 outputs {width})"
+        )
+    if residual and fc2.out_features != hidden:
+        raise ValueError(
+            f"FusedMLP: residual=True needs fc2 to output hidden={hidden} features, "
+            f"got {fc2.out_features}"
+        )
+    # A stacked block (`eqx.filter_vmap`) has fc1's leading dims on its norm arrays too.
+    expected = tuple(getattr(fc1.weight, "shape", ())[:-2]) + (hidden,)
+    for name, arr in (("norm weight", weight), ("norm bias", bias)):
+        if arr is not None and arr.shape != expected:
+            raise ValueError(f"FusedMLP: {name} has shape {arr.shape}, expected {expected}")
+    if fp8:
+        dims = dict(hidden=hidden, fc1_out=width, ffn=ffn, fc2_out=fc2.out_features)
+        bad = {k: v for k, v in dims.items() if v % config.alignment}
+        if bad:
+            raise ValueError(
+                f"FusedMLP: with FP8 on, feature dims must be multiples of {config.alignment}; "
+                f"got {bad}. Pad the dims or pass fp8=False."
+            )
+        fc1 = fc1 if isinstance(fc1, Linear) else Linear.from_linear(fc1, config)
+        fc2 = fc2 if isinstance(fc2, Linear) else Linear.from_linear(fc2, config)
+    for name, value in dict(
+        norm_weight=weight,
+        norm_bias=bias,
+        fc1=fc1,
+        fc2=fc2,
+        hidden=hidden,
+        ffn=ffn,
+        norm=norm,
+        activation=activation,
+        eps=float(eps),
+        zero_centered_gamma=bool(zero_centered_gamma),
+        residual=bool(residual),
+        fused=bool(fused),
+        gate_block=gate_block,
+    ).items():
+        setattr(self, name, value)
+
+
+# ----------------------------------------------------------------------------- fused path
+def _gated_core_runs(mlp: FusedMLP, x) -> bool:
+    """Whether `fp8jax._ops.gated` (one custom VJP, Pallas activation kernels) runs this call:
+    both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``;
+    the activation, scaling and sizes as `_gated.usable` says; not tensor or sequence
+    parallel (`fp8jax._ops.rows.splits_features`: the core's Pallas kernels are custom calls
+    without a partitioning rule, so such layers take XLA's path, which partitions)."""
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
+        return False
+    if any(_rows.splits_features(f.dot_general.weight_sharding) for f in (fc1, fc2)):
+        return False
+    if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
+        return False
+    states = (fc1.dot_general, fc2.dot_general)
+    if any(s.input_scale.ndim != 1 for s in states):
+        return False
+    m = x.size // mlp.hidden
+    cfg1, cfg2 = states[0].config, states[1].config
+    if any(c.selective and m < c.min_tokens for c in (cfg1, cfg2)):
+        return False
+    rows = _row_split(mlp)
+    return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation, rows)
+
+
+def _row_split(mlp: FusedMLP) -> _rows.RowSplit | None:
+    """How the core's kernels split the tokens (`fp8jax._ops.rows.of_weight` of fc1): None
+    on one device, inside a ``shard_map``, or with no mesh known (then, over several
+    devices, `_gated.usable` says no)."""
+    return _rows.of_weight(mlp.fc1.dot_general.weight_sharding)
+
+
+def _gated_call(mlp: FusedMLP, x):
+    # The norm is recomputed in the backward (one cheap pass) rather than keeping its output.
+    norm = jax.checkpoint(
+        functools.partial(
+            normalize, norm=mlp.norm, eps=mlp.eps, zero_centered_gamma=mlp.zero_centered_gamma
+        )
+    )
+    normed = norm(x, mlp.norm_weight, mlp.norm_bias)
+    x2 = normed.reshape(-1, mlp.hidden)
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    spec = _gated.Spec(
+        fc1.dot_general.config,
+        fc2.dot_general.config,
+        x2.dtype,
+        fc1.weight.dtype,
+        fc2.weight.dtype,
+        mlp.activation,
+        mlp.gate_block,
+        _row_split(mlp),
+    )
+    y = _gated.gated_mlp(
+        spec,
+        x2,
+        fc1.weight,
+        _state.enter(fc1.dot_general.state()),
+        fc2.weight,
+        _state.enter(fc2.dot_general.state()),
+    )
+    y = y.reshape(*x.shape[:-1], fc2.out_features)
+    return y + x.astype(y.dtype) if mlp.residual else y
+
+
+def _policy():
+    """Save fc1's output and the GEMMs' FP8 weights/scales; recompute the norm, the
+    activation and the FP8 input copies (elementwise, fused into passes that run anyway)."""
+    return jax.checkpoint_policies.save_only_these_names(FC1_OUT, *_dot.SAVED_RESIDUAL_NAMES)
+
+
+def _checkpointed_call(mlp: FusedMLP, x):
+    """Run the block as one checkpoint region. The FP8 states enter (`fp8jax._state.enter`)
+    outside it, so that uses of one block in several regions still combine by max."""
+    params, static = eqx.partition(_guard.enter_tree(mlp), eqx.is_array)
+
+    def block(params, x):
+        return eqx.combine(params, static)._unfused(x)[0]
+
+    return jax.checkpoint(block, policy=_policy())(params, x)

@@ -1,0 +1,318 @@
+"""A decoder-only transformer in plain equinox: RMSNorm, rotary attention (GQA),
+SwiGLU MLP (`fp8jax.nn.FusedMLP`) or a top-k MoE (`fp8jax.nn.MoE`, grouped experts),
+layers stacked and run with ``jax.lax.scan``. Vocabulary ``ModelConfig.vocab`` (256: bytes). FP8 is
+applied from outside with `fp8jax.fp8_linear_layers`, like a user would; the MoE's
+grouped experts carry their own FP8 state (``ModelConfig.moe_fp8``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._guard import enter_tree
+from .._state import OverwriteWithGradient
+from ..distributed import sequence_sharding
+from ..nn._attention import DotProductAttention
+from ..nn._linear import apply_linear
+from ..nn._mha import rotary
+from ..nn._mlp import FusedMLP, normalize
+from ..nn._moe import MoE as GroupedMoE
+
+VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
+LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The trainer's transformer: pre-norm blocks of grouped-query attention with rotary
+    embeddings and a SwiGLU MLP (or an MoE), a byte-level vocabulary by default.
+
+    Arguments:
+        dim, layers, heads, kv_heads, ffn, seq: width, depth, query and key/value heads,
+            the MLP's inner size, the context length.
+        experts, top_k: 0 (a dense MLP) or the MoE's experts, and experts per token.
+        moe_fp8: the experts' grouped GEMMs in FP8.
+        aux_loss_coef: the MoE load-balancing loss weight.
+        rope_base: the rotary embedding's base.
+        attention: ``"bf16"`` or ``"fp8_dpa"`` (FP8 attention).
+        scan_unroll: layers per scan iteration (same math).
+        vocab: embedding rows and logits (>= 256, the byte tokens; >= a tokenizer's size).
+    """
+
+    dim: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    ffn: int = 384
+    seq: int = 128
+    experts: int = 0  # 0: dense SwiGLU MLP; >0: MoE with this many experts
+    top_k: int = 2
+    moe_fp8: bool = False  # the MoE's grouped expert GEMMs in FP8 (set for the fp8 run)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch Transformer's default)
+    rope_base: float = 10000.0
+    attention: str = "bf16"  # or "fp8_dpa": `fp8jax.nn.DotProductAttention` (cuDNN FP8 on Hopper)
+    scan_unroll: int = 1  # layers per scan iteration (`jax.lax.scan(unroll=...)`); same math
+    # Embedding rows and logits. Byte data (ids < 256) trains at any size >= 256, a tokenizer's
+    # (`fp8jax.train._tokenizer`) at any size >= its own; a larger vocabulary than the data's
+    # costs what a real tokenizer's would (embedding, head GEMMs, softmax).
+    vocab: int = VOCAB
+
+    def __post_init__(self):
+        if self.dim % self.heads or self.heads % self.kv_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must divide by heads ({self.heads}) and heads by kv_heads "
+                f"({self.kv_heads})"
+            )
+        if self.attention not in ("bf16", "fp8_dpa"):
+            raise ValueError(f"attention must be 'bf16' or 'fp8_dpa', got {self.attention!r}")
+        if self.vocab < VOCAB:
+            raise ValueError(f"vocab={self.vocab} must be >= {VOCAB} (the byte tokens)")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def non_embedding_params(self) -> int:
+        kv = self.kv_heads * self.head_dim
+        attn = self.dim * (self.dim + 2 * kv) + self.dim * self.dim
+        mlp = 3 * self.dim * self.ffn * max(1, self.experts)
+        return self.layers * (attn + mlp + 2 * self.dim)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (6N for the GEMMs of active params + attention),
+        as in the PaLM MFU definition (causal attention counted in full)."""
+        kv = self.kv_heads * self.head_dim
+        active_mlp = 3 * self.dim * self.ffn * (self.top_k if self.experts else 1)
+        dense = self.layers * (self.dim * (self.dim + 2 * kv) + self.dim * self.dim + active_mlp)
+        dense += self.dim * self.vocab
+        return 6 * dense + 12 * self.layers * self.dim * self.seq
+
+
+class Attention(eqx.Module):
+    norm: Float[Array, " dim"]
+    # One projection for q, k and v (one FP8 cast and transpose of its input, not three),
+    # its outputs grouped per KV head (`split_qkv`).
+    qkv: eqx.nn.Linear
+    o: eqx.nn.Linear
+    core: DotProductAttention | None  # FP8 attention with its state, or None (bf16 cuDNN/XLA)
+    cfg: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
+        kqkv, ko = jax.random.split(key)
+        self.core = (
+            None if cfg.attention == "bf16" else DotProductAttention(cfg.attention, is_causal=True)
+        )
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.norm = jnp.ones((cfg.dim,))
+        self.qkv = eqx.nn.Linear(cfg.dim, cfg.dim + 2 * kv_dim, use_bias=False, key=kqkv)
+        self.o = eqx.nn.Linear(cfg.dim, cfg.dim, use_bias=False, key=ko)
+        self.o = eqx.tree_at(
+            lambda lin: lin.weight, self.o, self.o.weight / math.sqrt(2 * cfg.layers)
+        )
+        self.cfg = cfg
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
+        q, k, v = split_qkv(apply_linear(self.qkv, h), cfg)
+        q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
+        if self.core is not None:
+            attn = self.core(q, k, v)
+        else:
+            attn = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=_attention_impl(q)
+            )
+        return x + apply_linear(self.o, attn.reshape(b, t, cfg.dim))
+
+
+def split_qkv(y: Float[Array, "B T F"], cfg: ModelConfig):
+    """q ``[B, T, heads, hd]``, k and v ``[B, T, kv_heads, hd]`` from the qkv projection.
+    Its outputs are grouped per KV head (that head's ``heads / kv_heads`` queries, its key,
+    its value: Megatron's GQA layout), so a column split over a tensor axis that divides
+    ``kv_heads`` gives each device whole groups and attention needs no reshuffle. Query
+    heads come out group-major, as GQA pairs them with KV heads."""
+    b, t, _ = y.shape
+    group = cfg.heads // cfg.kv_heads
+    y = y.reshape(b, t, cfg.kv_heads, group + 2, cfg.head_dim)
+    q = y[:, :, :, :group].reshape(b, t, cfg.heads, cfg.head_dim)
+    return q, y[:, :, :, group], y[:, :, :, group + 1]
+
+
+def _attention_impl(q) -> str | None:
+    """cuDNN flash attention on GPU for bf16/fp16 and supported head dims, else XLA."""
+    ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)
+    return "cudnn" if ok and jax.devices()[0].platform == "gpu" else None
+
+
+class MoE(eqx.Module):
+    """Pre-norm top-k MoE feed-forward block: RMSNorm, then `fp8jax.nn.MoE` (softmax
+    router, renormalized top-k weights, dropless, SwiGLU experts run as grouped GEMMs)
+    with the residual added. Returns the load-balancing loss beside the output."""
+
+    norm: Float[Array, " dim"]
+    moe: GroupedMoE
+
+    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
+        self.norm = jnp.ones((cfg.dim,))
+        self.moe = GroupedMoE(
+            cfg.dim,
+            cfg.ffn,
+            cfg.experts,
+            top_k=cfg.top_k,
+            activation="swiglu",
+            fp8=cfg.moe_fp8,
+            key=key,
+        )
+
+    def __call__(self, x):
+        h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
+        y, info = self.moe(h)
+        return x + y.astype(x.dtype), info.load_balancing_loss
+
+
+def _gate_block(ffn: int) -> int | None:
+    """fc1's gate/up interleaving (`FusedMLP.gate_block`): the largest block (128 down to 1)
+    that splits into whole pairs over up to 8 tensor shards. 128, the block-wise recipe's
+    block, keeps gate and up rows in separate 128 x 128 weight scales and 1 x 128 gradient
+    tiles (with 64 each held both). A function of ``ffn`` alone, so that checkpoints move
+    between meshes and recipes."""
+    return next((b for b in (128, 64, 32, 16, 8, 4, 2, 1) if ffn % (8 * b) == 0), None)
+
+
+class Block(eqx.Module):
+    attn: Attention
+    mlp: FusedMLP | MoE
+
+    def __init__(self, cfg: ModelConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.attn = Attention(cfg, key=ka)
+        if cfg.experts:
+            self.mlp = MoE(cfg, key=km)
+        else:
+            mlp = FusedMLP(
+                cfg.dim,
+                cfg.ffn,
+                activation="swiglu",
+                norm="rmsnorm",
+                residual=True,
+                fp8=False,
+                gate_block=_gate_block(cfg.ffn),
+                key=km,
+            )
+            self.mlp = eqx.tree_at(
+                lambda m: m.fc2.weight, mlp, mlp.fc2.weight / math.sqrt(2 * cfg.layers)
+            )
+
+    def __call__(self, x):
+        """``(x_out, auxiliary loss)``: the MoE's load-balancing loss, 0 for a dense MLP."""
+        x = self.attn(x)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x)
+        return self.mlp(x), jnp.zeros((), jnp.float32)
+
+
+class Transformer(eqx.Module):
+    embed: Float[Array, "vocab dim"]
+    blocks: Block  # stacked: every array has a leading [layers] dim
+    norm: Float[Array, " dim"]
+    head: eqx.nn.Linear
+    cfg: ModelConfig = eqx.field(static=True)
+    # Sequence parallelism: (mesh, batch axes, tensor axis) splitting the residual stream's
+    # tokens between the blocks (`fp8jax.train._mesh.place_model`), or None.
+    token_split: tuple | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        key: PRNGKeyArray | None = None,
+        token_split: tuple | None = None,
+        parts: tuple | None = None,
+    ):
+        """``parts``: ``(embed, blocks, norm, head)`` to use as they are instead of
+        initialising them from ``key``.
+
+        Arguments:
+            cfg: the `ModelConfig`.
+            key: initialises the parameters (needed without ``parts``).
+            token_split: sequence parallelism's (mesh, batch axes, tensor axis), or None.
+            parts: the parameters to use as they are instead.
+        """
+        if parts is None:
+            if key is None:
+                raise TypeError("Transformer: pass key= (to initialise the weights) or parts=.")
+            ke, kb, kh = jax.random.split(key, 3)
+            parts = (
+                jax.random.normal(ke, (cfg.vocab, cfg.dim)) * 0.02,
+                eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kb, cfg.layers)),
+                jnp.ones((cfg.dim,)),
+                eqx.nn.Linear(cfg.dim, cfg.vocab, use_bias=False, key=kh),
+            )
+        self.embed, self.blocks, self.norm, self.head = parts
+        self.cfg = cfg
+        self.token_split = token_split
+
+    def with_token_split(self, token_split: tuple | None) -> "Transformer":
+        """The same model (shared arrays) splitting its tokens by ``token_split``."""
+        parts = (self.embed, self.blocks, self.norm, self.head)
+        return type(self)(self.cfg, token_split=token_split, parts=parts)
+
+    def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
+        return self.forward(tokens)[0]
+
+    def _split_tokens(self, x):
+        if self.token_split is None:
+            return x
+        mesh, batch, axis = self.token_split
+        return jax.lax.with_sharding_constraint(x, sequence_sharding(mesh, x.shape, batch, axis))
+
+    def forward(
+        self, tokens: Int[Array, "B T"], logits_dtype=jnp.float32
+    ) -> tuple[Float[Array, "B T vocab"], Float[Array, ""]]:
+        """Logits (in ``logits_dtype``; None: the head's compute dtype, what
+        `fp8jax.nn.cross_entropy` wants) and the auxiliary loss summed over layers (MoE load
+        balancing, already weighted by ``aux_loss_coef``; 0 without experts)."""
+        x = self._split_tokens(self.embed[tokens])
+        # The stacked FP8 state enters once, outside the scan, instead of once per layer
+        # inside it: its float32 -> MAX_GRAD conversion and the backward's keep-or-replace
+        # select then run on [layers, ...] arrays: fewer HLO instructions and a shorter
+        # compile (issue 21; benchmarks/RESULTS.md, fourteenth session, "Two changes").
+        params, static = eqx.partition(enter_tree(self.blocks), eqx.is_array)
+
+        def layer(carry, p):
+            x, aux = carry
+            x, layer_aux = eqx.combine(p, static)(x)
+            return (self._split_tokens(x), aux + layer_aux.astype(jnp.float32)), None
+
+        (x, aux), _ = jax.lax.scan(
+            layer, (x, jnp.zeros((), jnp.float32)), params, unroll=self.cfg.scan_unroll
+        )
+        x = normalize(x, self.norm, None, "rmsnorm", 1e-5)
+        logits = apply_linear(self.head, x)
+        if logits_dtype is not None:
+            logits = logits.astype(logits_dtype)
+        return logits, self.cfg.aux_loss_coef * aux
+
+
+def cast_for_compute(model, dtype):
+    """Floating parameters in ``dtype`` for the forward (f32 master copies stay in the
+    optimizer); FP8 scaling state is left in float32."""
+
+    def cast(x):
+        if isinstance(x, OverwriteWithGradient):
+            return x
+        if eqx.is_inexact_array(x):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(
+        cast, model, is_leaf=lambda x: isinstance(x, OverwriteWithGradient)
+    )
