@@ -53,8 +53,7 @@ import jax.numpy as jnp
 
 import fp8jax
 from benchmarks import common
-from benchmarks.front_doors_builders import BUILDERS, ObjectCase, Skip
-from fp8jax.inspect import parse_gemms, parse_stablehlo_gemms
+from benchmarks.front_doors_builders import BUILDERS, ObjectCase, Skip, count_gemms
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 DOORS = ("equinox", "linen", "nnx", "nnx-jit", "nnx-cached", "haliax")
@@ -102,13 +101,8 @@ class Case:
         return loss
 
     def gemms(self) -> tuple[int, int]:
-        """(FP8 GEMMs, all GEMMs): the compiled program on a GPU, the lowered one elsewhere
-        (a CPU's XLA rewrites FP8 dots into f32 ones)."""
-        if common.on_gpu():
-            found = parse_gemms(self.compiled.as_text())
-        else:
-            found = parse_stablehlo_gemms(self.lowered.as_text())
-        return sum(g.is_fp8 for g in found), len(found)
+        """(FP8 GEMMs, all GEMMs) of the step (`count_gemms`)."""
+        return count_gemms(self.lowered, self.compiled)
 
     def peak_mem_mb(self) -> float | None:
         try:
