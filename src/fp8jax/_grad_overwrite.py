@@ -189,11 +189,12 @@ def _check_guards(fn: str, model: Any, overwrites: Any, order: str):
         return overwrites
     model_bad, model_index = _guard.verdict([m for m, _ in pairs])
     same, behind = jnp.asarray(False), jnp.asarray(False)
-    for m, o in pairs:
-        if o is not None:
-            m = _guard._float(m)
-            same = same | jnp.any((o == m) & (o != 0))
-            behind = behind | jnp.any((_guard.advance(o) == m) & (o != 0))
+    both = [(m, o) for m, o in pairs if o is not None]
+    if both:  # all guards in one vector: one comparison each, not one per layer
+        m = jnp.concatenate([jnp.ravel(_guard._float(m)) for m, _ in both])
+        o = jnp.concatenate([jnp.ravel(jnp.asarray(o, m.dtype)) for _, o in both])
+        same = jnp.any((o == m) & (o != 0))
+        behind = jnp.any((_guard.advance(o) == m) & (o != 0))
     index = jnp.where(model_bad, model_index, jnp.where(same, 2, 3))
     bad = model_bad | same | behind
     messages = _guard.step_messages(fn, order)

@@ -390,8 +390,8 @@ def mark(tree, bad, code, keep_from=None):
     ``keep_from`` (the model) stays (the lowest one): the first reason is kept."""
     code = jnp.asarray(code, F32)
     olds = [guard_of(s) for s in guarded_states(tree) + guarded_states(keep_from)]
-    if olds:
-        prior = jnp.min(jnp.concatenate([jnp.ravel(_code(g)) for g in olds]))
+    if olds:  # one pass over all guards (a program's size grows with each op per guard)
+        prior = jnp.min(_code(jnp.concatenate([jnp.ravel(_float(g)) for g in olds])))
         code = jnp.where(prior < 0, prior, code)
 
     def visit(x):
