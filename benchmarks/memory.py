@@ -7,8 +7,10 @@ copies, FP8 in the fp8 run, bf16 in the bf16 run; ``full``: only each block's in
 few steps and reports per case:
 
 * ``peak_mem_mb``: on a GPU the allocator's peak (``peak_bytes_in_use``, the largest of the
-  mesh's devices) over building, compiling and running the step; on a CPU the compiled
-  step's memory analysis (arguments + outputs + temporaries); ``peak_mem_source`` says which;
+  mesh's devices) over building the model and optimizer as the trainer does (on a mesh the
+  model is built on one device before it is placed), compiling and running the step; on a
+  CPU the compiled step's memory analysis (arguments + outputs + temporaries);
+  ``peak_mem_source`` says which;
 * ``compiled_mem_mb`` and ``temp_mem_mb``: the compiled step's memory analysis, all of it and
   its temporaries (per device; the donated parameters counted as arguments and outputs);
 * ``saved_residual_mb``: what the step's backward keeps (`fp8jax.residuals_report` of the
@@ -186,6 +188,8 @@ def run_case(run, precision, args, isolate: bool, argv: list[str]) -> dict:
 
 
 def _in_child(argv: list[str]) -> dict:
+    """The row a ``--child`` process of this module prints for ``argv``'s one case (its
+    stderr goes to this process's)."""
     env = {k: v for k, v in os.environ.items() if k not in _ours}
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH")) if p
@@ -236,7 +240,11 @@ def _dtypes(mb: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="1b", choices=sorted(cli.PRESETS))
-    p.add_argument("--mesh", default=None, help="e.g. fsdp=2 (default: one device unsharded)")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="e.g. fsdp=2 (default, as the trainer: unsharded on one device, else data=<devices>)",
+    )
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the preset's)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument(
@@ -281,7 +289,7 @@ def main(argv=None):
         p.error(f"--memory-limit-gb must be > 0, got {args.memory_limit_gb}")
     run = cli.RunConfig(**cli.PRESETS["tiny" if args.quick else args.preset])
     model = distributed.QUICK_MODEL if args.quick else run.model
-    batch = args.batch or (8 if args.quick else run.batch)
+    batch = args.batch or (4 * jax.device_count() if args.quick else run.batch)
     run = dataclasses.replace(run, model=model, batch=batch)
     args.steps = args.steps or (2 if args.quick else 10)
     mesh_text = mesh_of(args.mesh)[1]

@@ -240,17 +240,19 @@ def _check_remat(remat: str) -> None:
 def remat_block(block, remat: str):
     """``block`` (a function of a block's arrays and its input) under ``jax.checkpoint`` as
     ``remat`` (`REMAT`) says: ``"none"``, as it is (the backward keeps what it reads);
-    ``"fp8"``, `fp8jax.remat_policy`: the GEMMs' input copies (FP8 for an FP8 layer, bf16
-    for a bf16 one: `gemm_input`), their FP8 weights and scales and the MLP's fc1 output
-    are kept, the norms, rotary embedding, attention and activations are recomputed, and so
-    is each GEMM whose output a recomputed op reads (qkv, o); ``"full"``, nothing is kept
-    but the block's input. The values and gradients are those of ``"none"``. The MoE's
-    grouped GEMMs name no residual: under ``"fp8"`` they are recomputed."""
+    ``"fp8"``, `fp8jax.remat_policy`: the FP8 GEMMs' input copies, weights and scales, the
+    bf16 attention projections' inputs (`gemm_input`: the bf16 run keeps in bf16 what the
+    fp8 run keeps in FP8; a bf16 `FusedMLP` keeps its fc1 output only, as it does anyway)
+    and the MLP's fc1 output are kept; the norms, rotary embedding, attention and
+    activations are recomputed, and so is each GEMM whose output a recomputed op reads (qkv,
+    o); ``"full"``, nothing is kept but the block's input. The values and gradients are
+    those of ``"none"``. The MoE's grouped GEMMs name no residual: under ``"fp8"`` they run
+    again too."""
     _check_remat(remat)
     if remat == "none":
         return block
-    # prevent_cse stays on: with the layer scan unrolled, XLA would otherwise merge the
-    # recomputation with the forward and keep its values after all.
+    # prevent_cse stays on (JAX's default; JAX allows it off inside a scan's loop): the GPU
+    # presets unroll the layer scan, where XLA could merge the recomputation into the forward.
     return jax.checkpoint(block, policy=remat_policy() if remat == "fp8" else None)
 
 

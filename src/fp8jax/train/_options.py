@@ -164,8 +164,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         default="none",
         help="what the backward keeps of each block (jax.checkpoint): none (all it reads; the "
         "default); fp8 (fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run and "
-        "bf16 in the bf16 run, and the MLP's fc1 output; norms, attention and activations are "
-        "recomputed, and the qkv and o GEMMs); full (only the block's input). Same losses",
+        "bf16 in the bf16 run, and the MLP's fc1 output; norms, attention, activations and the "
+        "qkv and o GEMMs run again in the backward); full (only the block's input). Same math",
     )
     add(
         "--fp8-everywhere",
