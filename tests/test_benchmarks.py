@@ -336,3 +336,38 @@ def test_front_doors_quick_times_the_nnx_object_doors(tmp_path):
         assert r.get("error") is None, r.get("error")
         assert r["ms"] > 0
     assert not out.exists()
+
+
+def test_memory_quick_remat_lowers_memory_and_a_case_runs_in_its_own_process(tmp_path):
+    """``benchmarks.memory --quick``: the trainer's step per remat choice; ``--remat fp8``
+    keeps less (compiled temporaries, residuals) and keeps FP8 copies. A case in its own
+    process (``--isolate``, the GPU default: the allocator's peak is per process) gives the
+    row the same case gives here, with its ``--max-batch`` probe. Nothing is written."""
+    import jax
+
+    from benchmarks import memory
+
+    out = tmp_path / "memory.jsonl"
+    args = ["--quick", "--variants", "fp8", "--batch", "32", "--out", str(out)]
+    rows = memory.main(args + ["--remat", "none", "fp8"])
+    assert [(r["variant"], r["params"]["remat"]) for r in rows] == [("fp8", "none"), ("fp8", "fp8")]
+    for r in rows:
+        assert r.get("error") is None, r.get("error")
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and math.isfinite(r["loss"])
+        assert r["peak_mem_source"] == "compiled" and r["peak_mem_mb"] == r["compiled_mem_mb"]
+        mesh = f"data={jax.device_count()},fsdp=1,tensor=1"  # the trainer's default mesh
+        assert r["params"] == dict(preset="quick", mesh=mesh, batch=32, remat=r["params"]["remat"])
+        assert r["saved_residual_mb"] == pytest.approx(sum(r["saved_residuals"].values()))
+    none, fp8 = rows
+    assert fp8["temp_mem_mb"] < 0.9 * none["temp_mem_mb"]  # 0.80x on 8 CPU devices
+    assert fp8["saved_residual_mb"] < 0.75 * none["saved_residual_mb"]  # 0.62x
+    assert fp8["saved_residuals"]["float8_e4m3fn"] > 0
+    assert fp8["mem_vs_none"] == pytest.approx(fp8["peak_mem_mb"] / none["peak_mem_mb"])
+    assert fp8["mem_vs_none"] < 1 and none["mem_vs_none"] == 1
+    (child,) = memory.main(args + ["--remat", "fp8", "--isolate", "--max-batch",
+                                   "--memory-limit-gb", "0.02"])  # fmt: skip
+    assert child.get("error") is None, child.get("error")
+    for key in ("compiled_mem_mb", "temp_mem_mb", "saved_residual_mb", "saved_residuals"):
+        assert child[key] == fp8[key], key
+    assert child["max_batch"] >= 1 and child["max_batch_mem_mb"] <= 0.02 * 1024 < child["next_mem_mb"]
+    assert not out.exists()

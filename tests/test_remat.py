@@ -87,3 +87,50 @@ def test_remat_policy_takes_the_users_names_and_refuses_others():
     assert callable(remat_policy("my_residual"))
     with pytest.raises(TypeError, match="remat_policy: names must be strings"):
         remat_policy(3)
+
+
+def test_remat_policy_keeps_the_gated_cores_residuals_bit_for_bit(key):
+    """On Hopper `FusedMLP` runs its gated core (`fp8jax._ops.gated`: one custom VJP); its
+    residuals carry the policy's names, so under ``remat_policy`` the region keeps the core's
+    FP8 input and weight copies and fc1's output (its forward does not run again for the
+    backward) and no bf16 input. Run here with the core's plain-JAX activation. The results
+    are those without a checkpoint bit for bit once XLA's CPU excess precision is off (a bf16
+    chain kept in f32 inside a fusion: where it is depends on the fusions, which the
+    checkpoint changes, and the FP8 casts make a rounding a step)."""
+    from fp8jax._kernels.gated_activation import tuning
+    from fp8jax._ops import dot
+    from fp8jax.nn import _mlp
+
+    mlp = fp8jax.nn.FusedMLP(64, 128, activation="swiglu", norm="rmsnorm", residual=True,
+                             fp8=False, key=key)  # fmt: skip
+    mlp = fp8jax.fp8_linear_layers(mlp, CFG)
+    x = normal(jax.random.fold_in(key, 3), (256, 64), jnp.bfloat16)
+    exact = {"xla_allow_excess_precision": False}
+    with tuning(activation="xla"):
+        assert _mlp._gated_core_runs(mlp, x)
+        report = fp8jax.residuals_report(lambda m, x: _loss(m, x, remat_policy()), mlp, x)
+        named = {(r.name, str(r.dtype)) for r in report.residuals if r.kind == "activation"}
+        assert {(dot.INPUT_RESIDUAL, "float8_e4m3fn"), (dot.KERNEL_RESIDUAL, "float8_e4m3fn"),
+                (_mlp.FC1_OUT, "bfloat16")} <= named, named  # fmt: skip
+        assert not [r for r in report.residuals if r.kind == "activation" and 256 in r.shape
+                    and str(r.dtype) != "float8_e4m3fn" and r.name != _mlp.FC1_OUT]  # fmt: skip
+        params, static = eqx.partition(mlp, eqx.is_array)
+        # a linear loss: ``mean(y ** 2)``'s value moved by 2e-5 (its f32 sum added up in another
+        # order) while every gradient stayed the same
+        g = normal(jax.random.fold_in(key, 4), x.shape, jnp.float32)
+        results = []
+        for policy in (None, remat_policy()):
+            def loss(p, x, policy=policy):
+                def run(m, x):
+                    return jnp.sum(m(x).astype(jnp.float32) * g)
+
+                entered = fp8jax.enter_state(eqx.combine(p, static))
+                region = run if policy is None else jax.checkpoint(run, policy=policy)
+                return region(entered, x)
+
+            step = jax.jit(jax.value_and_grad(loss))
+            results.append(step.lower(params, x).compile(exact)(params, x))
+    (l0, g0), (l1, g1) = results
+    assert float(l0) == float(l1)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array
 
 from .. import _quant as q
@@ -49,6 +50,9 @@ from . import dot as _dot
 from . import rows as _split
 
 BF16 = jnp.bfloat16
+# fc1's output (``h``, bf16): the checkpoint name `fp8jax.nn.FusedMLP` gives it on either path,
+# which `fp8jax.remat_policy` saves (a gated activation's backward reads it).
+FC1_OUT = "fp8jax_mlp_fc1_out"
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -184,7 +188,21 @@ def _dht_block(gate_block: int | None) -> int | None:
 def _fwd(spec, x, w1, state1, w2, state2):
     state1, state2 = _state.values(state1), _state.values(state2)
     y, residuals = _forward(spec, x, w1, state1, w2, state2)
-    return y, (residuals, state1, state2)
+    return y, (_named(residuals), state1, state2)
+
+
+def _named(residuals):
+    """The residuals under the checkpoint names `fp8jax.remat_policy` saves, as `_dot` names
+    an FP8 GEMM's: the FP8 input copy, the FP8 weights, fc1's output and the scalars (under
+    a ``jax.checkpoint`` with that policy the core's forward then does not run again)."""
+    xTq, w1Tq, h, w2Tq, *scalars = residuals
+    return (
+        checkpoint_name(xTq, _dot.INPUT_RESIDUAL),
+        checkpoint_name(w1Tq, _dot.KERNEL_RESIDUAL),
+        checkpoint_name(h, FC1_OUT),
+        checkpoint_name(w2Tq, _dot.KERNEL_RESIDUAL),
+        *(checkpoint_name(s, _dot.SCALAR_RESIDUALS) for s in scalars),
+    )
 
 
 def _bwd(spec, saved, g):

@@ -37,7 +37,7 @@ from ._elementwise import ACTIVATIONS, NORMS, activate, normalize, relayout_rows
 from ._linear import Linear, apply_linear
 
 F32 = jnp.float32
-FC1_OUT = "fp8jax_mlp_fc1_out"
+FC1_OUT = _gated.FC1_OUT
 __all__ = ["ACTIVATIONS", "NORMS", "FusedMLP", "activate", "normalize", "relayout_rows"]
 
 

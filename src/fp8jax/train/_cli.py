@@ -129,6 +129,7 @@ def run_config(args, tok=None) -> RunConfig:
         fp8_attention=args.fp8_attention,
         fp8_head=args.fp8_head,
         sequence_parallel=args.sequence_parallel,
+        remat=args.remat,
         **preset,
         **tokenizer.run_fields(args.tokenizer, tok),
     )
@@ -329,6 +330,7 @@ def _train(args, argv, run, tok, mesh, out: Path, interrupt_at) -> dict[str, dic
         batch=run.batch,
         steps=run.steps,
         lr=run.lr,
+        remat=run.remat,
         corpus=dict(
             source=corpus.source,
             files=corpus.files,
@@ -347,7 +349,9 @@ def _train(args, argv, run, tok, mesh, out: Path, interrupt_at) -> dict[str, dic
     if main_process:
         print(
             f"fp8jax-train: preset {args.preset}, {millions(run.model.non_embedding_params())} "
-            f"params, {run.steps} steps x {run.batch} x {run.model.seq} tokens, on {where}; "
+            f"params, {run.steps} steps x {run.batch} x {run.model.seq} tokens"
+            + ("" if run.remat == "none" else f" (--remat {run.remat})")
+            + f", on {where}; "
             f"corpus {corpus.source} ({corpus.files} files, {len(text.train) / 1e6:.1f} MB "
             "train)",
             flush=True,

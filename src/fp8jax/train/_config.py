@@ -100,6 +100,8 @@ class RunConfig:
         tokenizer, tokenizer_vocab, tokenizer_sha256: the data's tokens (``--tokenizer``):
             ``"bytes"``, ``"bpe"`` or ``"file"`` (a user's tokenizer.json), its vocabulary
             and its tokenizer.json's hash (None: bytes, or a BPE not trained yet).
+        remat: what the backward keeps of each block, ``"none"``, ``"fp8"`` or ``"full"``
+            (`fp8jax.train._model.remat_block`; the same values and gradients).
     """
 
     model: ModelConfig
@@ -122,6 +124,7 @@ class RunConfig:
     tokenizer: str = "bytes"  # `tokenizer.BYTES`, `BPE` or `USER`
     tokenizer_vocab: int | None = 256
     tokenizer_sha256: str | None = None
+    remat: str = "none"  # ``--remat``: "none", "fp8" or "full" (`_model.remat_block`)
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
@@ -149,7 +152,7 @@ def build_model(run: RunConfig, precision: str):
     if precision == "fp8" and cfg.experts:
         # same weights: FP8 state is extra, keys are unchanged
         cfg = dataclasses.replace(cfg, moe_fp8=True)
-    model = Transformer(cfg, key=jax.random.PRNGKey(run.seed))
+    model = Transformer(cfg, key=jax.random.PRNGKey(run.seed), remat=run.remat)
     if precision == "fp8":
         model = fp8_linear_layers(model, fp8_config(run))
     return model

@@ -135,11 +135,16 @@ class Trainer:
             return jax.numpy.asarray(batch)
         return put_batch(batch, self.batch_sharding)
 
+    def lower(self, batch):
+        """The train step lowered for ``batch`` (an array, or a ``jax.ShapeDtypeStruct`` with
+        the trainer's `batch_sharding` on a mesh): compile it to read its memory analysis."""
+        return self._train.lower(self.params, self.opt_state, batch)
+
     def compile(self, batch) -> None:
         """Lower and compile the train step for ``batch``'s shape; ``compile_times`` holds the
         seconds each took (compiling includes XLA's GEMM autotuning)."""
         t0 = time.perf_counter()
-        lowered = self._train.lower(self.params, self.opt_state, batch)
+        lowered = self.lower(batch)
         t1 = time.perf_counter()
         self.compiled = lowered.compile()
         self.compile_times = dict(lower_s=t1 - t0, compile_s=time.perf_counter() - t1)

@@ -12,9 +12,11 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._guard import enter_tree
+from .._ops.dot import INPUT_RESIDUAL
 from .._state import OverwriteWithGradient
 from ..distributed import sequence_sharding
 from ..nn._attention import DotProductAttention
@@ -22,9 +24,12 @@ from ..nn._linear import apply_linear
 from ..nn._mha import rotary
 from ..nn._mlp import FusedMLP, normalize
 from ..nn._moe import MoE as GroupedMoE
+from ..nn._remat import remat_policy
 
 VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
 LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
+# ``--remat``: what the backward keeps of each block (`remat_block`).
+REMAT = ("none", "fp8", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +127,7 @@ class Attention(eqx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        q, k, v = split_qkv(apply_linear(self.qkv, h), cfg)
+        q, k, v = split_qkv(apply_linear(self.qkv, gemm_input(self.qkv, h)), cfg)
         q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
         if self.core is not None:
             attn = self.core(q, k, v)
@@ -130,7 +135,15 @@ class Attention(eqx.Module):
             attn = jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation=_attention_impl(q)
             )
-        return x + apply_linear(self.o, attn.reshape(b, t, cfg.dim))
+        return x + apply_linear(self.o, gemm_input(self.o, attn.reshape(b, t, cfg.dim)))
+
+
+def gemm_input(layer, x):
+    """``x``, the input of ``layer``'s GEMM, named as fp8jax's op names an FP8 GEMM's input
+    copy (`fp8jax.remat_policy` saves it) where ``layer`` is a bf16 ``eqx.nn.Linear``: under
+    ``--remat fp8`` the bf16 run then keeps what its GEMMs read, in bf16, as the fp8 run keeps
+    their FP8 copies. An FP8 layer's op names its own copy (the bf16 input is not kept)."""
+    return checkpoint_name(x, INPUT_RESIDUAL) if isinstance(layer, eqx.nn.Linear) else x
 
 
 def split_qkv(y: Float[Array, "B T F"], cfg: ModelConfig):
@@ -219,6 +232,30 @@ class Block(eqx.Module):
         return self.mlp(x), jnp.zeros((), jnp.float32)
 
 
+def _check_remat(remat: str) -> None:
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
+
+
+def remat_block(block, remat: str):
+    """``block`` (a function of a block's arrays and its input) under ``jax.checkpoint`` as
+    ``remat`` (`REMAT`) says: ``"none"``, as it is (the backward keeps what it reads);
+    ``"fp8"``, `fp8jax.remat_policy`: the FP8 GEMMs' input copies, weights and scales, the
+    bf16 attention projections' inputs (`gemm_input`: the bf16 run keeps in bf16 what the
+    fp8 run keeps in FP8; a bf16 `FusedMLP` keeps its fc1 output only, as it does anyway)
+    and the MLP's fc1 output are kept; the norms, rotary embedding, attention and
+    activations are recomputed, and so is each GEMM whose output a recomputed op reads (qkv,
+    o); ``"full"``, nothing is kept but the block's input. The values and gradients are
+    those of ``"none"``. The MoE's grouped GEMMs name no residual: under ``"fp8"`` they run
+    again too."""
+    _check_remat(remat)
+    if remat == "none":
+        return block
+    # prevent_cse stays on (JAX's default; JAX allows it off inside a scan's loop): the GPU
+    # presets unroll the layer scan, where XLA could merge the recomputation into the forward.
+    return jax.checkpoint(block, policy=remat_policy() if remat == "fp8" else None)
+
+
 class Transformer(eqx.Module):
     embed: Float[Array, "vocab dim"]
     blocks: Block  # stacked: every array has a leading [layers] dim
@@ -228,6 +265,7 @@ class Transformer(eqx.Module):
     # Sequence parallelism: (mesh, batch axes, tensor axis) splitting the residual stream's
     # tokens between the blocks (`fp8jax.train._mesh.place_model`), or None.
     token_split: tuple | None = eqx.field(static=True)
+    remat: str = eqx.field(static=True)  # `REMAT`: what the backward keeps (`remat_block`)
 
     def __init__(
         self,
@@ -236,6 +274,7 @@ class Transformer(eqx.Module):
         key: PRNGKeyArray | None = None,
         token_split: tuple | None = None,
         parts: tuple | None = None,
+        remat: str = "none",
     ):
         """``parts``: ``(embed, blocks, norm, head)`` to use as they are instead of
         initialising them from ``key``.
@@ -245,7 +284,9 @@ class Transformer(eqx.Module):
             key: initialises the parameters (needed without ``parts``).
             token_split: sequence parallelism's (mesh, batch axes, tensor axis), or None.
             parts: the parameters to use as they are instead.
+            remat: what the backward keeps of each block (`remat_block`; ``--remat``).
         """
+        _check_remat(remat)
         if parts is None:
             if key is None:
                 raise TypeError("Transformer: pass key= (to initialise the weights) or parts=.")
@@ -259,11 +300,12 @@ class Transformer(eqx.Module):
         self.embed, self.blocks, self.norm, self.head = parts
         self.cfg = cfg
         self.token_split = token_split
+        self.remat = remat
 
     def with_token_split(self, token_split: tuple | None) -> "Transformer":
         """The same model (shared arrays) splitting its tokens by ``token_split``."""
         parts = (self.embed, self.blocks, self.norm, self.head)
-        return type(self)(self.cfg, token_split=token_split, parts=parts)
+        return type(self)(self.cfg, token_split=token_split, parts=parts, remat=self.remat)
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
         return self.forward(tokens)[0]
@@ -286,10 +328,11 @@ class Transformer(eqx.Module):
         # select then run on [layers, ...] arrays: fewer HLO instructions and a shorter
         # compile (issue 21; benchmarks/RESULTS.md, fourteenth session, "Two changes").
         params, static = eqx.partition(enter_tree(self.blocks), eqx.is_array)
+        block = remat_block(lambda p, x: eqx.combine(p, static)(x), self.remat)
 
         def layer(carry, p):
             x, aux = carry
-            x, layer_aux = eqx.combine(p, static)(x)
+            x, layer_aux = block(p, x)
             return (self._split_tokens(x), aux + layer_aux.astype(jnp.float32)), None
 
         (x, aux), _ = jax.lax.scan(

@@ -9,6 +9,7 @@ from pathlib import Path
 from .. import _compilation as compilation
 from .._recipe import RECIPES
 from ._config import PRESETS
+from ._model import REMAT
 from ._tokenizer import BPE_VOCAB, FILE, INSTALL
 
 
@@ -156,6 +157,15 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         default=None,
         help="layers per scan iteration; = --layers unrolls fully (no residual stacking between "
         "layers)",
+    )
+    add(
+        "--remat",
+        choices=list(REMAT),
+        default="none",
+        help="what the backward keeps of each block (jax.checkpoint): none (all it reads; the "
+        "default); fp8 (fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run and "
+        "bf16 in the bf16 run, and the MLP's fc1 output; norms, attention, activations and the "
+        "qkv and o GEMMs run again in the backward); full (only the block's input). Same math",
     )
     add(
         "--fp8-everywhere",

@@ -117,12 +117,16 @@ def to_records(
     precisions alternated every that many steps in one process (0: one after the other)."""
     recs = []
     tokens = run.batch * run.model.seq
+    # --remat in the params when on (the records from before it ran without)
+    remat = {} if run.remat == "none" else dict(remat=run.remat)
     for name, r in results.items():
         tps = r["tokens_per_s"]
         recs.append(
             dict(
                 bench="train",
-                params=dict(preset=preset, seq=run.model.seq, steps=r["steps"], batch=run.batch),
+                params=dict(
+                    preset=preset, seq=run.model.seq, steps=r["steps"], batch=run.batch, **remat
+                ),
                 variant=name,
                 device=meta["device"],
                 date=meta["date"],
