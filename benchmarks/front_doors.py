@@ -7,7 +7,9 @@ handled the way each front door's docs say:
 
 * ``equinox``: ``eqx.nn.Linear`` layers, ``fp8jax.fp8_linear_layers``,
   ``eqx.filter_value_and_grad`` and ``fp8jax.optax_step`` (optimizer on
-  ``fp8jax.trainable(model)``); f32 weights are cast to bf16 in the forward.
+  ``fp8jax.trainable(model)``); f32 weights are cast to bf16 in the forward of the bf16
+  model; the FP8 one is called on bf16 activations as it is (`fp8jax.nn.Linear` computes
+  in its input's dtype; its FP8 cast reads the f32 weight, as linen's and nnx's do).
 * ``linen``: ``nn.Dense(dtype=bf16, param_dtype=..., dot_general_cls=
   fp8jax.flax.fp8_dot_general_cls(cfg))`` in a flax ``TrainState``, whose
   ``apply_gradients`` writes the ``_overwrite_with_gradient`` collection from the grads.

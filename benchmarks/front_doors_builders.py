@@ -38,13 +38,15 @@ def _cast_params(model, dtype):
     return eqx.combine(cast, model)
 
 
-def _eqx_step(model, param_dtype) -> tuple[Any, Callable]:
-    """The README's equinox step on any equinox model (``model(x)`` on ``[T, D]``)."""
+def _eqx_step(model, param_dtype, cast: bool = True) -> tuple[Any, Callable]:
+    """The README's equinox step on any equinox model (``model(x)`` on ``[T, D]``); ``cast``:
+    non-bf16 parameters are cast to bf16 in the forward (else the model computes in its
+    input's dtype itself, as `fp8jax.nn.Linear` does: its FP8 cast reads the f32 weight)."""
     opt = optax.adam(LR)
     params, static = eqx.partition(model, eqx.is_array)
 
     def loss_fn(model, x):
-        if param_dtype != BF16:
+        if cast and param_dtype != BF16:
             model = _cast_params(model, BF16)
         return mse_loss(model(x))
 
@@ -74,7 +76,7 @@ def build_equinox(dim, layers, param_dtype, config, key):
     model = EqxMLP([eqx.nn.Linear(dim, dim, dtype=param_dtype, key=k) for k in keys])
     if config is not None:
         model = fp8jax.fp8_linear_layers(model, config)
-    return _eqx_step(model, param_dtype)
+    return _eqx_step(model, param_dtype, cast=config is None)
 
 
 class HaliaxMLP(eqx.Module):

@@ -8,14 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import Step, projection_loss
+from benchmarks.flax_steps import MissingDependency, linen_step, nnx_step, require_flax
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FLAX_AMAX_HISTORY = 1024  # as in the anchors (flax's default)
-
-
-class MissingDependency(RuntimeError):
-    """A variant's optional dependency is not installed: the variant is skipped."""
 
 
 def _flax_fp8_ops():
@@ -88,35 +85,22 @@ def build_haliax_qdq(layer, x, g) -> Step:
 # ----------------------------------------------------------------------------- front doors
 # fp8jax through flax's own layers: ``nn.Dense(dot_general_cls=fp8_dot_general_cls(cfg))``
 # and ``fp8jax.nnx.fp8_linear_layers`` on ``nnx.Linear``, bf16 params and compute, with the
-# layer's weight. Params are ``(trainable, fp8 state)``; one step writes the new state.
-def _front_door_step(loss, params, x, g) -> Step:
-    step = Step(jax.value_and_grad(loss, argnums=(0, 1)), params)
-    _, ((_, new_state), _) = jax.block_until_ready(step.jitted(step.params, x, g))
-    step.params = (params[0], new_state)
-    return step
-
-
+# layer's weight (`benchmarks.flax_steps`).
 def linen_builder(config):
     """``fp8jax-linen``: ``nn.Dense`` with fp8jax's ``dot_general_cls`` (``config``)."""
 
     def build(layer, x, g) -> Step:
-        try:
-            import flax.linen as nn
-            from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as OWG
+        require_flax()
+        import flax.linen as nn
 
-            from fp8jax.flax import fp8_dot_general_cls
-        except ImportError as e:
-            raise MissingDependency(f"skipped: flax not installed ({e})") from None
+        from fp8jax.flax import fp8_dot_general_cls
+
         n = layer.weight.shape[0]
         cls = fp8_dot_general_cls(config)
         dense = nn.Dense(n, use_bias=False, dtype=BF16, param_dtype=BF16, dot_general_cls=cls)
         variables = dense.init(jax.random.PRNGKey(0), x[:8])
-        params = {"params": {"kernel": jnp.asarray(layer.weight.T)}}
-
-        def loss(p, x, g):
-            return projection_loss(dense.apply({**p[0], OWG: p[1]}, x), g)
-
-        return _front_door_step(loss, (params, variables[OWG]), x, g)
+        variables = {**variables, "params": {"kernel": jnp.asarray(layer.weight.T)}}
+        return linen_step(dense, variables, x, g)
 
     return build
 
@@ -125,21 +109,15 @@ def nnx_builder(config):
     """``fp8jax-nnx``: ``nnx.Linear`` converted by ``fp8jax.nnx.fp8_linear_layers``."""
 
     def build(layer, x, g) -> Step:
-        try:
-            from flax import nnx
+        require_flax()
+        from flax import nnx
 
-            import fp8jax.nnx as fnnx
-        except ImportError as e:
-            raise MissingDependency(f"skipped: flax not installed ({e})") from None
+        import fp8jax.nnx as fnnx
+
         n, k = layer.weight.shape
         model = nnx.Linear(k, n, use_bias=False, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))
         model.kernel.value = jnp.asarray(layer.weight.T)
         fnnx.fp8_linear_layers(model, config)
-        graphdef, params, state = nnx.split(model, nnx.Param, fnnx.Fp8State)
-
-        def loss(p, x, g):
-            return projection_loss(nnx.merge(graphdef, *p)(x), g)
-
-        return _front_door_step(loss, (params, state), x, g)
+        return nnx_step(model, x, g)
 
     return build

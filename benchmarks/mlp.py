@@ -7,6 +7,13 @@ step returning the loss and the gradients w.r.t. the block and the input
 * ``bf16-unfused``    the block op by op in bf16 (``FusedMLP(fp8=False, fused=False)``)
 * ``fp8jax-unfused``  the same block after ``fp8_linear_layers`` (FP8 GEMMs, no fusion)
 * ``fp8jax-fused``    ``fp8jax.nn.FusedMLP`` (FP8, one checkpoint region)
+* ``fp8jax-linen``    fp8jax-unfused's block (its weights, norm, activation and loss) as a
+  flax linen module, ``nn.Dense(dot_general_cls=fp8jax.flax.fp8_dot_general_cls(cfg))``,
+  differentiated w.r.t. all its variables as a ``TrainState`` step does (`benchmarks.mlp_flax`)
+* ``fp8jax-nnx``      the same block as nnx modules converted by
+  ``fp8jax.nnx.fp8_linear_layers``, the README's ``@nnx.jit`` step (``nnx.value_and_grad``
+  with ``argnums=fp8jax.nnx.diff_state(0)``) bound by ``nnx.cached_partial``; the two flax
+  variants are skipped in one line where flax is missing (`benchmarks.flax_steps`)
 * ``torchao-bf16``, ``torchao-tensorwise``, ``torchao-rowwise``: the same block and step in
   PyTorch (``torch.compile``), bf16 and torchao float8, in a child process run before JAX
   takes the GPU (`benchmarks.torch_peer`); skipped with one line where torch is missing
@@ -40,7 +47,8 @@ from benchmarks.hlo import kernel_summary
 from fp8jax.nn import FusedMLP
 
 BF16 = jnp.bfloat16
-VARIANTS = ("bf16-unfused", "fp8jax-unfused", "fp8jax-fused")
+FLAX_VARIANTS = ("fp8jax-linen", "fp8jax-nnx")
+VARIANTS = ("bf16-unfused", "fp8jax-unfused", "fp8jax-fused", *FLAX_VARIANTS)
 PEER_VARIANTS = torch_peer.VARIANTS  # run by torch in a child process
 DEFAULT_VARIANTS = (*VARIANTS, *PEER_VARIANTS)
 # (hidden, ffn, tokens, activation)
@@ -62,9 +70,16 @@ def parse_case(text: str):
     return hidden, ffn, tokens, parts[3] if len(parts) > 3 else "swiglu"
 
 
-def build(variant: str, case, key, config: fp8jax.Fp8Config):
+def _base(case, key) -> FusedMLP:
+    """The bf16 block every variant starts from (the same weights for a key)."""
     hidden, ffn, _, activation = case
-    base = FusedMLP(hidden, ffn, activation=activation, fp8=False, fused=False, dtype=BF16, key=key)
+    return FusedMLP(hidden, ffn, activation=activation, fp8=False, fused=False, dtype=BF16, key=key)
+
+
+def build(variant: str, case, key, config: fp8jax.Fp8Config):
+    """The equinox block of ``variant`` (not a flax one: `build_step`)."""
+    hidden, _, _, activation = case
+    base = _base(case, key)
     if variant == "bf16-unfused":
         return base
     if variant == "fp8jax-unfused":
@@ -82,6 +97,25 @@ def make_step(block, x, g) -> common.Step:
     return common.calibrate(step, block, x, g) if fp8jax.fp8_state(block) else step
 
 
+def build_step(variant: str, case, key, config: fp8jax.Fp8Config, x, g):
+    """``(step, forward)``: ``variant``'s calibrated step and its forward ``forward(x)`` (for
+    the activations saved for the backward). The flax variants hold the equinox block's
+    arrays (`benchmarks.mlp_flax`); without flax they raise
+    `benchmarks.flax_steps.MissingDependency`."""
+    if variant not in FLAX_VARIANTS:
+        block = build(variant, case, key, config)
+        return make_step(block, x, g), block
+    from benchmarks import flax_steps, mlp_flax
+
+    flax_steps.require_flax()
+    if variant == "fp8jax-linen":
+        module, variables = mlp_flax.linen_mlp(_base(case, key), config)
+        step = flax_steps.linen_step(module, variables, x, g)
+        return step, lambda x: module.apply(variables, x)
+    model = mlp_flax.nnx_mlp(_base(case, key), config)
+    return flax_steps.nnx_cached_step(model, x, g), lambda x: model(x)
+
+
 def run_case(case, variants, iters, reps, meta, seed=0, config=None, peer_rows=()) -> list[dict]:
     """The JAX ``variants`` on ``case``, then the torch rows measured for it already
     (`torch_peer.run_peer`), ratios among all of them."""
@@ -96,6 +130,7 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None, peer_rows=(
     gated = fp8jax.nn.ACTIVATIONS[activation][1]
     flops = 6 * tokens * (hidden * ffn * (2 if gated else 1) + ffn * hidden)
     rows = []
+    variants = _without_missing_flax(variants)
     for name in variants:
         row = dict(
             meta,
@@ -104,8 +139,7 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None, peer_rows=(
         )
         try:
             t0 = time.perf_counter()
-            block = build(name, case, km, config)
-            step = make_step(block, xs[0], g)
+            step, forward = build_step(name, case, km, config, xs[0], g)
             row["compile_s"] = time.perf_counter() - t0  # build + compile + one calibration step
             row["ms"] = common.time_step(step, xs, g, iters, reps, warmup=1 if iters <= 2 else 2)
             n_fp8, n_gemms = common.gemm_check(step, xs[0], g)
@@ -114,7 +148,7 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None, peer_rows=(
                 fp8_gemm_count=n_fp8,
                 gemm_count=n_gemms,
                 kernels=sum(kernel_summary(step.hlo_text(xs[0], g)).values()),
-                saved_act_mb=fp8jax.saved_activation_bytes(block, xs[0], dim=tokens) / 2**20,
+                saved_act_mb=fp8jax.saved_activation_bytes(forward, xs[0], dim=tokens) / 2**20,
                 peak_mem_mb=common.peak_mem_mb(step, xs[0], g),
             )
             del step
@@ -139,6 +173,21 @@ def run_case(case, variants, iters, reps, meta, seed=0, config=None, peer_rows=(
     common.add_ratios(rows, flops, speedups)
     torch_peer.rebase_speedup(rows)
     return rows
+
+
+def _without_missing_flax(variants) -> list[str]:
+    """``variants`` less the flax ones where flax is missing (said in one line)."""
+    asked = [v for v in variants if v in FLAX_VARIANTS]
+    if not asked:
+        return list(variants)
+    from benchmarks.flax_steps import MissingDependency, require_flax
+
+    try:
+        require_flax()
+    except MissingDependency as e:
+        print(f"  {', '.join(asked)}: {e}", flush=True)
+        return [v for v in variants if v not in FLAX_VARIANTS]
+    return list(variants)
 
 
 def markdown_table(rows) -> str:

@@ -36,16 +36,47 @@ def test_linear_quick_runs_all_variants(capsys, tmp_path):
 
 
 def test_mlp_quick_runs_all_variants(tmp_path):
+    """Every variant, the flax front doors (fp8jax-linen, fp8jax-nnx) included where flax is
+    installed: they run fp8jax-unfused's block, so they keep the same activations for the
+    backward and have as many GEMMs."""
+    from benchmarks.flax_steps import MissingDependency, require_flax
+
+    try:
+        require_flax()
+        variants = mlp.VARIANTS
+    except MissingDependency:
+        variants = tuple(v for v in mlp.VARIANTS if v not in mlp.FLAX_VARIANTS)
     out = tmp_path / "mlp.jsonl"
     rows = mlp.main(["--quick", "--out", str(out)])
     rows = [r for r in rows if r["variant"] not in mlp.PEER_VARIANTS]  # torch: tests below
-    assert len(rows) == len(mlp.QUICK_CASES) * len(mlp.VARIANTS)
+    assert [r["variant"] for r in rows] == list(variants) * len(mlp.QUICK_CASES)
     for r in rows:
         assert r.get("error") is None, f"{r['variant']} {r['params']}: {r.get('error')}"
         assert r["ms"] > 0 and r["gemm_count"] == 6 and r["kernels"] > 0
-    saved = {(r["params"]["activation"], r["variant"]): r["saved_act_mb"] for r in rows}
+    by = {(r["params"]["activation"], r["variant"]): r for r in rows}
+    saved = {case: r["saved_act_mb"] for case, r in by.items()}
     assert saved[("swiglu", "fp8jax-fused")] <= 0.75 * saved[("swiglu", "bf16-unfused")]
+    for (activation, variant), r in by.items():
+        if variant in mlp.FLAX_VARIANTS:
+            unfused = by[(activation, "fp8jax-unfused")]
+            assert r["saved_act_mb"] == pytest.approx(unfused["saved_act_mb"]), (variant, activation)
+            assert r["fp8_gemm_count"] == unfused["fp8_gemm_count"], (variant, activation)
     assert not out.exists()
+
+
+def test_mlp_without_flax_skips_its_flax_variants_in_one_line(capsys, monkeypatch):
+    from benchmarks import flax_steps
+
+    def missing():
+        raise flax_steps.MissingDependency("skipped: flax not installed (in this test)")
+
+    monkeypatch.setattr(flax_steps, "require_flax", missing)
+    rows = mlp.main(["--quick", "--cases", "64,64,128,gelu",
+                     "--variants", "bf16-unfused,fp8jax-linen,fp8jax-nnx"])
+    printed = capsys.readouterr().out
+    skip_lines = [line for line in printed.splitlines() if "flax not installed" in line]
+    assert len(skip_lines) == 1 and all(v in skip_lines[0] for v in mlp.FLAX_VARIANTS)
+    assert [r["variant"] for r in rows] == ["bf16-unfused"] and rows[0]["ms"] > 0
 
 
 def test_attention_quick_runs_all_variants(tmp_path):

@@ -10,7 +10,11 @@ same here. fp8jax's non-finite step counter is not kept in flax's collection::
 
     dense = nn.Dense(4096, dot_general_cls=fp8jax.flax.fp8_dot_general_cls(Fp8Config()))
 
-The GEMMs are fp8jax's (real FP8, K-major), not flax's.
+The GEMMs are fp8jax's (real FP8, K-major), not flax's. With f32 parameters and a
+narrower compute dtype (``param_dtype=f32, dtype=bf16``, flax's defaults for mixed precision)
+the kernel is cast to FP8 from its f32 value, once, not from the bf16 copy ``nn.Dense`` makes of
+it (`_stored_kernel`); the output stays in the compute dtype and the kernel's gradient comes
+out of its GEMM in f32.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax.linen import dtypes as linen_dtypes
+from flax.linen import meta
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.sharding import Mesh
 
@@ -58,6 +64,29 @@ def _op(module: nn.Module, config: Fp8Config, sequence=None) -> Fp8DotGeneral:
     return Fp8DotGeneral(template.config, state=state, weight_sharding=ws)
 
 
+# The layers whose ``dot_general`` gets their kernel as ``promote_dtype`` made it from the
+# stored "kernel" param, unreshaped.
+_KERNEL_LAYERS = (nn.Dense, nn.DenseGeneral)
+
+
+def _stored_kernel(module: nn.Module, rhs):
+    """The parent layer's "kernel" param as stored, where ``rhs`` is that param cast to
+    the compute dtype by flax's own ``promote_dtype`` (an ``nn.Dense`` or ``nn.DenseGeneral``,
+    a kernel of ``rhs``'s shape in another float dtype); else None. The FP8 cast then reads
+    the f32 kernel itself instead of its bf16 copy (one rounding, no bf16 pass)."""
+    parent = module.parent
+    if type(parent) not in _KERNEL_LAYERS:
+        return None
+    if getattr(parent, "promote_dtype", linen_dtypes.promote_dtype) is not (
+        linen_dtypes.promote_dtype
+    ) or not parent.has_variable("params", "kernel"):
+        return None
+    kernel = meta.unbox(parent.get_variable("params", "kernel"))
+    if getattr(kernel, "shape", None) != rhs.shape or kernel.dtype == rhs.dtype:
+        return None
+    return kernel if jnp.issubdtype(kernel.dtype, jnp.floating) else None
+
+
 class Fp8DotGeneralOp(nn.Module):
     """A linen module with ``jax.lax.dot_general``'s signature running `Fp8DotGeneral`.
     ``sequence``: Megatron sequence parallelism (`fp8_dot_general_cls`'s ``sequence_parallel``).
@@ -77,6 +106,10 @@ class Fp8DotGeneralOp(nn.Module):
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        kernel = _stored_kernel(self, jnp.asarray(rhs))
+        if kernel is not None:  # the output keeps the compute dtype flax promoted to
+            preferred_element_type = preferred_element_type or jnp.asarray(rhs).dtype
+            rhs = kernel
         return _op(self, self.config, self.sequence)(
             lhs,
             rhs,

@@ -21,11 +21,15 @@ step differentiates with respect to both and writes the state by overwriting::
         return loss
 
 The GEMMs are fp8jax's (`fp8jax.Fp8DotGeneral`); flax ships no nnx FP8 op to compare with
-(its ``flax.linen.fp8_ops`` are linen modules).
+(its ``flax.linen.fp8_ops`` are linen modules). A converted ``nnx.Linear`` /
+``nnx.LinearGeneral`` hands its kernel to the op as stored (`_kernel_as_stored`): with f32
+parameters and ``dtype=bf16`` the FP8 cast reads the f32 kernel, once, instead of a bf16 copy;
+the output stays in the compute dtype.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -97,7 +101,10 @@ class _Fp8StateModule(nnx.Module):
 class Fp8DotGeneralOp(_Fp8StateModule):
     """``jax.lax.dot_general``'s signature running `fp8jax.Fp8DotGeneral`: what
     `fp8_linear_layers` puts in ``nnx.Linear.dot_general`` (or pass it yourself:
-    ``nnx.Linear(..., dot_general=Fp8DotGeneralOp(config))``).
+    ``nnx.Linear(..., dot_general=Fp8DotGeneralOp(config))``). A kernel in another dtype
+    than the input (f32 parameters, bf16 compute: `_kernel_as_stored`) is cast to FP8 from
+    its own dtype and the output takes the input's dtype (the compute dtype), unless
+    ``preferred_element_type`` says otherwise.
 
     Arguments:
         config: the `Fp8Config` (None: the default one).
@@ -113,6 +120,9 @@ class Fp8DotGeneralOp(_Fp8StateModule):
         preferred_element_type=None,
         out_sharding=None,
     ):
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        if preferred_element_type is None and lhs.dtype != rhs.dtype:
+            preferred_element_type = lhs.dtype
         return self.op()(
             lhs,
             rhs,
@@ -214,12 +224,26 @@ def _current_op(layer):
     return layer.dot_general
 
 
+# flax's own ``promote_dtype`` (the default of ``nnx.Linear`` and ``nnx.LinearGeneral``).
+_FLAX_PROMOTE = inspect.signature(nnx.Linear.__init__).parameters["promote_dtype"].default
+
+
+def _kernel_as_stored(args, /, *, dtype=None, inexact=True):
+    """``promote_dtype`` of a converted ``nnx.Linear`` / ``nnx.LinearGeneral``: the inputs
+    and bias as flax promotes them, the kernel as stored, so that the FP8 cast reads an f32
+    kernel itself rather than the bf16 copy flax would make of it (one rounding, no pass)."""
+    inputs, _, bias = _FLAX_PROMOTE(args, dtype=dtype, inexact=inexact)
+    return inputs, args[1], bias
+
+
 def _set_op(layer, stack: tuple[int, ...], config: Fp8Config) -> None:
     if isinstance(layer, nnx.Einsum):
         # nnx.data: the attribute was static (a function); now it holds state.
         layer.einsum_op = nnx.data(Fp8EinsumOp(config, stack_shape=stack))
-    else:
-        layer.dot_general = nnx.data(Fp8DotGeneralOp(config, stack_shape=stack))
+        return
+    layer.dot_general = nnx.data(Fp8DotGeneralOp(config, stack_shape=stack))
+    if getattr(layer, "promote_dtype", None) is _FLAX_PROMOTE:  # not a promotion of the user's
+        layer.promote_dtype = _kernel_as_stored
 
 
 def _path_str(path) -> str:

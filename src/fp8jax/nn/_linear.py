@@ -18,7 +18,10 @@ class Linear(eqx.Module):
     `eqx.nn.Linear` (``weight: [out, in]``, already K-major for Hopper).
 
     Unlike `eqx.nn.Linear` it also takes inputs with leading dims ``(..., in)``;
-    under ``jax.vmap`` all examples still run as one GEMM.
+    under ``jax.vmap`` all examples still run as one GEMM. The output takes the input's
+    dtype, the compute dtype: f32 weights called on bf16 activations (mixed precision without
+    a bf16 copy of the weights) are cast to FP8 from f32, once, the output is bf16 and the
+    weight's gradient comes out of its GEMM in f32.
     """
 
     weight: Array
@@ -127,7 +130,8 @@ class Linear(eqx.Module):
                 f"fp8jax.nn.Linear expects inputs of shape (..., {self.in_features}), "
                 f"got {x.shape}."
             )
-        y = self.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+        dn = (((x.ndim - 1,), (1,)), ((), ()))
+        y = self.dot_general(x, self.weight, dn, preferred_element_type=x.dtype)
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype)
         return y
