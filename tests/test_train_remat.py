@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from conftest import ON_GPU, sqnr_db
 
 import fp8jax
 from fp8jax._ops.dot import INPUT_RESIDUAL
@@ -45,7 +46,10 @@ def _checkpoints(jaxpr) -> int:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_remat_gives_the_same_loss_and_gradients_bit_for_bit(precision):
+def test_remat_gives_the_same_loss_and_gradients(precision):
+    """Bit for bit on the CPU. On a GPU the recomputed forward fuses differently, so bf16
+    (and the FP8 casts fed by it) round differently: the loss within 1e-3 relative, every
+    gradient within 30 dB SQNR of the no-remat step's."""
     batch = _batch(2)
     results, regions = {}, {}
     for remat in REMAT:
@@ -65,11 +69,19 @@ def test_remat_gives_the_same_loss_and_gradients_bit_for_bit(precision):
     assert len(leaves0) > (30 if precision == "fp8" else 8)  # weights (and every FP8 state)
     for remat in ("fp8", "full"):
         loss1, grads1 = results[remat]
+        pairs = list(zip(leaves0, jax.tree_util.tree_leaves(grads1), strict=True))
+        if ON_GPU:
+            assert abs(float(loss1) - float(loss0)) <= 1e-3 * abs(float(loss0)), remat
+            for a, b in pairs:
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                assert np.array_equal(a, b) or sqnr_db(b, a) > 30, (remat, sqnr_db(b, a))
+            continue
         assert float(loss1) == float(loss0), remat
-        for a, b in zip(leaves0, jax.tree_util.tree_leaves(grads1), strict=True):
+        for a, b in pairs:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=remat)
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU memory analysis; the GPU's peak is benchmarks.memory's")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_remat_fp8_lowers_the_steps_temporaries_and_keeps_what_the_gemms_read(precision):
     """The trainer's compiled step needs less temporary memory under ``--remat fp8`` (measured
