@@ -19,6 +19,12 @@ process, a jitted step returning the gradients w.r.t. the layer and the input of
   (``torch.compile``), bf16 and torchao float8, in a child process run before JAX takes
   the GPU (`benchmarks.torch_peer`); skipped with one line where torch is missing
 
+Parameters are bf16 unless ``--param-dtype f32`` (flax's default mixed precision: f32
+parameters, bf16 compute; x and G stay bf16): then ``bf16`` casts the weight to bf16 in
+the step, ``fp8jax-delayed``'s layer computes in its input's dtype, ``fp8jax-linen`` and
+``fp8jax-nnx`` take ``param_dtype=f32, dtype=bf16``, and the other variants (written for
+bf16 weights) are skipped with one line; the records' params carry ``param_dtype: "f32"``.
+
 ``flax-direct`` and ``haliax-qdq`` reproduce the anchors of ``ANCHORS.md`` section 2
 (``probe_h100.py``). A torch row's ``speedup_vs_bf16`` is over ``torchao-bf16``;
 ``speedup_vs_torchao`` is every row's speed over ``torchao-tensorwise``'s.
@@ -29,6 +35,7 @@ Usage (from the repository root)::
     python -m benchmarks.linear --full          # + LLaMA-3 projections at M=16384, 70B FFN
     python -m benchmarks.linear --crossover     # M up to 16384, K=N to 4096: bf16 vs fp8jax-delayed
     python -m benchmarks.linear --quick         # CPU smoke run, writes nothing
+    python -m benchmarks.linear --param-dtype f32   # f32 parameters, bf16 compute
     python -m benchmarks.linear --shapes 8192,8192,8192 4096,4096,4096 --iters 50
 
 Records (GPU, not ``--quick``) go to ``benchmarks/results/linear.jsonl`` (or ``--out``),
@@ -67,6 +74,7 @@ from benchmarks.common import (
     time_step,
     train_step,
 )
+from benchmarks.front_doors_builders import _cast_params
 from benchmarks.linear_flax import (
     MissingDependency,
     build_flax_direct,
@@ -76,6 +84,7 @@ from benchmarks.linear_flax import (
 )
 
 BF16 = jnp.bfloat16
+PARAM_DTYPES = {"bf16": BF16, "f32": jnp.float32}
 
 VARIANTS = (
     "bf16",
@@ -92,6 +101,8 @@ VARIANTS = (
 PEER_VARIANTS = torch_peer.VARIANTS  # run by torch in a child process
 DEFAULT_VARIANTS = (*VARIANTS, *PEER_VARIANTS)
 CROSSOVER_VARIANTS = ("bf16", "fp8jax-delayed")
+# The variants run with --param-dtype f32 (f32 weights, bf16 compute); the others are skipped.
+F32_PARAM_VARIANTS = ("bf16", "fp8jax-delayed", "fp8jax-linen", "fp8jax-nnx")
 
 # Shapes are (M, K, N).
 ANCHOR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (8192, 8192, 8192), (4096, 2048, 2048)]
@@ -170,8 +181,11 @@ def _apply(model, x):
 
 
 def build_bf16(layer: eqx.nn.Linear, x, g) -> Step:
-    """Plain bf16 ``eqx.nn.Linear``."""
-    return train_step(layer, _apply)
+    """Plain bf16 ``eqx.nn.Linear``; a weight of another dtype (f32) is cast to bf16 in the
+    step (mixed precision: the gradient comes back in the weight's dtype)."""
+    if layer.weight.dtype == BF16:
+        return train_step(layer, _apply)
+    return train_step(layer, lambda model, x: _apply(_cast_params(model, BF16), x))
 
 
 def fp8jax_builder(config: fp8jax.Fp8Config) -> Callable[..., Step]:
@@ -212,11 +226,12 @@ BUILDERS: dict[str, Callable[..., Step]] = {
 
 
 # ----------------------------------------------------------------------------- measuring
-def make_inputs(shape, seed: int = 0, n_inputs: int = 3):
-    """The layer (bf16, weight [N, K]), ``n_inputs`` different x [M, K] and G [M, N]."""
+def make_inputs(shape, seed: int = 0, n_inputs: int = 3, param_dtype=BF16):
+    """The layer (weight [N, K] in ``param_dtype``), ``n_inputs`` different x [M, K] and
+    G [M, N] (bf16)."""
     m, k, n = shape
     keys = jax.random.split(jax.random.PRNGKey(seed), n_inputs + 2)
-    layer = eqx.nn.Linear(k, n, use_bias=False, dtype=BF16, key=keys[0])
+    layer = eqx.nn.Linear(k, n, use_bias=False, dtype=param_dtype, key=keys[0])
     g = jax.random.normal(keys[1], (m, n), BF16)
     xs = [jax.random.normal(kx, (m, k), BF16) for kx in keys[2:]]
     return layer, jax.block_until_ready(xs), jax.block_until_ready(g)
@@ -238,18 +253,26 @@ def measure_variant(name: str, layer, xs, g, iters: int, reps: int) -> dict:
 
 
 def run_shape(
-    shape, variants, iters: int, reps: int, meta: dict, seed: int = 0, peer_rows=()
+    shape,
+    variants,
+    iters: int,
+    reps: int,
+    meta: dict,
+    seed: int = 0,
+    peer_rows=(),
+    param_dtype: str = "bf16",
 ) -> list[dict]:
-    """All ``variants`` on one shape, then the torch rows measured for it already
-    (`torch_peer.run_peer`), ratios among all of them; a failing variant gives an error
-    row."""
+    """All ``variants`` on one shape (parameters in ``param_dtype``, a key of
+    `PARAM_DTYPES`), then the torch rows measured for it already (`torch_peer.run_peer`),
+    ratios among all of them; a failing variant gives an error row."""
     m, k, n = shape
-    layer, xs, g = make_inputs(shape, seed)
+    layer, xs, g = make_inputs(shape, seed, param_dtype=PARAM_DTYPES[param_dtype])
+    extra = {} if param_dtype == "bf16" else dict(param_dtype=param_dtype)  # bf16: unchanged
     rows = []
     for name in variants:
         row = dict(
             meta,
-            params=dict(M=m, K=k, N=n),
+            params=dict(M=m, K=k, N=n, **extra),
             variant=name,
             ms=None,
             fp8_gemms=None,
@@ -294,7 +317,10 @@ def format_shape_table(rows: list[dict]) -> str:
         f"{'variant':<18} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8} {'vs flax':>8} "
         f"{'vs tao-tw':>9} {'fp8 (n/all)':>12} {'peak MB':>9}"
     )
-    lines = [f"\n=== linear train step, M x K x N = {_shape_str(rows[0])}", head, "-" * len(head)]
+    title = f"\n=== linear train step, M x K x N = {_shape_str(rows[0])}"
+    if rows[0]["params"].get("param_dtype"):
+        title += f", {rows[0]['params']['param_dtype']} params, bf16 compute"
+    lines = [title, head, "-" * len(head)]
     for r in rows:
         if r["ms"] is None:
             status = "SKIP" if r["error"].startswith("skipped") else "ERROR"
@@ -398,6 +424,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS)} (default: all)",
     )
     torch_peer.add_cli(p)
+    p.add_argument(
+        "--param-dtype",
+        choices=tuple(PARAM_DTYPES),
+        default="bf16",
+        help="the weights' dtype (compute stays bf16); f32 runs only "
+        f"{','.join(F32_PARAM_VARIANTS)} and skips the others",
+    )
     p.add_argument("--iters", type=int, help="calls per timed repeat (default 20; 2 with --quick)")
     p.add_argument(
         "--reps", type=int, help="timed repeats, the median is kept (default 5; 2 with --quick)"
@@ -430,6 +463,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     iters = args.iters or (2 if args.quick else 20)
     reps = args.reps or (2 if args.quick else 5)
     shapes = select_shapes(args)
+    if args.param_dtype != "bf16":
+        skipped = [v for v in variants if v not in F32_PARAM_VARIANTS]
+        if skipped:
+            print(
+                f"skipped {', '.join(skipped)}: bf16 parameters only (not with "
+                f"--param-dtype {args.param_dtype})",
+                flush=True,
+            )
+        variants = [v for v in variants if v in F32_PARAM_VARIANTS]
     variants, peer_variants = torch_peer.split_variants(variants)
     # torch first, in its own process, before run_meta starts JAX's GPU backend (run_peer).
     peer = torch_peer.run_peer(
@@ -446,7 +488,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     path = args.out or DEFAULT_OUT
     rows, written = [], 0
     for shape in shapes:
-        shape_rows = run_shape(shape, variants, iters, reps, meta, args.seed, peer.get(shape, ()))
+        shape_rows = run_shape(
+            shape, variants, iters, reps, meta, args.seed, peer.get(shape, ()), args.param_dtype
+        )
         print(format_shape_table(shape_rows), flush=True)
         rows += shape_rows
         if record:  # per shape, so a run cut short keeps what it measured

@@ -84,8 +84,8 @@ def build_haliax_qdq(layer, x, g) -> Step:
 
 # ----------------------------------------------------------------------------- front doors
 # fp8jax through flax's own layers: ``nn.Dense(dot_general_cls=fp8_dot_general_cls(cfg))``
-# and ``fp8jax.nnx.fp8_linear_layers`` on ``nnx.Linear``, bf16 params and compute, with the
-# layer's weight (`benchmarks.flax_steps`).
+# and ``fp8jax.nnx.fp8_linear_layers`` on ``nnx.Linear``, bf16 compute, with the layer's
+# weight and its dtype as ``param_dtype`` (bf16 or f32) (`benchmarks.flax_steps`).
 def linen_builder(config):
     """``fp8jax-linen``: ``nn.Dense`` with fp8jax's ``dot_general_cls`` (``config``)."""
 
@@ -97,7 +97,9 @@ def linen_builder(config):
 
         n = layer.weight.shape[0]
         cls = fp8_dot_general_cls(config)
-        dense = nn.Dense(n, use_bias=False, dtype=BF16, param_dtype=BF16, dot_general_cls=cls)
+        dense = nn.Dense(
+            n, use_bias=False, dtype=BF16, param_dtype=layer.weight.dtype, dot_general_cls=cls
+        )
         variables = dense.init(jax.random.PRNGKey(0), x[:8])
         variables = {**variables, "params": {"kernel": jnp.asarray(layer.weight.T)}}
         return linen_step(dense, variables, x, g)
@@ -115,7 +117,9 @@ def nnx_builder(config):
         import fp8jax.nnx as fnnx
 
         n, k = layer.weight.shape
-        model = nnx.Linear(k, n, use_bias=False, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))
+        model = nnx.Linear(
+            k, n, use_bias=False, dtype=BF16, param_dtype=layer.weight.dtype, rngs=nnx.Rngs(0)
+        )
         model.kernel.value = jnp.asarray(layer.weight.T)
         fnnx.fp8_linear_layers(model, config)
         return nnx_step(model, x, g)

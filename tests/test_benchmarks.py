@@ -4,13 +4,15 @@ import math
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` lives at the repository root, not in src/
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import linear, mlp  # noqa: E402
+from benchmarks import common, linear, mlp  # noqa: E402
 from fp8jax.train import _cli as cli
 
 
@@ -30,9 +32,58 @@ def test_linear_quick_runs_all_variants(capsys, tmp_path):
         assert r["speedup_vs_bf16"] is not None and r["speedup_vs_flax"] is not None
         assert isinstance(r["fp8_gemms"], bool)
         assert set(linear.RECORD_FIELDS) <= set(r)
+        assert r["params"] == dict(zip("MKN", shape))  # bf16 params: no param_dtype key
     for variant in linear.VARIANTS:
         assert variant in printed
     assert not out.exists()  # --quick writes no records
+
+
+def test_linear_quick_with_f32_params_keeps_f32_weights_and_bf16_compute(capsys, monkeypatch):
+    """``--param-dtype f32``: the variants that take f32 weights keep them f32 in the timed
+    step (and their gradient), compute in bf16 or FP8 (no GEMM reads f32, the input's
+    gradient stays bf16), all three GEMMs FP8 but in ``bf16``; the others are skipped in
+    one line."""
+    from fp8jax.inspect import fp8_gemm_report
+
+    steps = {}
+
+    def keeping(name, build):
+        def build_and_keep(layer, x, g):
+            steps[name] = build(layer, x, g)
+            return steps[name]
+
+        return build_and_keep
+
+    for name in linear.F32_PARAM_VARIANTS:
+        monkeypatch.setitem(linear.BUILDERS, name, keeping(name, linear.BUILDERS[name]))
+    others = ["flax-direct", "fp8jax-current", "torchao-tensorwise"]
+    variants = ",".join([*linear.F32_PARAM_VARIANTS, *others])
+    rows = linear.main(["--quick", "--param-dtype", "f32", "--shapes", "64,32,48",
+                        "--variants", variants])
+    printed = capsys.readouterr().out
+    skip_lines = [line for line in printed.splitlines() if "bf16 parameters only" in line]
+    assert len(skip_lines) == 1 and all(v in skip_lines[0] for v in others), skip_lines
+    assert [r["variant"] for r in rows] == list(linear.F32_PARAM_VARIANTS)
+    _, xs, g = linear.make_inputs((64, 32, 48), seed=1)
+    for r in rows:
+        name = r["variant"]
+        assert r["error"] is None, f"{name}: {r['error']}"
+        assert r["params"] == dict(M=64, K=32, N=48, param_dtype="f32") and r["ms"] > 0
+        step = steps[name]
+        weights = [a for a in jax.tree_util.tree_leaves(step.params) if a.size == 32 * 48]
+        assert [w.dtype for w in weights] == [jnp.float32], name
+        # The step's GEMMs: compiled on a GPU, lowered on a CPU (its XLA runs FP8 dots in f32).
+        report = fp8_gemm_report(step.fn, step.params, xs[0], g)
+        n_fp8 = 0 if name == "bf16" else 3
+        assert (report.num_fp8, len(report.gemms), r["gemm_count"]) == (n_fp8, 3, 3), report
+        assert not any("f32" in gm.operand_types[:2] for gm in report.gemms), report
+        bf16_out = [gm for gm in report.gemms if gm.result_type == "bf16"]
+        assert len(bf16_out) >= 2, report  # forward and dgrad (wgrad: f32 out where FP8)
+        if common.on_gpu():  # the row's census (the timed executable's) agrees
+            assert (r["fp8_gemm_count"], r["fp8_gemms"]) == (n_fp8, n_fp8 == 3), name
+        _, (param_grads, x_grad) = step.jitted(step.params, xs[0], g)
+        grads = [a for a in jax.tree_util.tree_leaves(param_grads) if a.size == 32 * 48]
+        assert [gr.dtype for gr in grads] == [jnp.float32] and x_grad.dtype == jnp.bfloat16
 
 
 def test_mlp_quick_runs_all_variants(tmp_path):
