@@ -18,7 +18,7 @@ __all__ = ["remat_policy", "SAVED_NAMES"]
 SAVED_NAMES = (_dot.INPUT_RESIDUAL, *_dot.SAVED_RESIDUAL_NAMES, FC1_OUT)
 
 
-def remat_policy(*extra_names: str) -> Callable:
+def remat_policy(*extra_names: str, keep_fc1_out: bool = True) -> Callable:
     """A ``jax.checkpoint`` policy (``jax.checkpoint(block, policy=fp8jax.remat_policy())``)
     that saves the FP8 GEMMs' operand copies and scales and `FusedMLP`'s fc1 output, and
     recomputes the rest of the region. The values, gradients and FP8 state are those of the
@@ -31,10 +31,14 @@ def remat_policy(*extra_names: str) -> Callable:
 
     Arguments:
         extra_names: further ``checkpoint_name`` names of the user's own to save too.
+        keep_fc1_out: keep `FusedMLP`'s fc1 output (bf16, ``[tokens, 2 * hidden]`` gated:
+            most of what the policy keeps). False recomputes it from the kept FP8 copies
+            (fc1's forward GEMM runs again in the backward): less memory for one more GEMM.
 
     Returns:
         The policy, for ``jax.checkpoint(..., policy=...)``.
     """
     if not all(isinstance(n, str) for n in extra_names):
         raise TypeError(f"remat_policy: names must be strings, got {extra_names!r}.")
-    return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES, *extra_names)
+    names = SAVED_NAMES if keep_fc1_out else tuple(n for n in SAVED_NAMES if n != FC1_OUT)
+    return jax.checkpoint_policies.save_only_these_names(*names, *extra_names)

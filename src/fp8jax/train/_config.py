@@ -100,8 +100,8 @@ class RunConfig:
         tokenizer, tokenizer_vocab, tokenizer_sha256: the data's tokens (``--tokenizer``):
             ``"bytes"``, ``"bpe"`` or ``"file"`` (a user's tokenizer.json), its vocabulary
             and its tokenizer.json's hash (None: bytes, or a BPE not trained yet).
-        remat: what the backward keeps of each block, ``"none"``, ``"fp8"`` or ``"full"``
-            (`fp8jax.train._model.remat_block`; the same values and gradients).
+        remat: what the backward keeps of each block, ``"none"``, ``"fp8"``, ``"fp8-min"``
+            or ``"full"`` (`fp8jax.train._model.remat_block`; the same values and gradients).
     """
 
     model: ModelConfig
@@ -124,7 +124,7 @@ class RunConfig:
     tokenizer: str = "bytes"  # `tokenizer.BYTES`, `BPE` or `USER`
     tokenizer_vocab: int | None = 256
     tokenizer_sha256: str | None = None
-    remat: str = "none"  # ``--remat``: "none", "fp8" or "full" (`_model.remat_block`)
+    remat: str = "none"  # ``--remat``: one of `_model.REMAT` (`_model.remat_block`)
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:

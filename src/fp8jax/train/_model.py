@@ -29,7 +29,7 @@ from ..nn._remat import remat_policy
 VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
 LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 # ``--remat``: what the backward keeps of each block (`remat_block`).
-REMAT = ("none", "fp8", "full")
+REMAT = ("none", "fp8", "fp8-min", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +245,17 @@ def remat_block(block, remat: str):
     fp8 run keeps in FP8; a bf16 `FusedMLP` keeps its fc1 output only, as it does anyway)
     and the MLP's fc1 output are kept; the norms, rotary embedding, attention and
     activations are recomputed, and so is each GEMM whose output a recomputed op reads (qkv,
-    o); ``"full"``, nothing is kept but the block's input. The values and gradients are
-    those of ``"none"``. The MoE's grouped GEMMs name no residual: under ``"fp8"`` they run
-    again too."""
+    o); ``"fp8-min"``, the same but fc1's output, whose GEMM runs again too
+    (``remat_policy(keep_fc1_out=False)``); ``"full"``, nothing is kept but the block's
+    input. The values and gradients are those of ``"none"``. The MoE's grouped GEMMs name no
+    residual: under ``"fp8"`` they run again too."""
     _check_remat(remat)
     if remat == "none":
         return block
     # prevent_cse stays on (JAX's default; JAX allows it off inside a scan's loop): the GPU
     # presets unroll the layer scan, where XLA could merge the recomputation into the forward.
-    return jax.checkpoint(block, policy=remat_policy() if remat == "fp8" else None)
+    policy = {"fp8": remat_policy(), "fp8-min": remat_policy(keep_fc1_out=False)}.get(remat)
+    return jax.checkpoint(block, policy=policy)
 
 
 class Transformer(eqx.Module):

@@ -165,7 +165,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         help="what the backward keeps of each block (jax.checkpoint): none (all it reads; the "
         "default); fp8 (fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run and "
         "bf16 in the bf16 run, and the MLP's fc1 output; norms, attention, activations and the "
-        "qkv and o GEMMs run again in the backward); full (only the block's input). Same math",
+        "qkv and o GEMMs run again in the backward); fp8-min (the same without fc1's output: "
+        "its GEMM runs again too); full (only the block's input). Same math",
     )
     add(
         "--fp8-everywhere",
