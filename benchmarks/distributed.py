@@ -19,7 +19,10 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
   compute kernel beside it, and all collective time (a profile of 3 steps on the GPUs,
   `benchmarks.comm_profile`);
 * ``speedup_vs_bf16`` (FP8 rows: over the bf16 row of the same run);
-* ``peak_mem_mb`` of the compiled step.
+* ``peak_mem_mb`` of the compiled step;
+* ``saved_residual_mb`` and ``saved_residuals`` (MiB by dtype): what the step's backward
+  keeps besides the parameters, all devices (`fp8jax.train._memory.saved_residuals`, as
+  the trainer reports it; traced only).
 
 ``--max-batch`` times nothing: per variant it finds ``max_batch``, the largest global batch
 (a multiple of ``data x fsdp``) whose compiled step fits in one device's memory (XLA's
@@ -61,6 +64,7 @@ from fp8jax import _compilation as compilation
 from fp8jax import distributed
 from fp8jax.nn import cross_entropy
 from fp8jax.train import _cli as cli
+from fp8jax.train._memory import saved_cell, saved_residuals
 from fp8jax.train._mesh import check_sequence_parallel, place_model
 from fp8jax.train._model import ModelConfig, cast_for_compute
 
@@ -84,6 +88,8 @@ RECORD_FIELDS = (
     "exposed_comm_ms",
     "comm_ms",
     "peak_mem_mb",
+    "saved_residual_mb",
+    "saved_residuals",
 )
 # Fields only some records have (written where a row has them): ``--max-batch``'s.
 OPTIONAL_FIELDS = ("max_batch", "max_batch_mem_mb", "next_mem_mb", "memory_limit_gb", "compiles")
@@ -132,7 +138,7 @@ def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
         model, opt_state = fp8jax.optax_step(optimizer, model, grads, opt_state)
         return eqx.filter(model, eqx.is_array), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 1)), params, opt_state
+    return jax.jit(step, donate_argnums=(0, 1)), params, opt_state, static
 
 
 def collective_summary(collectives) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
@@ -172,16 +178,17 @@ def compiled_bytes(compiled, donated: bool = False) -> int | None:
 
 
 def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True) -> dict:
-    """Step time, tokens/s, collectives (and their exposed time on GPUs) and peak memory of
-    one variant on ``mesh``."""
-    step, params, opt_state = build_step(run, precision, mesh)
+    """Step time, tokens/s, collectives (and their exposed time on GPUs), peak memory and
+    (with ``hlo``) the saved residuals of one variant on ``mesh``."""
+    step, params, opt_state, static = build_step(run, precision, mesh)
     rng = np.random.default_rng(0)
     batch = jax.device_put(
         rng.integers(0, run.model.vocab, (batch_size, run.model.seq + 1), dtype=np.int32),
         batch_sharding(mesh),
     )
     lowered = step.lower(params, opt_state, batch)
-    row = {}
+    # before the step runs: it donates the parameters
+    row = saved_residuals(_loss, eqx.combine(params, static), batch) if hlo else {}
     if hlo and mesh.size > 1:
         compiled, collectives = distributed.compile_with_collectives(lowered)
         row["allgather_bytes"], row["allgather_dtypes"] = gather_summary(collectives)
@@ -228,7 +235,7 @@ def max_batch(run, precision, mesh, limit_bytes: int) -> dict:
         ``next_mem_mb`` (of ``max_batch + dp``, which does not fit) and the number of
         ``compiles``.
     """
-    step, params, opt_state = build_step(run, precision, mesh)
+    step, params, opt_state, _ = build_step(run, precision, mesh)
     sharding, dp = batch_sharding(mesh), mesh.shape["data"] * mesh.shape["fsdp"]
 
     def compiled(batch: int) -> int:
@@ -382,6 +389,10 @@ def table(rows) -> str:
                 ("all-gather MB", lambda r: common.fmt(_mb(r.get("allgather_bytes")), ".2f")),
                 ("all-gathers", lambda r: str(r.get("allgather_dtypes", "-"))),
                 ("peak MiB", lambda r: common.fmt(r.get("peak_mem_mb"), ".0f")),
+                (
+                    "saved MiB",
+                    lambda r: saved_cell(r.get("saved_residual_mb"), r.get("saved_residuals")),
+                ),
             ],
         )
     )

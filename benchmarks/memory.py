@@ -14,7 +14,8 @@ few steps and reports per case:
 * ``compiled_mem_mb`` and ``temp_mem_mb``: the compiled step's memory analysis, all of it and
   its temporaries (per device; the donated parameters counted as arguments and outputs);
 * ``saved_residual_mb``: what the step's backward keeps (`fp8jax.residuals_report` of the
-  trainer's loss, the parameters themselves left out; the whole step's, all devices), and
+  trainer's loss, the parameters themselves left out; the whole step's, all devices:
+  `fp8jax.train._memory.saved_residuals`, as the trainer reports it), and
   ``saved_residuals``: the same by dtype;
 * ``ms`` and ``tokens_per_s`` over ``--steps`` steps on one batch, and ``loss``, the last
   step's (a remat choice changes no math: within a precision the cases' losses differ only
@@ -46,13 +47,12 @@ import sys
 import time
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import numpy as np
 
-import fp8jax
 from benchmarks import common, distributed
 from fp8jax.train import _cli as cli
+from fp8jax.train._memory import allocator_peak_bytes
 from fp8jax.train._mesh import AXES, batch_size_per_shard, make_mesh, parse_mesh
 from fp8jax.train._model import REMAT
 
@@ -91,26 +91,6 @@ def mesh_of(text: str | None):
     return make_mesh(sizes), ",".join(f"{a}={sizes[a]}" for a in AXES)
 
 
-def saved_residuals(trainer, batch) -> dict:
-    """``saved_residual_mb`` and ``saved_residuals`` (MiB by dtype): what the backward of the
-    trainer's loss keeps besides the parameters (`fp8jax.residuals_report`, traced only)."""
-    model = eqx.combine(trainer.params, trainer.static)
-    report = fp8jax.residuals_report(lambda m, b: cli.lm_loss(m, b), model, batch)
-    by_dtype: dict[str, float] = {}
-    for r in report.residuals:
-        if r.kind != "argument":  # the parameters: held whatever the backward keeps
-            by_dtype[str(r.dtype)] = by_dtype.get(str(r.dtype), 0.0) + r.nbytes / 2**20
-    by_dtype = dict(sorted(by_dtype.items(), key=lambda kv: -kv[1]))
-    return dict(saved_residual_mb=sum(by_dtype.values()), saved_residuals=by_dtype)
-
-
-def peak_bytes() -> int | None:
-    """The allocator's peak bytes in use, the largest over this process's devices (None
-    where the backend keeps no such count: the CPU)."""
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
-    return max(peaks) if peaks and None not in peaks else None
-
-
 def probe_max_batch(trainer, run, mesh, limit_bytes: int) -> dict:
     """``benchmarks.distributed``'s ``--max-batch`` probe on the trainer's own step: the
     largest batch (a multiple of the data-parallel size) whose compiled step fits
@@ -147,8 +127,8 @@ def measure(run, precision: str, mesh, steps: int, limit_bytes: int | None = Non
     rng = np.random.default_rng(0)
     host = rng.integers(0, run.model.vocab, (run.batch, run.model.seq + 1), dtype=np.int32)
     batch = trainer.device_batch(host)
-    row = saved_residuals(trainer, batch)
     trainer.compile(batch)
+    row = dict(trainer.residuals)  # `fp8jax.train._memory.saved_residuals`, traced at compile
     loss = None
     for _ in range(WARMUP):
         loss = trainer.step(batch)
@@ -159,7 +139,7 @@ def measure(run, precision: str, mesh, steps: int, limit_bytes: int | None = Non
     loss = float(loss)
     ms = (time.perf_counter() - t0) / steps * 1e3
     stats = trainer.compiled.memory_analysis()
-    peak = peak_bytes()
+    peak = allocator_peak_bytes()
     row.update(
         ms=ms,
         tokens_per_s=run.batch * run.model.seq / (ms * 1e-3),

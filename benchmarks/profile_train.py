@@ -28,6 +28,7 @@ import numpy as np
 
 from benchmarks import comm_profile
 from fp8jax.train import _cli as cli
+from fp8jax.train._memory import saved_cell
 
 TOP_OPS = 30
 CATEGORIES = (
@@ -223,6 +224,7 @@ def profile_variant(
         by_cat=by_cat,
         top_groups=sorted(groups.items(), key=lambda kv: -kv[1][1])[:top],
         peak_mem_mb=trainer.peak_mem_mb(),
+        **trainer.residuals,  # saved_residual_mb, saved_residuals: traced at compile
     )
 
 
@@ -246,6 +248,13 @@ def table(results: dict[str, dict]) -> str:
             + " | ".join(f"{r['by_cat'].get(cat, 0.0):.1f}" for r in results.values())
             + " |"
         )
+    lines.append(
+        "| saved MiB | "
+        + " | ".join(
+            saved_cell(r["saved_residual_mb"], r["saved_residuals"]) for r in results.values()
+        )
+        + " |"
+    )
     lines.append(
         "| device total ms | "
         + " | ".join(f"{sum(r['by_cat'].values()):.1f}" for r in results.values())
@@ -301,7 +310,9 @@ def main(argv=None):
         energy = f", {r['joules_per_step']:.1f} J/step" if r["joules_per_step"] else ""
         print(
             f"{name}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s{energy}, "
-            f"peak {r['peak_mem_mb'] or 0:.0f} MiB; lower {r['lower_s']:.1f} s, "
+            f"peak {r['peak_mem_mb'] or 0:.0f} MiB, saved residuals "
+            f"{saved_cell(r['saved_residual_mb'], r['saved_residuals'])} MiB; "
+            f"lower {r['lower_s']:.1f} s, "
             f"compile {r['compile_s']:.1f} s, "
             f"first run {r['first_run_s']:.1f} s",
             flush=True,

@@ -22,6 +22,7 @@ from . import _interrupts as interrupts
 from ._census import step_gemms
 from ._checkpoint import restore_checkpoint, save_checkpoint
 from ._config import RunConfig, build_model, compute_dtype, make_optimizer
+from ._memory import allocator_peak_bytes, saved_residuals
 from ._mesh import batch_sharding, check_batch, place_model, put_batch
 from ._metering import energy_counter, peak_flops
 from ._model import cast_for_compute
@@ -112,6 +113,7 @@ class Trainer:
         self.compiled = None
         self.compile_times: dict[str, float] | None = None
         self.gemms, self.gemm_census = [], None
+        self.residuals: dict | None = None  # `saved_residuals` of the step, set by `compile`
 
     def _place(self, model):
         if self.mesh is None:
@@ -142,7 +144,11 @@ class Trainer:
 
     def compile(self, batch) -> None:
         """Lower and compile the train step for ``batch``'s shape; ``compile_times`` holds the
-        seconds each took (compiling includes XLA's GEMM autotuning)."""
+        seconds each took (compiling includes XLA's GEMM autotuning). Also traces the loss
+        once for what its backward keeps (``residuals``: `saved_residuals`)."""
+        t0 = time.perf_counter()
+        self.residuals = self.saved_residuals(batch)
+        self.residuals_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         lowered = self.lower(batch)
         t1 = time.perf_counter()
@@ -161,7 +167,20 @@ class Trainer:
     def eval(self, batches) -> float:
         return float(np.mean([float(self._eval(self.params, b)) for b in batches]))
 
+    def saved_residuals(self, batch) -> dict:
+        """`saved_residuals` of the step's loss on ``batch`` with the current parameters
+        (traced only): ``saved_residual_mb`` and ``saved_residuals`` (MiB by dtype)."""
+        return saved_residuals(lm_loss, eqx.combine(self.params, self.static), batch)
+
+    def devices(self) -> list:
+        """The devices the step runs on (this process's)."""
+        if self.mesh is None:
+            return [jax.devices()[0]]
+        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
     def peak_mem_mb(self) -> float | None:
+        """The compiled step's memory analysis (arguments + outputs + temporaries, per
+        device) in MiB; None where the backend has none."""
         try:
             stats = self.compiled.memory_analysis()
             total = stats.temp_size_in_bytes + stats.argument_size_in_bytes
@@ -196,6 +215,9 @@ class TrainRun:
             clear_outputs(out, precision)
         self.run, self.precision, self.corpus, self.out = run, precision, corpus, out
         self.config = config_record(run, precision)
+        # the allocator's peak before this run: where it does not grow, an earlier run of
+        # this process set it, and `result` reports the compiled step's memory instead
+        self.peak_before = allocator_peak_bytes()
         model, optimizer = build_model(run, precision), make_optimizer(run)
         self.trainer = Trainer(model, optimizer, mesh, sequence_parallel=run.sequence_parallel)
         self.start, self.history = (0, [])
@@ -351,7 +373,20 @@ class TrainRun:
         self._save()
         return f"{self.precision} step {self.step}"
 
-    def result(self) -> dict:
+    def peak_mem(self, alone: bool) -> tuple[float | None, str]:
+        """(peak MiB, its source): on a GPU the allocator's peak (the largest of this
+        process's devices of the step) where it grew during this run and no other run's
+        arrays shared the device (``alone``: not ``--interleave``d), else the compiled step's
+        memory analysis (arguments + outputs + temporaries per device)."""
+        peak = allocator_peak_bytes(self.trainer.devices())
+        if alone and peak is not None and (self.peak_before is None or peak > self.peak_before):
+            return peak / 2**20, "allocator"
+        compiled = self.trainer.peak_mem_mb() if self.trainer.compiled is not None else None
+        return compiled, "compiled"
+
+    def result(self, alone: bool = True) -> dict:
+        """The run's result (`train`'s); ``alone``: no other run's arrays were on the device
+        (for ``peak_mem_mb``: `peak_mem`)."""
         # --checkpoint-every 0: none (benchmarks)
         if not self.interrupted and self.run.checkpoint_every:
             self._save()
@@ -363,6 +398,7 @@ class TrainRun:
         steps_timed = self.timed_tokens / self.tokens
         joules = self.timed_mj / 1e3 / steps_timed if (self.energy and steps_timed) else None
         gemms = trainer.gemms
+        peak, peak_source = self.peak_mem(alone)
         return dict(
             precision=self.precision,
             steps=self.step,
@@ -379,7 +415,10 @@ class TrainRun:
             gemms=len(gemms),
             fp8_gemms=sum(g.is_fp8 for g in gemms),
             gemm_census=trainer.gemm_census,
-            peak_mem_mb=trainer.peak_mem_mb() if trainer.compiled is not None else None,
+            peak_mem_mb=peak,
+            peak_mem_source=peak_source,
+            compiled_mem_mb=trainer.peak_mem_mb() if trainer.compiled is not None else None,
+            **(trainer.residuals or dict(saved_residual_mb=None, saved_residuals=None)),
         )
 
 
@@ -475,4 +514,4 @@ def train_interleaved(
                     else "\ninterrupted before the first step: nothing to checkpoint",
                     file=sys.stderr,
                 )
-    return {r.precision: r.result() for r in runs}
+    return {r.precision: r.result(alone=len(runs) == 1) for r in runs}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._memory import saved_cell
 from ._rundir import atomic_write_text
 
 
@@ -25,9 +26,11 @@ def summarize(results: dict[str, dict]) -> str:
         "| precision | steps | train loss | val loss | val gap vs bf16 | tokens/s | speedup | MFU "
     )
     lines = [
-        head + "| peak MiB |" + (" J/step | mean W |" if energy else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if energy else ""),
+        head + "| peak MiB | saved MiB |" + (" J/step | mean W |" if energy else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if energy else ""),
     ]
+
+    sources = {r.get("peak_mem_source") for r in results.values()}
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
@@ -44,7 +47,11 @@ def summarize(results: dict[str, dict]) -> str:
         gap_s = "-" if gap is None else f"{100 * gap:+.2f}%"
         speed_s = "-" if speed is None else f"{speed:.2f}x"
         cells = [name, str(r["steps"]), f(r["final_loss"], ".4f"), f(r["val_loss"], ".4f"), gap_s]
-        cells += [f(r["tokens_per_s"], ",.0f"), speed_s, mfu, f(r["peak_mem_mb"], ",.0f")]
+        peak = f(r["peak_mem_mb"], ",.0f")
+        if r.get("peak_mem_source") == "compiled" and "allocator" in sources:
+            peak += " (compiled)"  # the others' are the allocator's
+        saved = saved_cell(r.get("saved_residual_mb"), r.get("saved_residuals"))
+        cells += [f(r["tokens_per_s"], ",.0f"), speed_s, mfu, peak, saved]
         if energy:
             cells += [f"{r['joules_per_step']:.1f}", f(r.get("mean_power_w"), ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -140,6 +147,10 @@ def to_records(
                 val_loss_rel_gap=r.get("val_loss_rel_gap"),
                 speedup_vs_bf16=r.get("speedup_vs_bf16"),
                 peak_mem_mb=r["peak_mem_mb"],
+                peak_mem_source=r.get("peak_mem_source"),
+                compiled_mem_mb=r.get("compiled_mem_mb"),
+                saved_residual_mb=r.get("saved_residual_mb"),
+                saved_residuals=r.get("saved_residuals"),
                 interleave=interleave,
                 joules_per_step=r.get("joules_per_step"),
                 mean_power_w=r.get("mean_power_w"),
