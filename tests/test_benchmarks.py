@@ -204,6 +204,8 @@ def test_profile_train_quick_runs_and_parses_variants():
     assert precision == "bf16" and run.model.scan_unroll == 2 and run.selective is False
     results = profile_train.main(["--quick", "--variants", "bf16", "fp8"])
     assert set(results) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in results.values())
+    _check_saved_residuals(results)
+    assert "| saved MiB | " in profile_train.table(results)
     line = '  %c = (bf16[4]{0}, s8[8]{0}) custom-call(f8e4m3fn[4]{0} %a), custom_call_target="__cublas$lt$matmul$f8"'
     assert profile_train.categorize(line, "") == "gemm-fp8"
 
@@ -304,7 +306,20 @@ def test_distributed_quick_runs_both_variants_on_a_mesh(tmp_path):
         assert r["collective_dtypes"]["all-gather"] == r["allgather_dtypes"]
         assert r["params"]["vocab"] == 256
     assert rows[1]["speedup_vs_bf16"] == pytest.approx(rows[0]["ms"] / rows[1]["ms"])
+    _check_saved_residuals({r["variant"]: r for r in rows})
+    assert "saved MiB" in distributed.table(rows)
     assert not out.exists()
+
+
+def _check_saved_residuals(results):
+    """Each variant's ``saved_residual_mb`` is the sum of its ``saved_residuals`` by dtype,
+    with FP8 copies (``float8_e4m3fn``) in the fp8 variant only."""
+    for name, r in results.items():
+        by_dtype = r["saved_residuals"]
+        assert r["saved_residual_mb"] == pytest.approx(sum(by_dtype.values())), name
+        assert by_dtype.get("bfloat16", 0) > 0, (name, by_dtype)
+        fp8 = {k: v for k, v in by_dtype.items() if k.startswith("float8")}
+        assert (fp8.get("float8_e4m3fn", 0) > 0) if name == "fp8" else not fp8, (name, by_dtype)
 
 
 def test_exposed_communication_is_the_collective_time_no_compute_covers():

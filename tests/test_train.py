@@ -86,6 +86,61 @@ def test_compare_interleave_resume_and_ctrl_c_end_to_end(tmp_path):
         assert np.isfinite(r["val_loss"]) and "val_loss_rel_gap" in r
     # Same seed and data: the two runs start from the same loss (to FP8 accuracy).
     assert abs(_losses(full["fp8"])[0] - _losses(full["bf16"])[0]) < 0.05
+    _check_memory_fields(full, recs, seq)
+
+
+def _check_memory_fields(results, recs, out):
+    """Each precision's result, record and ``metrics.json`` carry the step's peak memory (on
+    CPU the compiled step's) and the residuals its backward keeps, by dtype (FP8 copies in
+    the fp8 run only); the summary shows them."""
+    saved = json.loads((out / "metrics.json").read_text())["results"]
+    by_variant = {r["variant"]: r for r in recs}
+    for precision, r in results.items():
+        assert r["peak_mem_source"] == "compiled" and r["peak_mem_mb"] == r["compiled_mem_mb"] > 0
+        by_dtype = r["saved_residuals"]
+        assert r["saved_residual_mb"] == pytest.approx(sum(by_dtype.values()))
+        assert r["saved_residual_mb"] > by_dtype.get("bfloat16", 0) > 0.1
+        fp8 = {k: v for k, v in by_dtype.items() if k.startswith("float8")}
+        assert (fp8.get("float8_e4m3fn", 0) > 0.1) if precision == "fp8" else not fp8, by_dtype
+        for other in (saved[precision], by_variant[precision]):
+            for key in ("peak_mem_mb", "peak_mem_source", "saved_residual_mb", "saved_residuals"):
+                assert other[key] == r[key], (precision, key)
+    table = (out / "summary.md").read_text()
+    assert "| peak MiB | saved MiB |" in table
+    (fp8_row,) = [line for line in table.splitlines() if line.startswith("| fp8 |")]
+    assert "(e4m3 " in fp8_row and "(e4m3 " not in table.replace(fp8_row, "")
+
+
+def test_peak_is_the_allocators_where_this_run_set_it(monkeypatch):
+    """``peak_mem_mb`` is the allocator's peak where it grew during the run and no other run
+    shared the device, else the compiled step's (marked in the table where others differ)."""
+    from types import SimpleNamespace
+
+    from fp8jax.train import _loop
+    from fp8jax.train._memory import saved_cell
+    from fp8jax.train._report import summarize
+
+    trainer = SimpleNamespace(devices=lambda: [], compiled=object(), peak_mem_mb=lambda: 3.0)
+    run = SimpleNamespace(trainer=trainer, peak_before=2**20)
+    monkeypatch.setattr(_loop, "allocator_peak_bytes", lambda devices=None: 5 * 2**20)
+    assert _loop.TrainRun.peak_mem(run, alone=True) == (5.0, "allocator")
+    assert _loop.TrainRun.peak_mem(run, alone=False) == (3.0, "compiled")  # --interleave
+    run.peak_before = 5 * 2**20  # an earlier run of the process set the peak
+    assert _loop.TrainRun.peak_mem(run, alone=True) == (3.0, "compiled")
+    monkeypatch.setattr(_loop, "allocator_peak_bytes", lambda devices=None: None)  # CPU
+    assert _loop.TrainRun.peak_mem(run, alone=True) == (3.0, "compiled")
+    result = dict(steps=1, final_loss=1.0, val_loss=1.0, tokens_per_s=None, mfu=None)
+    results = {
+        "bf16": dict(result, peak_mem_mb=5000.0, peak_mem_source="allocator",
+                     saved_residual_mb=1234.4, saved_residuals={"bfloat16": 1234.4}),
+        "fp8": dict(result, peak_mem_mb=3000.0, peak_mem_source="compiled",
+                    saved_residual_mb=900.0,
+                    saved_residuals={"bfloat16": 588.0, "float8_e4m3fn": 312.0}),
+    }  # fmt: skip
+    rows = summarize(results).splitlines()
+    assert rows[2].endswith("| 5,000 | 1,234 |") and rows[3].endswith(
+        "| 3,000 (compiled) | 900 (e4m3 312) |")  # fmt: skip
+    assert saved_cell(None, None) == "-" and saved_cell(1.25, {"float8_e5m2": 0.5}) == "1.2 (e5m2 0.5)"
 
 
 def _check_tensorboard_matches_csv(out):
