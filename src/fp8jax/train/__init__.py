@@ -13,6 +13,7 @@ Import from `fp8jax.train` itself (its ``__all__``); the modules are its impleme
 - `_interrupts`: Ctrl-C, acted on between steps.
 - `_census`: how many of the step's GEMM calls run in FP8.
 - `_metering`: peak FLOP/s (for MFU) and the GPU's energy counter.
+- `_memory`: the residuals the step's backward keeps (by dtype) and the allocator's peak.
 - `_report`: the summary table, CSV/JSON metrics, loss plot, TensorBoard events.
 - `_resume`: ``--resume``: which precisions are done or continue, and the options check.
 - `_rundir`: ``--out``: ownership, atomic writes, the stored options.
