@@ -113,7 +113,9 @@ class Trainer:
         self.compiled = None
         self.compile_times: dict[str, float] | None = None
         self.gemms, self.gemm_census = [], None
-        self.residuals: dict | None = None  # `saved_residuals` of the step, set by `compile`
+        # `saved_residuals` of the step and the seconds its trace took, set by `compile`
+        self.residuals: dict | None = None
+        self.residuals_s: float | None = None
 
     def _place(self, model):
         if self.mesh is None:
