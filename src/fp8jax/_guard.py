@@ -201,10 +201,11 @@ def _checked_bwd(sizes, raising, guards, cts):
     proposals, start = [], 0
     for size, guard in zip(sizes, guards, strict=True):
         stack = guard.ndim - 1
-        proposed = jnp.zeros(guard.shape[:stack], bool)
-        for ct in cts[start : start + size]:  # -inf: MAX_GRAD's zero, no use proposed
-            ct = _float(ct)
-            proposed = proposed | jnp.any(ct != -jnp.inf, axis=tuple(range(stack, ct.ndim)))
+        # -inf: MAX_GRAD's zero, no use proposed. All the group's leaves in one comparison
+        # (a program's size grows with each op per leaf).
+        leaves = [_float(ct) for ct in cts[start : start + size]]
+        flat = jnp.concatenate([x.reshape(guard.shape[:stack] + (-1,)) for x in leaves], -1)
+        proposed = jnp.any(flat != -jnp.inf, axis=-1)
         start += size
         proposals.append(jnp.where(proposed[..., None], advance(guard), 0.0))
     return tuple(cts), _state.proposal(tuple(proposals))
