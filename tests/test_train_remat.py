@@ -120,9 +120,11 @@ def test_remat_option_reaches_the_model_and_a_resume_may_change_it(tmp_path):
     run = cli.run_config(cli.parse_args(["--remat", "fp8"]))
     model = cli.build_model(run, "fp8")
     assert run.remat == model.remat == model.with_token_split(None).remat == "fp8"
+    # the default, --remat auto (tests/test_train_remat_auto.py), builds the model as none
     default = cli.run_config(cli.parse_args([]))
-    assert default.remat == "none" and cli.build_model(default, "bf16").remat == "none"
-    stored = rundir.config_record(default, "fp8")
+    assert default.remat == "auto" and cli.build_model(default, "bf16").remat == "none"
+    off = cli.run_config(cli.parse_args(["--remat", "none"]))
+    stored = rundir.config_record(off, "fp8")
     assert stored["remat"] == "none"
     changed = rundir.config_record(run, "fp8")
     assert rundir.config_diff(stored, changed) == ([], ["--remat none -> fp8"])
@@ -130,8 +132,8 @@ def test_remat_option_reaches_the_model_and_a_resume_may_change_it(tmp_path):
     notices = resume.check_resume(tmp_path, run, ["fp8"], marker)
     assert len(notices) == 1 and "--remat none -> fp8" in notices[0], notices
     # a train record names --remat when it is on (records from before it ran without)
-    (on,), (off,) = (cli.to_records({"fp8": RESULT}, r, "tiny", META) for r in (run, default))
-    assert on["params"]["remat"] == "fp8" and "remat" not in off["params"]
+    (on,), (no,) = (cli.to_records({"fp8": RESULT}, r, "tiny", META) for r in (run, off))
+    assert on["params"]["remat"] == "fp8" and "remat" not in no["params"]
     with pytest.raises(ValueError, match="remat must be one of"):
         Transformer(BASE.model, key=jax.random.PRNGKey(0), remat="selective")
     with pytest.raises(SystemExit):

@@ -350,7 +350,7 @@ def _train(args, argv, run, tok, mesh, out: Path, interrupt_at) -> dict[str, dic
         print(
             f"fp8jax-train: preset {args.preset}, {millions(run.model.non_embedding_params())} "
             f"params, {run.steps} steps x {run.batch} x {run.model.seq} tokens"
-            + ("" if run.remat == "none" else f" (--remat {run.remat})")
+            + ("" if run.remat in ("none", "auto") else f" (--remat {run.remat})")
             + f", on {where}; "
             f"corpus {corpus.source} ({corpus.files} files, {len(text.train) / 1e6:.1f} MB "
             "train)",

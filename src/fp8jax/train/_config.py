@@ -11,7 +11,7 @@ import optax
 
 from .._config import Fp8Config
 from .._convert import fp8_linear_layers
-from ._model import LLAMA3_VOCAB, ModelConfig, Transformer
+from ._model import AUTO, LLAMA3_VOCAB, ModelConfig, Transformer
 
 PRESETS = {
     # CPU: a few minutes on 2 cores for both precisions. FP8 everywhere (the size
@@ -101,7 +101,9 @@ class RunConfig:
             ``"bytes"``, ``"bpe"`` or ``"file"`` (a user's tokenizer.json), its vocabulary
             and its tokenizer.json's hash (None: bytes, or a BPE not trained yet).
         remat: what the backward keeps of each block, ``"none"``, ``"fp8"``, ``"fp8-min"``
-            or ``"full"`` (`fp8jax.train._model.remat_block`; the same values and gradients).
+            or ``"full"`` (`fp8jax.train._model.remat_block`; the same values and gradients),
+            or ``"auto"`` (``fp8jax-train``'s default): the first of them whose step fits the
+            device's memory (`fp8jax.train._memory.choose_remat`; `TrainRun` chooses).
     """
 
     model: ModelConfig
@@ -124,7 +126,7 @@ class RunConfig:
     tokenizer: str = "bytes"  # `tokenizer.BYTES`, `BPE` or `USER`
     tokenizer_vocab: int | None = 256
     tokenizer_sha256: str | None = None
-    remat: str = "none"  # ``--remat``: one of `_model.REMAT` (`_model.remat_block`)
+    remat: str = "none"  # ``--remat``: one of `_model.REMAT` (`_model.remat_block`), or "auto"
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:
@@ -152,7 +154,9 @@ def build_model(run: RunConfig, precision: str):
     if precision == "fp8" and cfg.experts:
         # same weights: FP8 state is extra, keys are unchanged
         cfg = dataclasses.replace(cfg, moe_fp8=True)
-    model = Transformer(cfg, key=jax.random.PRNGKey(run.seed), remat=run.remat)
+    # --remat auto: built as "none"; the trainer rebuilds the step where it does not fit
+    remat = "none" if run.remat == AUTO else run.remat
+    model = Transformer(cfg, key=jax.random.PRNGKey(run.seed), remat=remat)
     if precision == "fp8":
         model = fp8_linear_layers(model, fp8_config(run))
     return model

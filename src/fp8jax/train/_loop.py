@@ -22,10 +22,10 @@ from . import _interrupts as interrupts
 from ._census import step_gemms
 from ._checkpoint import restore_checkpoint, save_checkpoint
 from ._config import RunConfig, build_model, compute_dtype, make_optimizer
-from ._memory import allocator_peak_bytes, saved_residuals
+from ._memory import allocator_peak_bytes, choose_remat, saved_residuals
 from ._mesh import batch_sharding, check_batch, place_model, put_batch
 from ._metering import energy_counter, peak_flops
-from ._model import cast_for_compute
+from ._model import AUTO, REMAT, cast_for_compute
 from ._report import TensorBoardLog
 from ._rundir import clear_outputs, config_record
 
@@ -64,14 +64,24 @@ def _init_sharded(optimizer, trainable_params, mesh: Mesh):
     return jax.jit(optimizer.init, out_shardings=out)(trainable_params)
 
 
-def make_train_step(optimizer, static):
+def _remat_loss(remat: str | None):
+    """`lm_loss` keeping what ``remat`` says for the backward (None: the model's own ``remat``).
+    The model's arrays and structure stay as they are: only the loss's trace changes."""
+    if remat is None:
+        return lm_loss
+    return lambda model, batch: lm_loss(model.with_remat(remat), batch)
+
+
+def make_train_step(optimizer, static, remat: str | None = None):
     """``(params, opt_state, batch) -> (params, opt_state, loss)``: one optimizer step of
     the language model whose non-array part is ``static`` (what `Trainer` jits; the compile
-    benchmark lowers it from abstract shapes)."""
+    benchmark lowers it from abstract shapes); ``remat``: what the backward keeps (`REMAT`;
+    None: the model's own choice)."""
+    loss_fn = _remat_loss(remat)
 
     def train_step(params, opt_state, batch):
         model = eqx.combine(params, static)
-        loss, grads = eqx.filter_value_and_grad(lm_loss)(model, batch)
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, batch)
         model, opt_state = optax_step(optimizer, model, grads, opt_state)
         return eqx.filter(model, eqx.is_array), opt_state, loss
 
@@ -95,9 +105,20 @@ class Trainer:
         self.optimizer, self.mesh, self.sequence_parallel = optimizer, mesh, sequence_parallel
         self.batch_sharding = batch_sharding(mesh) if mesh is not None else None
         model = self._place(model)
-        self.static = static = eqx.partition(model, eqx.is_array)[1]
+        self.static = eqx.partition(model, eqx.is_array)[1]
         self.load(model)
-        train_step = make_train_step(optimizer, static)
+        self.remat: str | None = None  # `set_remat`'s (None: the model's own)
+        self._jit()
+        self.compile_times: dict[str, float] | None = None
+        self.gemms, self.gemm_census = [], None
+        # `saved_residuals` of the step and the seconds its trace took, set by `compile`
+        self.residuals: dict | None = None
+        self.residuals_s: float | None = None
+
+    def _jit(self) -> None:
+        """The jitted steps of ``static`` (not compiled yet)."""
+        static, mesh = self.static, self.mesh
+        train_step = make_train_step(self.optimizer, static, self.remat)
 
         def eval_step(params, batch):
             return lm_loss(eqx.combine(params, static), batch, with_aux=False)
@@ -111,11 +132,19 @@ class Trainer:
             self._train = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out)
             self._eval = jax.jit(eval_step, out_shardings=scalar)
         self.compiled = None
-        self.compile_times: dict[str, float] | None = None
-        self.gemms, self.gemm_census = [], None
-        # `saved_residuals` of the step and the seconds its trace took, set by `compile`
-        self.residuals: dict | None = None
-        self.residuals_s: float | None = None
+
+    def set_remat(self, remat: str) -> None:
+        """Rebuild the train step keeping what ``remat`` (`REMAT`) says for the backward
+        (``--remat auto``: `choose_remat`); the parameters and optimizer state stay as they
+        are (the model's own ``remat`` too: part of their tree structure)."""
+        self.remat = remat
+        self._jit()
+
+    def batch_spec(self, batch: int, seq: int) -> jax.ShapeDtypeStruct:
+        """The abstract token batch of ``batch`` sequences of ``seq`` tokens (and the next
+        one), placed as `device_batch` places it: to compile the step before any batch."""
+        sharding = {} if self.mesh is None else dict(sharding=self.batch_sharding)
+        return jax.ShapeDtypeStruct((batch, seq + 1), np.int32, **sharding)
 
     def _place(self, model):
         if self.mesh is None:
@@ -172,7 +201,10 @@ class Trainer:
     def saved_residuals(self, batch) -> dict:
         """`saved_residuals` of the step's loss on ``batch`` with the current parameters
         (traced only): ``saved_residual_mb`` and ``saved_residuals`` (MiB by dtype)."""
-        return saved_residuals(lm_loss, eqx.combine(self.params, self.static), batch)
+        if isinstance(batch, jax.ShapeDtypeStruct):  # traced with its shape only
+            batch = np.zeros(batch.shape, batch.dtype)
+        model = eqx.combine(self.params, self.static)
+        return saved_residuals(_remat_loss(self.remat), model, batch)
 
     def devices(self) -> list:
         """The devices the step runs on (this process's)."""
@@ -225,6 +257,13 @@ class TrainRun:
         self.start, self.history = (0, [])
         if resume:
             self.start, self.history = restore_checkpoint(out, precision, self.trainer)
+        # --remat auto: chosen afresh (a resume too: on this device, at this batch), once the
+        # checkpoint's arrays are in place
+        self.remat, self.remat_tried = run.remat, None
+        if run.remat == AUTO:
+            self.remat, self.remat_tried, line = self._choose_remat()
+            if main_process:
+                print(f"{precision}: {line}", file=sys.stderr, flush=True)
         self.step = self.start
         host_val = corpus.val_batches(run.batch, run.model.seq, run.eval_batches)
         self.val_batches = [self.trainer.device_batch(b) for b in host_val]
@@ -255,6 +294,17 @@ class TrainRun:
         # (compile, eval, checkpoint, the other precision's chunk) are not timed.
         self.pending: tuple[int, jax.Array] | None = None
         self.last_ready: float | None = None
+
+    def _choose_remat(self) -> tuple[str, dict, str]:
+        """`choose_remat` with this run's trainer and batch shape."""
+        trainer, spec = self.trainer, self.trainer.batch_spec(self.run.batch, self.run.model.seq)
+
+        def compile_with(remat):
+            trainer.set_remat(remat)
+            trainer.compile(spec)
+            return trainer.compiled
+
+        return choose_remat(compile_with, trainer.devices(), REMAT)
 
     @property
     def done(self) -> bool:
@@ -370,7 +420,7 @@ class TrainRun:
             self._record(*pending, timed=False)
         self.pending = None
         self.bar.close()
-        if self.trainer.compiled is None and self.step == self.start:
+        if self.step == self.start:  # no step ran (--remat auto compiles before the first)
             return None
         self._save()
         return f"{self.precision} step {self.step}"
@@ -420,6 +470,8 @@ class TrainRun:
             peak_mem_mb=peak,
             peak_mem_source=peak_source,
             compiled_mem_mb=trainer.peak_mem_mb() if trainer.compiled is not None else None,
+            remat=self.remat,  # --remat auto: the choice
+            remat_tried=self.remat_tried,  # --remat auto: the step's bytes of each choice tried
             **(trainer.residuals or dict(saved_residual_mb=None, saved_residuals=None)),
         )
 

@@ -1,13 +1,16 @@
 """What the trainer's step holds in device memory: the residuals its backward keeps
-(`saved_residuals`, by tracing the loss) and the allocator's peak (`allocator_peak_bytes`).
+(`saved_residuals`, by tracing the loss), the allocator's peak (`allocator_peak_bytes`) and,
+for ``--remat auto``, the compiled step's bytes against the device's limit (`choose_remat`).
 Shared by the trainer's report and the benchmarks (``memory``, ``distributed``,
 ``profile_train``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from .._residuals import residuals_report
 
@@ -61,3 +64,94 @@ def allocator_peak_bytes(devices=None) -> int | None:
     devices = jax.local_devices() if devices is None else devices
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
     return max(peaks) if peaks and None not in peaks else None
+
+
+# ----------------------------------------------------------------------------- --remat auto
+# The part of the device's memory limit ``--remat auto`` leaves free: the allocator's
+# fragmentation and what the step's analysis does not count (the eval step's temporaries,
+# the validation batches).
+MARGIN = 0.05
+# The limit's test hook, in GB (1e9 bytes): where set, the bytes a step may use as they are
+# (no margin; nothing held is subtracted), on any backend. Read by `step_limit` only.
+LIMIT_ENV = "FP8JAX_MEMORY_LIMIT_GB"
+
+
+def step_bytes(compiled) -> int | None:
+    """What the compiled step holds at its peak, per device: arguments + outputs - the
+    outputs that reuse a donated argument's buffer + temporaries (`memory_analysis`); None
+    where the backend gives no analysis. Where this JAX's analysis names no aliased bytes
+    they count twice (too high: ``--remat auto`` then recomputes sooner, never runs out)."""
+    try:
+        stats = compiled.memory_analysis()
+        total = stats.argument_size_in_bytes + stats.output_size_in_bytes
+        total += stats.temp_size_in_bytes
+    except Exception:
+        return None
+    return int(total - (getattr(stats, "alias_size_in_bytes", 0) or 0))
+
+
+def step_limit(devices, argument_bytes: int) -> tuple[int | None, str]:
+    """(the bytes a step may use per device, how it was found): the allocator's
+    ``bytes_limit`` (the smallest of ``devices``) less `MARGIN` and less what other arrays
+    already hold there (bytes in use beyond the step's own ``argument_bytes``: another
+    precision's run under ``--interleave``); (None, why) where the backend knows no limit
+    (the CPU). `LIMIT_ENV` overrides it. With several processes, the smallest of theirs."""
+    hook = os.environ.get(LIMIT_ENV)
+    if hook:
+        return int(float(hook) * 1e9), f"{LIMIT_ENV}={hook}"
+    stats = [d.memory_stats() or {} for d in devices]
+    if not stats or any("bytes_limit" not in s for s in stats):
+        return None, "no device memory limit known"
+    limit = min(s["bytes_limit"] for s in stats)
+    held = max(max(s.get("bytes_in_use", 0) for s in stats) - argument_bytes, 0)
+    usable = int(limit * (1 - MARGIN)) - held
+    if jax.process_count() > 1:  # every process must choose the same program
+        from jax.experimental import multihost_utils
+
+        usable = int(np.min(multihost_utils.process_allgather(np.int64(usable))))
+    how = f"{_gb(limit)} bytes_limit less {MARGIN:.0%}" + (
+        f" and {_gb(held)} held by other arrays" if held >= 1e8 else ""
+    )
+    return usable, how
+
+
+def choose_remat(compile_with: Callable, devices, choices) -> tuple[str, dict, str]:
+    """``--remat auto``: the first of ``choices`` (`REMAT`'s order: less kept, more recomputed)
+    whose compiled step fits `step_limit`; the last where none does.
+
+    Arguments:
+        compile_with: ``remat -> compiled step`` (the trainer rebuilt and compiled with it).
+        devices: the devices the step runs on.
+        choices: the choices to try in order, ``"none"`` first.
+
+    Returns:
+        (the choice, ``{choice: step bytes}`` of each one tried, one line saying why). With
+        no limit known the first choice, not compiled here.
+    """
+    first = choices[0]
+    tried: dict[str, int | None] = {}
+    compiled = compile_with(first)
+    tried[first] = step_bytes(compiled)
+    try:
+        arguments = compiled.memory_analysis().argument_size_in_bytes
+    except Exception:
+        arguments = 0
+    limit, how = step_limit(devices, arguments)
+    if limit is None or tried[first] is None:
+        why = how if limit is None else "no memory analysis of the step"
+        return first, tried, f"--remat auto: {first} ({why})"
+    chosen = first
+    for remat in choices[1:]:
+        if tried[chosen] is None or tried[chosen] <= limit:
+            break
+        chosen = remat  # the trainer is left compiled with the last one tried
+        tried[remat] = step_bytes(compile_with(remat))
+    steps = ", ".join(f"{r} {_gb(b)}" for r, b in tried.items())
+    line = f"--remat auto: {chosen} (step: {steps}; limit {_gb(limit)}: {how})"
+    if tried[chosen] is None or tried[chosen] > limit:
+        line += f"; even {chosen} does not fit: the step will likely run out of memory"
+    return chosen, tried, line
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e8 else f"{int(nbytes):,} B"

@@ -30,6 +30,10 @@ VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
 LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 # ``--remat``: what the backward keeps of each block (`remat_block`).
 REMAT = ("none", "fp8", "fp8-min", "full")
+# ``--remat auto`` (the trainer's default): the first of `REMAT`, in order, whose compiled step
+# fits the device's memory (`fp8jax.train._memory.choose_remat`); the model is built with
+# ``"none"`` and rebuilt only where that does not fit.
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +312,12 @@ class Transformer(eqx.Module):
         """The same model (shared arrays) splitting its tokens by ``token_split``."""
         parts = (self.embed, self.blocks, self.norm, self.head)
         return type(self)(self.cfg, token_split=token_split, parts=parts, remat=self.remat)
+
+    def with_remat(self, remat: str) -> "Transformer":
+        """The same model (shared arrays) keeping what ``remat`` says for the backward
+        (``--remat auto`` tries one choice after another on the trainer's partitioned model)."""
+        parts = (self.embed, self.blocks, self.norm, self.head)
+        return type(self)(self.cfg, token_split=self.token_split, parts=parts, remat=remat)
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T vocab"]:
         return self.forward(tokens)[0]

@@ -50,6 +50,8 @@ def summarize(results: dict[str, dict]) -> str:
         peak = f(r["peak_mem_mb"], ",.0f")
         if r.get("peak_mem_source") == "compiled" and "allocator" in sources:
             peak += " (compiled)"  # the others' are the allocator's
+        if r.get("remat") not in (None, "none", "auto"):  # what the step's backward kept
+            peak += f" (--remat {r['remat']})"
         saved = saved_cell(r.get("saved_residual_mb"), r.get("saved_residuals"))
         cells += [f(r["tokens_per_s"], ",.0f"), speed_s, mfu, peak, saved]
         if energy:
@@ -124,10 +126,12 @@ def to_records(
     precisions alternated every that many steps in one process (0: one after the other)."""
     recs = []
     tokens = run.batch * run.model.seq
-    # --remat in the params when on (the records from before it ran without)
-    remat = {} if run.remat == "none" else dict(remat=run.remat)
     for name, r in results.items():
         tps = r["tokens_per_s"]
+        # --remat in the params when on (the records from before it ran without); under
+        # --remat auto the choice (``remat_option``: auto)
+        chosen = r.get("remat") or run.remat
+        remat = {} if chosen in ("none", "auto") else dict(remat=chosen)
         recs.append(
             dict(
                 bench="train",
@@ -151,6 +155,8 @@ def to_records(
                 compiled_mem_mb=r.get("compiled_mem_mb"),
                 saved_residual_mb=r.get("saved_residual_mb"),
                 saved_residuals=r.get("saved_residuals"),
+                remat_option=run.remat,
+                remat_tried=r.get("remat_tried"),
                 interleave=interleave,
                 joules_per_step=r.get("joules_per_step"),
                 mean_power_w=r.get("mean_power_w"),
