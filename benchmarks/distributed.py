@@ -64,7 +64,7 @@ from fp8jax import _compilation as compilation
 from fp8jax import distributed
 from fp8jax.nn import cross_entropy
 from fp8jax.train import _cli as cli
-from fp8jax.train._memory import saved_cell, saved_residuals
+from fp8jax.train._memory import compiled_bytes, saved_cell, saved_residuals
 from fp8jax.train._mesh import check_sequence_parallel, place_model
 from fp8jax.train._model import ModelConfig, cast_for_compute
 
@@ -162,19 +162,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     """The batch's sharding: its sequences split over ``data`` x ``fsdp``."""
     data_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     return NamedSharding(mesh, P(data_axes))
-
-
-def compiled_bytes(compiled, donated: bool = False) -> int | None:
-    """Device bytes a compiled step needs (XLA's memory analysis, per device): its
-    temporaries, arguments and outputs, less the outputs that reuse donated arguments'
-    buffers where ``donated``; None where the backend has no such analysis."""
-    try:
-        stats = compiled.memory_analysis()
-        total = stats.temp_size_in_bytes + stats.argument_size_in_bytes
-        total += stats.output_size_in_bytes
-        return total - (stats.alias_size_in_bytes if donated else 0)
-    except Exception:  # not every backend implements it
-        return None
 
 
 def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True) -> dict:

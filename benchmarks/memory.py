@@ -52,7 +52,7 @@ import numpy as np
 
 from benchmarks import common, distributed
 from fp8jax.train import _cli as cli
-from fp8jax.train._memory import allocator_peak_bytes
+from fp8jax.train._memory import allocator_peak_bytes, compiled_bytes
 from fp8jax.train._mesh import AXES, batch_size_per_shard, make_mesh, parse_mesh
 from fp8jax.train._model import REMAT
 
@@ -102,7 +102,7 @@ def probe_max_batch(trainer, run, mesh, limit_bytes: int) -> dict:
             raise RuntimeError(f"--max-batch: {batch} sequences would fit; raise the limit")
         shape = (batch, run.model.seq + 1)
         spec = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.batch_sharding)
-        found = distributed.compiled_bytes(trainer.lower(spec).compile(), donated=True)
+        found = compiled_bytes(trainer.lower(spec).compile(), donated=True)
         if found is None:
             raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
         return found

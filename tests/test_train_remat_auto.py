@@ -35,7 +35,7 @@ def steps():
         trainer.set_remat(remat)
         trainer.compile(spec)
         compiled[remat] = trainer.compiled
-    nbytes = {r: memory.step_bytes(c) for r, c in compiled.items()}
+    nbytes = {r: memory.compiled_bytes(c, donated=True) for r, c in compiled.items()}
     assert all(b > 0 for b in nbytes.values()), nbytes
     return compiled, nbytes
 
@@ -96,7 +96,7 @@ def test_auto_keeps_none_where_no_limit_is_known(steps, monkeypatch):
     assert memory.step_limit([no_stats], 0) == (None, "no device memory limit known")
 
 
-def test_step_bytes_and_limit(steps, monkeypatch):
+def test_compiled_bytes_and_limit(steps, monkeypatch):
     """The step's bytes: arguments + outputs - aliased (the donated state the step updates in
     place) + temporaries; without the aliased field, counted twice (never too low). The
     limit: ``bytes_limit`` less the margin and what other arrays hold (bytes in use beyond
@@ -107,12 +107,12 @@ def test_step_bytes_and_limit(steps, monkeypatch):
     assert stats.alias_size_in_bytes > 0  # the parameters and optimizer state, donated
     assert nbytes["none"] == total - stats.alias_size_in_bytes
     old = SimpleNamespace(argument_size_in_bytes=5, output_size_in_bytes=7, temp_size_in_bytes=11)
-    assert memory.step_bytes(SimpleNamespace(memory_analysis=lambda: old)) == 23
+    assert memory.compiled_bytes(SimpleNamespace(memory_analysis=lambda: old), donated=True) == 23
 
     def broken():
         raise NotImplementedError
 
-    assert memory.step_bytes(SimpleNamespace(memory_analysis=broken)) is None
+    assert memory.compiled_bytes(SimpleNamespace(memory_analysis=broken), donated=True) is None
     monkeypatch.delenv(memory.LIMIT_ENV, raising=False)
     gb = 10**9
     devices = [

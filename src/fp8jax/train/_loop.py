@@ -22,7 +22,7 @@ from . import _interrupts as interrupts
 from ._census import step_gemms
 from ._checkpoint import restore_checkpoint, save_checkpoint
 from ._config import RunConfig, build_model, compute_dtype, make_optimizer
-from ._memory import allocator_peak_bytes, choose_remat, saved_residuals
+from ._memory import allocator_peak_bytes, choose_remat, compiled_bytes, saved_residuals
 from ._mesh import batch_sharding, check_batch, place_model, put_batch
 from ._metering import energy_counter, peak_flops
 from ._model import AUTO, REMAT, cast_for_compute
@@ -215,12 +215,8 @@ class Trainer:
     def peak_mem_mb(self) -> float | None:
         """The compiled step's memory analysis (arguments + outputs + temporaries, per
         device) in MiB; None where the backend has none."""
-        try:
-            stats = self.compiled.memory_analysis()
-            total = stats.temp_size_in_bytes + stats.argument_size_in_bytes
-            return (total + stats.output_size_in_bytes) / 2**20
-        except Exception:
-            return None
+        nbytes = compiled_bytes(self.compiled)
+        return None if nbytes is None else nbytes / 2**20
 
 
 class TrainRun:

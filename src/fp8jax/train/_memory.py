@@ -76,18 +76,20 @@ MARGIN = 0.05
 LIMIT_ENV = "FP8JAX_MEMORY_LIMIT_GB"
 
 
-def step_bytes(compiled) -> int | None:
-    """What the compiled step holds at its peak, per device: arguments + outputs - the
-    outputs that reuse a donated argument's buffer + temporaries (`memory_analysis`); None
-    where the backend gives no analysis. Where this JAX's analysis names no aliased bytes
-    they count twice (too high: ``--remat auto`` then recomputes sooner, never runs out)."""
+def compiled_bytes(compiled, donated: bool = False) -> int | None:
+    """Device bytes a compiled step needs (XLA's memory analysis, per device): its
+    arguments, outputs and temporaries, less the outputs that reuse a donated argument's
+    buffer where ``donated`` (what it holds at its peak); None where the backend gives no
+    analysis. Where this JAX's analysis names no aliased bytes they count twice (too high:
+    ``--remat auto`` then recomputes sooner, never runs out)."""
     try:
         stats = compiled.memory_analysis()
         total = stats.argument_size_in_bytes + stats.output_size_in_bytes
         total += stats.temp_size_in_bytes
-    except Exception:
+    except Exception:  # not every backend implements it
         return None
-    return int(total - (getattr(stats, "alias_size_in_bytes", 0) or 0))
+    aliased = (getattr(stats, "alias_size_in_bytes", 0) or 0) if donated else 0
+    return int(total - aliased)
 
 
 def step_limit(devices, argument_bytes: int) -> tuple[int | None, str]:
@@ -131,7 +133,7 @@ def choose_remat(compile_with: Callable, devices, choices) -> tuple[str, dict, s
     first = choices[0]
     tried: dict[str, int | None] = {}
     compiled = compile_with(first)
-    tried[first] = step_bytes(compiled)
+    tried[first] = compiled_bytes(compiled, donated=True)
     try:
         arguments = compiled.memory_analysis().argument_size_in_bytes
     except Exception:
@@ -145,7 +147,7 @@ def choose_remat(compile_with: Callable, devices, choices) -> tuple[str, dict, s
         if tried[chosen] is None or tried[chosen] <= limit:
             break
         chosen = remat  # the trainer is left compiled with the last one tried
-        tried[remat] = step_bytes(compile_with(remat))
+        tried[remat] = compiled_bytes(compile_with(remat), donated=True)
     steps = ", ".join(f"{r} {_gb(b)}" for r, b in tried.items())
     line = f"--remat auto: {chosen} (step: {steps}; limit {_gb(limit)}: {how})"
     if tried[chosen] is None or tried[chosen] > limit:
