@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -54,6 +55,8 @@ class Fp8AttentionState(OverwriteWithGradient):
         stack_shape: leading dims of stacked layers, else ``()``.
     """
 
+    # The tensors' names, in the order of the scales (``state.scale(name)`` takes one).
+    TENSORS: ClassVar[tuple[str, ...]] = TENSORS
     scales: Float[Array, "*stack 10"]
     amax_history: Float[Array, "*stack 10 history"]
     nonfinite_count: Float[Array, "*stack 1"]
@@ -80,7 +83,7 @@ class Fp8AttentionState(OverwriteWithGradient):
         return (self.scales, self.amax_history, self.nonfinite_count)
 
     def scale(self, tensor: str) -> Array:
-        """The scale last used for ``tensor`` (one of `TENSORS`)."""
+        """The scale last used for ``tensor`` (one of `TENSORS`, also ``self.TENSORS``)."""
         return self.scales[..., _index(tensor)]
 
     def ordered_amax_history(self, tensor: str) -> Array:
