@@ -252,11 +252,16 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     else:
         g = _cast_rows(rows, recipe, g3, cfg.grad_dtype)
     # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
-    # row gathers the FP8 output gradient's tokens, both layouts.
+    # row gathers the FP8 output gradient's tokens: one layout where one scale covers the
+    # tensor (the wgrad's copy is then the gathered one transposed on each device, a local
+    # pass over 1-byte elements instead of a second all-gather), else both.
     col, row = _sp.sides(spec.sequence)
     xTq, sx = _sp.gather_scaled(col, xTq, sx, 2)
     g_data, g_scale_nk = _sp.gather_scaled(row, g.data, g.scale, 1)
-    g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
+    if row is not None and recipe.per_tensor_scale:
+        g_data_t, g_scale_t = jnp.swapaxes(g_data, 1, 2), g.scale_t
+    else:
+        g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
     # dgrad g [B, M, N] . w [B, K, N]: column contracts the split N, row splits K
     g_data, w_kn = _sp.pin_operands(col, g_data, w_kn, 2, 2)
     g_data, w_kn = _sp.pin_operands(row, g_data, w_kn, None, 1)

@@ -12,7 +12,10 @@ column-parallel   all-gather the FP8 input (e4m3, 1 B/elt)    all-gather the FP8
                                                               transposed copy for wgrad;
                                                               reduce-scatter dgrad (x dtype)
 row-parallel      reduce-scatter the output (its dtype)       all-gather the FP8 output
-                                                              gradient, both layouts (e5m2)
+                                                              gradient (e5m2) once and
+                                                              transpose it locally for
+                                                              wgrad (per-tensor scale; tiled
+                                                              recipes gather both layouts)
 ================  ==========================================  ============================
 
 Gathers move FP8: each device casts its own tokens with the global scale (the amax is a
