@@ -123,3 +123,17 @@ def test_tp_overlap_bad_options(tmp_path):
         distributed.sequence_parallel(td._model(), mesh, ["l1"], ["l2"], tp_overlap="x")
     with pytest.raises(ValueError, match="--tp-overlap ring needs --sequence-parallel"):
         cli.main(ARGS + ["--tp-overlap", "ring", "--out", str(tmp_path)])
+
+
+def test_distributed_benchmark_tp_overlap_flag(capsys):
+    """``python -m benchmarks.distributed --sequence-parallel --tp-overlap ring``: the run's
+    records say so; the flag alone is a usage error."""
+    from benchmarks import distributed as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--mesh", "data=2,tensor=4", "--tp-overlap", "ring"])
+    assert "--tp-overlap ring needs --sequence-parallel" in capsys.readouterr().err
+    run = cli.run_config(cli.parse_args(ARGS + ["--sequence-parallel", "--tp-overlap", "ring"]))
+    sizes = {"data": 2, "fsdp": 1, "tensor": 4}
+    params = bench.run_params(run, sizes, jax.devices())
+    assert params["sequence_parallel"] and params["tp_overlap"] == "ring"
