@@ -123,6 +123,9 @@ def test_tp_overlap_bad_options(tmp_path):
         distributed.sequence_parallel(td._model(), mesh, ["l1"], ["l2"], tp_overlap="x")
     with pytest.raises(ValueError, match="--tp-overlap ring needs --sequence-parallel"):
         cli.main(ARGS + ["--tp-overlap", "ring", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--tp-overlap ring: per-tensor .*--recipe rowwise"):
+        cli.main(ARGS + ["--sequence-parallel", "--tp-overlap", "ring", "--recipe", "rowwise",
+                         "--out", str(tmp_path)])  # fmt: skip
 
 
 def test_distributed_benchmark_tp_overlap_flag(capsys):

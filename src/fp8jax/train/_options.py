@@ -209,7 +209,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         default="none",
         help="with --sequence-parallel: 'ring' runs the FP8 layers' token gathers and "
         "reduce-scatters as collective matmuls (ppermute rings, each chunk moved under the "
-        "GEMM of another); 'none' moves each whole (default)",
+        "GEMM of another; --recipe tensor); 'none' moves each whole (default)",
     )
     add(
         "--processes",
