@@ -25,9 +25,10 @@ the device holding the whole tensor would have cast, and the ring passes values 
 Partial sums move in the GEMM's output dtype: an FP8 partial sum would need a scale known
 before the sum and round once per device, while the unchunked path reduces the same
 partials in the output dtype. The wgrad GEMM runs outside the ring on the gathered FP8
-copy, as on the unchunked path (the partitioner sums it over the batch axes), so the
-weight gradients and the FP8 state are those of the unchunked step; the reductions add
-the same partials in ring order, so outputs and input gradients may differ by an ulp.
+copy, as on the unchunked path (the partitioner sums it over the batch axes): the same
+GEMM on the same operands. The reductions add the same partials in ring order, rounding
+to their dtype at each hop, so a row-parallel output and a column-parallel input gradient
+may differ from the unchunked step's in their last bit (and what is computed from them).
 Only per-tensor recipes (`fp8jax._recipe_base.Recipe.per_tensor_scale`) take the ring:
 the row- and block-wise recipes' per-token scales would have to travel with their chunks,
 so they keep the unchunked path.
