@@ -127,7 +127,7 @@ def _loss(model, batch):
 def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
     """(jitted step, params, opt_state, static) of ``run``'s model sharded on ``mesh``."""
     sequence_parallel = run.sequence_parallel and mesh.shape["tensor"] > 1
-    model = place_model(cli.build_model(run, precision), mesh, sequence_parallel)
+    model = place_model(cli.build_model(run, precision), mesh, sequence_parallel, run.tp_overlap)
     optimizer = cli.make_optimizer(run)
     params, static = eqx.partition(model, eqx.is_array)
     opt_state = optimizer.init(fp8jax.trainable(model))
@@ -295,6 +295,8 @@ def run_params(run, sizes, devices) -> dict:
     )
     if run.sequence_parallel:
         params["sequence_parallel"] = True
+    if run.tp_overlap != "none":
+        params["tp_overlap"] = run.tp_overlap
     if run.fp8_head:
         params["fp8_head"] = True
     flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "").strip()
@@ -404,6 +406,13 @@ def main(argv=None):
         help="Megatron sequence parallelism over the tensor axis (fp8jax-train's option)",
     )
     p.add_argument(
+        "--tp-overlap",
+        choices=("none", "ring"),
+        default="none",
+        help="with --sequence-parallel: 'ring' moves the FP8 layers' tokens as collective "
+        "matmuls (fp8jax-train's option)",
+    )
+    p.add_argument(
         "--vocab", type=int, default=None, help="vocabulary size (default: the preset's)"
     )
     p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
@@ -440,8 +449,11 @@ def main(argv=None):
         model=model,
         batch=batch,
         sequence_parallel=args.sequence_parallel,
+        tp_overlap=args.tp_overlap,
         fp8_head=args.fp8_head,
     )
+    if args.tp_overlap != "none" and not args.sequence_parallel:
+        p.error(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")
     if args.sequence_parallel:
         check_sequence_parallel(run, make_mesh(sizes, devices))
     steps = args.steps or (2 if args.quick else 10)

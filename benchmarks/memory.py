@@ -122,7 +122,9 @@ def measure(run, precision: str, mesh, steps: int, limit_bytes: int | None = Non
     ``precision`` on ``mesh``; its memory, residuals and speed (and ``max_batch`` when
     ``limit_bytes`` is given)."""
     model = cli.build_model(run, precision)
-    trainer = cli.Trainer(model, cli.make_optimizer(run), mesh, run.sequence_parallel)
+    trainer = cli.Trainer(
+        model, cli.make_optimizer(run), mesh, run.sequence_parallel, run.tp_overlap
+    )
     del model  # the trainer holds its own (placed) arrays
     rng = np.random.default_rng(0)
     host = rng.integers(0, run.model.vocab, (run.batch, run.model.seq + 1), dtype=np.int32)

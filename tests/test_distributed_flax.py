@@ -30,12 +30,13 @@ MESH = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tens
 
 class Block(nn.Module):
     mesh: Mesh | None = None
+    tp_overlap: str = "none"
 
     @nn.compact
     def __call__(self, x):
         def cls(kind):
-            sp = dict(sequence_parallel=kind, mesh=self.mesh) if self.mesh else {}
-            return fp8flax.fp8_dot_general_cls(CFG, **sp)
+            sp = dict(sequence_parallel=kind, mesh=self.mesh, tp_overlap=self.tp_overlap)
+            return fp8flax.fp8_dot_general_cls(CFG, **(sp if self.mesh else {}))
 
         h = nn.Dense(256, dot_general_cls=cls("column"))(x)
         return nn.Dense(64, dot_general_cls=cls("row"))(nn.relu(h))
@@ -60,7 +61,10 @@ def _train(model, variables, x, y, steps=3):
     return state, losses, step
 
 
-def test_flax_sequence_parallel_matches_single_device():
+@pytest.mark.parametrize("tp_overlap", ["none", "ring"])
+def test_flax_sequence_parallel_matches_single_device(tp_overlap):
+    """Both ways of moving the tokens (``tp_overlap``): constraint pairs, or collective
+    matmul rings (`fp8jax._ops.tp_ring`; ring order sums float32 partials an ulp apart)."""
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 32, 64)) * 3.0  # [batch, seq, embed]
     y = jax.random.normal(jax.random.PRNGKey(2), (4, 32, 64))
     variables = Block().init(jax.random.PRNGKey(0), x)
@@ -78,11 +82,17 @@ def test_flax_sequence_parallel_matches_single_device():
     tokens = distributed.sequence_sharding(MESH, x.shape)
     assert tokens.spec == P(("data", "fsdp"), "tensor", None)  # one sequence per batch shard
     xs, ys = (jax.device_put(a, tokens) for a in (x, y))
-    model = Block(mesh=MESH)
+    model = Block(mesh=MESH, tp_overlap=tp_overlap)
     state, losses, step = _train(model, placed, xs, ys)
     collectives = distributed.hlo_collectives(step.lower(state, xs, ys))
-    # Dense_0's input: each device's 16 tokens gathered to its sequence's 32; Dense_1's output
-    check_sequence_moves(collectives, "[1,32,64]", "[32,64]")
+    if tp_overlap == "none":
+        # Dense_0's input: each device's 16 tokens gathered to its sequence's 32; Dense_1's
+        # output
+        check_sequence_moves(collectives, "[1,32,64]", "[32,64]")
+    else:  # one ring step per chunk: Dense_0's FP8 input, Dense_1's float32 partial sums
+        permutes = {(c.dtype, c.shape) for c in collectives if c.kind == "collective-permute"}
+        assert {("f8e4m3fn", "[1,16,64]"), ("f32", "[1,16,64]")} <= permutes, permutes
+        assert ("f8e5m2", "[1,16,64]") in permutes, permutes  # Dense_1's output gradient
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for a, b in zip(
         jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(ref_state.params),
@@ -98,3 +108,5 @@ def test_flax_sequence_parallel_bad_options():
         fp8flax.fp8_dot_general_cls(CFG, sequence_parallel="row")
     with pytest.raises(ValueError, match="fp8_dot_general_cls: mesh has no axis 'model'"):
         fp8flax.fp8_dot_general_cls(CFG, sequence_parallel="row", mesh=MESH, tensor_axis="model")
+    with pytest.raises(ValueError, match="fp8_dot_general_cls: tp_overlap must be one of"):
+        fp8flax.fp8_dot_general_cls(CFG, sequence_parallel="row", mesh=MESH, tp_overlap="on")

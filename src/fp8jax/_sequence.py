@@ -15,6 +15,7 @@ from ._dot_general import Fp8DotGeneral
 from ._ops import fsdp
 from ._ops.dot import WeightSharding
 from ._ops.sequence_parallel import SequenceParallel, activation_spec
+from ._ops.tp_ring import OVERLAPS
 from ._placement import _axis_size, _check_mesh, _kinds, _names
 
 
@@ -72,6 +73,7 @@ def sequence_parallel(
     row_parallel: Sequence[str],
     tensor_axis: str = "tensor",
     batch_axes: Sequence[str] | None = None,
+    tp_overlap: str = "none",
 ) -> Any:
     """Megatron sequence parallelism for a model whose weights are already placed on
     ``mesh`` (``jax.device_put``, ``hax.shard`` with an axis mapping, or `shard_model`):
@@ -84,6 +86,9 @@ def sequence_parallel(
     same ``batch_axes``; default here, as in `shard_model`: every mesh axis but
     ``tensor_axis``). A layer needs a ``weight`` attribute; a weight without a recorded
     sharding is gathered over the FSDP axes `set_fsdp_axes` names at this call.
+    ``tp_overlap="ring"``: each layer's FP8 GEMMs run as collective matmuls, the tokens
+    moved in chunks under the GEMMs (`fp8jax._ops.tp_ring`) instead of whole before or
+    after them.
 
     Arguments:
         model: a model whose FP8 layers' weights are placed on ``mesh``.
@@ -93,6 +98,7 @@ def sequence_parallel(
         tensor_axis: the mesh axis the pairs split their weights over.
         batch_axes: the mesh axes the tokens are split over outside the pairs (None:
             every axis but ``tensor_axis``).
+        tp_overlap: ``"none"`` (whole collectives) or ``"ring"`` (collective matmul).
 
     Returns:
         ``model`` with each matched layer's token movement recorded.
@@ -101,6 +107,7 @@ def sequence_parallel(
     both, or its weight is not placed on ``mesh`` with the tensor axis on its output dims
     (column) or input dims (row)."""
     fn = "sequence_parallel"
+    check_overlap(fn, tp_overlap)
     batch = _sequence_axes(fn, mesh, tensor_axis, batch_axes)
     column_parallel = _names(fn, "column_parallel", column_parallel)
     row_parallel = _names(fn, "row_parallel", row_parallel)
@@ -108,7 +115,13 @@ def sequence_parallel(
     kinds = _kinds(fn, list(layers), column_parallel, row_parallel, "FP8 layer")
     for path, kind in kinds.items():
         _check_split(path, layers[path], kind, mesh, tensor_axis)
-    return _record_sequence(model, mesh, kinds, batch, tensor_axis)
+    return _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap)
+
+
+def check_overlap(fn: str, tp_overlap) -> None:
+    """``tp_overlap`` is one of `OVERLAPS`; raises ``ValueError`` naming ``fn`` otherwise."""
+    if tp_overlap not in OVERLAPS:
+        raise ValueError(f"{fn}: tp_overlap must be one of {OVERLAPS}, got {tp_overlap!r}.")
 
 
 def _fp8_layers(model: Any) -> list[tuple[str, Any]]:
@@ -178,7 +191,7 @@ def _placed_sharding(path: str, layer, mesh: Mesh) -> WeightSharding:
     return WeightSharding(mesh, spec, tuple(a for a in fsdp.current_axes() if a in mesh.shape))
 
 
-def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> Any:
+def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis, overlap) -> Any:
     """Each FP8 layer in ``kinds`` (path -> "column"/"row") moves its tokens as Megatron's
     sequence parallelism does (`fp8jax._ops.sequence_parallel`)."""
     layers = dict(_fp8_layers(model))
@@ -189,7 +202,7 @@ def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis) -> 
             continue
         op = layer.dot_general
         ws = op.weight_sharding or _placed_sharding(path, layer, mesh)
-        sp = SequenceParallel(mesh, kind, batch, tensor_axis)
+        sp = SequenceParallel(mesh, kind, batch, tensor_axis, overlap)
         new[id(layer)] = op.with_weight_sharding(ws._replace(sequence=sp))
 
     def record(layer):

@@ -30,7 +30,7 @@ from ._ops import fsdp
 from ._ops.dot import WeightSharding
 from ._ops.expert_parallel import ExpertSharding
 from ._placement import _axis_size, _check_auto, _check_mesh, _kinds, _matches, _names
-from ._sequence import _batch_axes, _record_sequence
+from ._sequence import _batch_axes, _record_sequence, check_overlap
 from ._state import OverwriteWithGradient
 from .nn._grouped import GroupedLinear
 from .nn._linear import Linear
@@ -107,6 +107,7 @@ def shard_model(
     fp8_all_gather: bool = True,
     sequence_parallel: bool = False,
     batch_axes: Sequence[str] | None = None,
+    tp_overlap: str = "none",
 ) -> Any:
     """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
     ``fsdp_axis`` along its larger dim (FSDP) and, for layers whose dotted path matches
@@ -121,7 +122,8 @@ def shard_model(
     Outside the tensor-parallel layers the tokens are split over ``batch_axes`` (default:
     every mesh axis but ``tensor_axis``) and then ``tensor_axis``, as the user's own
     sharding constraints on the activations say; each column-parallel layer all-gathers
-    its FP8 input's tokens, each row-parallel one reduce-scatters its output.
+    its FP8 input's tokens, each row-parallel one reduce-scatters its output;
+    ``tp_overlap="ring"`` moves them in chunks under the GEMMs (`fp8jax._ops.tp_ring`).
 
     Arguments:
         model: a converted model (`fp8_linear_layers`, `fp8jax.nn` modules).
@@ -135,6 +137,8 @@ def shard_model(
         sequence_parallel: Megatron sequence parallelism between the tensor-parallel pairs.
         batch_axes: the mesh axes the tokens are split over (None: every axis but
             ``tensor_axis``).
+        tp_overlap: with ``sequence_parallel``: ``"none"`` (each collective whole) or
+            ``"ring"`` (collective matmul, per-tensor recipes).
 
     Returns:
         ``model`` with every array placed on ``mesh`` (and the shardings recorded).
@@ -143,6 +147,7 @@ def shard_model(
     not divide the dim it shards, or when a pattern matches no layer.
     """
     _check_mesh("shard_model", mesh)
+    check_overlap("shard_model", tp_overlap)
     column_parallel = _names("shard_model", "column_parallel", column_parallel)
     row_parallel = _names("shard_model", "row_parallel", row_parallel)
     batch_axes = _names("shard_model", "batch_axes", batch_axes, allow_none=True)
@@ -197,7 +202,7 @@ def shard_model(
         model = record_fsdp(model, gather)
     if sequence_parallel:
         batch = _batch_axes(mesh, batch_axes, tensor_axis)
-        model = _record_sequence(model, mesh, kinds, batch, tensor_axis)
+        model = _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap)
     return model
 
 

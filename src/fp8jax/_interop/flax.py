@@ -34,7 +34,7 @@ from .._config import Fp8Config
 from .._dot_general import Fp8DotGeneral, fp8_einsum
 from .._ops.dot import WeightSharding
 from .._ops.sequence_parallel import SequenceParallel
-from .._sequence import _sequence_axes
+from .._sequence import _sequence_axes, check_overlap
 
 # flax's Fp8DotGeneralBase.setup order.
 FLAX_STATE = (
@@ -162,6 +162,7 @@ def fp8_dot_general_cls(
     mesh: Mesh | None = None,
     tensor_axis: str = "tensor",
     batch_axes: Sequence[str] | None = None,
+    tp_overlap: str = "none",
 ):
     """What to pass as ``dot_general_cls`` to ``nn.Dense`` / ``nn.DenseGeneral``.
 
@@ -171,7 +172,8 @@ def fp8_dot_general_cls(
     its FP8 input's tokens, a row-parallel one (split along its inputs) reduce-scatters its
     output. Between the pair the tokens are split as
     `fp8jax.distributed.sequence_sharding` says (same ``batch_axes``; default: every mesh
-    axis but ``tensor_axis``).
+    axis but ``tensor_axis``). ``tp_overlap="ring"``: those moves as collective matmuls,
+    in chunks under the GEMMs (`fp8jax._ops.tp_ring`).
 
     Linen layers are not converted after the fact, so there is no conversion report: every
     layer given this class is FP8, but with the default (``selective``) config a call on
@@ -185,12 +187,14 @@ def fp8_dot_general_cls(
         mesh: the Auto-axes mesh (needed with ``sequence_parallel``).
         tensor_axis: the mesh axis the pair splits its kernels over.
         batch_axes: the mesh axes the tokens are split over outside the pair.
+        tp_overlap: ``"none"`` (each move whole) or ``"ring"`` (collective matmul).
 
     Returns:
         A `Fp8DotGeneralOp` constructor (a ``functools.partial``).
     """
     name = "fp8_dot_general_cls"
     config = checks.config(name, config)
+    check_overlap(name, tp_overlap)
     if sequence_parallel is None:
         return functools.partial(Fp8DotGeneralOp, config=config)
     if sequence_parallel not in ("column", "row"):
@@ -202,5 +206,5 @@ def fp8_dot_general_cls(
             f"{name}: sequence_parallel needs mesh=, a jax.sharding.Mesh; got {mesh!r}."
         )
     batch = _sequence_axes(name, mesh, tensor_axis, batch_axes)
-    sp = SequenceParallel(mesh, sequence_parallel, batch, tensor_axis)
+    sp = SequenceParallel(mesh, sequence_parallel, batch, tensor_axis, tp_overlap)
     return functools.partial(Fp8DotGeneralOp, config=config, sequence=sp)

@@ -11,5 +11,6 @@ and `fp8jax.Fp8DotGeneral` call them.
 - `expert_parallel`: grouped GEMMs per device on its own experts (``shard_map``).
 - `fsdp`: FP8 all-gather of user-placed FSDP weights (``custom_partitioning``).
 - `sequence_parallel`: Megatron sequence parallelism: FP8 token gathers, reduce-scatters.
+- `tp_ring`: the same as collective matmul: ``ppermute`` rings around the FP8 GEMMs.
 - `rows`: our kernels per device on its own token rows (``shard_map``).
 """

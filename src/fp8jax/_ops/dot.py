@@ -35,6 +35,7 @@ from .._recipe_base import Cast, Recipe
 from . import fsdp as _fsdp_op
 from . import rows as _split
 from . import sequence_parallel as _sp
+from . import tp_ring as _ring
 
 F32 = jnp.float32
 STATE_FIELDS = _state.STATE_FIELDS
@@ -223,8 +224,14 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     # transposed copy stays split until the backward); a row-parallel one reduce-scatters
     # its output. Identities without it.
     col, row = _sp.sides(spec.sequence)
-    x_data, x_scale = _sp.gather_scaled(col, x.data, x.scale, 1)
     x_data_t = _sp.constrain(col, x.data_t, 2, True) if col else x.data_t
+    if _ring.applies(spec.sequence, recipe):  # the same moves, chunked under the GEMMs
+        gemm = functools.partial(
+            recipe.gemm, out_dtype=out_dtype, fast_accumulation=cfg.fast_forward
+        )
+        y = _ring.forward(spec.sequence, gemm, x.data, x.scale, w_nk, sw_nk)
+        return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
+    x_data, x_scale = _sp.gather_scaled(col, x.data, x.scale, 1)
     # x [B, M, K] . w [B, N, K]: column splits N (w's dim 1), row splits K (both dims 2)
     x_data, w_nk = _sp.pin_operands(col, x_data, w_nk, None, 1)
     x_data, w_nk = _sp.pin_operands(row, x_data, w_nk, 2, 2)
@@ -253,21 +260,25 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         g = _cast_rows(rows, recipe, g3, cfg.grad_dtype)
     # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
     # row gathers the FP8 output gradient's tokens: one layout where one scale covers the
-    # tensor (the wgrad's copy is then the gathered one transposed on each device, a local
-    # pass over 1-byte elements instead of a second all-gather), else both.
+    # tensor (wgrad's copy is the gathered one transposed on each device), else both.
     col, row = _sp.sides(spec.sequence)
-    xTq, sx = _sp.gather_scaled(col, xTq, sx, 2)
-    g_data, g_scale_nk = _sp.gather_scaled(row, g.data, g.scale, 1)
-    if row is not None and recipe.per_tensor_scale:
-        g_data_t, g_scale_t = jnp.swapaxes(g_data, 1, 2), g.scale_t
-    else:
-        g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
-    # dgrad g [B, M, N] . w [B, K, N]: column contracts the split N, row splits K
-    g_data, w_kn = _sp.pin_operands(col, g_data, w_kn, 2, 2)
-    g_data, w_kn = _sp.pin_operands(row, g_data, w_kn, None, 1)
     fast = cfg.fast_backward
-    dx = _gemm_rows(rows, recipe, g_data, g_scale_nk, w_kn, sw, spec.x_dtype, fast)
-    dx = _sp.scatter(col, dx, 1)
+    if _ring.applies(spec.sequence, recipe):  # dgrad as a ring; wgrad's operands gathered
+        gemm = functools.partial(recipe.gemm, out_dtype=spec.x_dtype, fast_accumulation=fast)
+        dx, xTq, g_data_t = _ring.backward(spec.sequence, gemm, g, w_kn, sw, xTq)
+        g_scale_t = g.scale_t
+    else:
+        xTq, sx = _sp.gather_scaled(col, xTq, sx, 2)
+        g_data, g_scale_nk = _sp.gather_scaled(row, g.data, g.scale, 1)
+        if row is not None and recipe.per_tensor_scale:
+            g_data_t, g_scale_t = jnp.swapaxes(g_data, 1, 2), g.scale_t
+        else:
+            g_data_t, g_scale_t = _sp.gather_scaled(row, g.data_t, g.scale_t, 2)
+        # dgrad g [B, M, N] . w [B, K, N]: column contracts the split N, row splits K
+        g_data, w_kn = _sp.pin_operands(col, g_data, w_kn, 2, 2)
+        g_data, w_kn = _sp.pin_operands(row, g_data, w_kn, None, 1)
+        dx = _gemm_rows(rows, recipe, g_data, g_scale_nk, w_kn, sw, spec.x_dtype, fast)
+        dx = _sp.scatter(col, dx, 1)
     wdt = spec.w_dtype
     if spec.rhs_k_first:
         dw = _gemm_rows(rows, recipe, xTq, sx, g_data_t, g_scale_t, wdt, fast, wgrad=True)

@@ -24,7 +24,9 @@ reductions stay in the GEMM's output dtype: FP8 partial sums would add a roundin
 device and need a scale known before the sum. The input's transposed copy is kept
 sharded between forward and backward (``1/tp`` of the residual) and gathered again,
 as Megatron-LM does with its input. A GEMM the selection policy runs in the input
-precision carries no constraints: the partitioner places it.
+precision carries no constraints: the partitioner places it. With ``overlap="ring"`` the
+FP8 GEMMs of a per-tensor recipe move the same tokens in chunks under their GEMMs instead
+(`fp8jax._ops.tp_ring`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class SequenceParallel(NamedTuple):
     kind: str  # "column" (gathers its input) or "row" (scatters its output)
     batch: tuple[str, ...]  # mesh axes the batch is split over (tokens' major part)
     axis: str  # the tensor axis: tokens are split over it outside the pair
+    # "none": the constraint pairs here; "ring": collective matmul (`fp8jax._ops.tp_ring`)
+    overlap: str = "none"
 
 
 def _rows_entry(sp: SequenceParallel, split: bool):

@@ -129,6 +129,7 @@ def run_config(args, tok=None) -> RunConfig:
         fp8_attention=args.fp8_attention,
         fp8_head=args.fp8_head,
         sequence_parallel=args.sequence_parallel,
+        tp_overlap=args.tp_overlap,
         remat=args.remat,
         **preset,
         **tokenizer.run_fields(args.tokenizer, tok),
@@ -183,6 +184,10 @@ def _check_options(args):
         raise UsageError(f"--mesh {args.mesh!r}: expected AXIS=SIZE,... (e.g. data=2,fsdp=4)")
     if args.overwrite and args.resume:
         raise UsageError("--overwrite starts afresh: it cannot go with --resume")
+    if args.tp_overlap != "none" and not args.sequence_parallel:
+        raise UsageError(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")
+    if args.tp_overlap == "ring" and run.recipe != "tensor":  # `fp8jax._ops.tp_ring.applies`
+        raise UsageError(f"--tp-overlap ring: per-tensor scaling only (--recipe {run.recipe})")
     multihost = [args.coordinator, args.num_processes, args.process_id]
     if args.processes is not None and any(v is not None for v in multihost):
         raise UsageError(

@@ -99,10 +99,14 @@ class Trainer:
         optimizer: an optax transformation (`make_optimizer`'s).
         mesh: the devices to train on (None: the default device, unsharded).
         sequence_parallel: Megatron sequence parallelism over the mesh's tensor axis.
+        tp_overlap: its token moves whole (``"none"``) or as collective matmuls (``"ring"``).
     """
 
-    def __init__(self, model, optimizer, mesh: Mesh | None = None, sequence_parallel=False):
+    def __init__(
+        self, model, optimizer, mesh: Mesh | None = None, sequence_parallel=False, tp_overlap="none"
+    ):
         self.optimizer, self.mesh, self.sequence_parallel = optimizer, mesh, sequence_parallel
+        self.tp_overlap = tp_overlap
         self.batch_sharding = batch_sharding(mesh) if mesh is not None else None
         model = self._place(model)
         self.static = eqx.partition(model, eqx.is_array)[1]
@@ -149,7 +153,7 @@ class Trainer:
     def _place(self, model):
         if self.mesh is None:
             return model
-        return place_model(model, self.mesh, sequence_parallel=self.sequence_parallel)
+        return place_model(model, self.mesh, self.sequence_parallel, self.tp_overlap)
 
     def load(self, model) -> None:
         """Take ``model``'s arrays as the parameters, with a fresh optimizer state. The compiled
@@ -249,7 +253,7 @@ class TrainRun:
         # this process set it, and `result` reports the compiled step's memory instead
         self.peak_before = allocator_peak_bytes()
         model, optimizer = build_model(run, precision), make_optimizer(run)
-        self.trainer = Trainer(model, optimizer, mesh, sequence_parallel=run.sequence_parallel)
+        self.trainer = Trainer(model, optimizer, mesh, run.sequence_parallel, run.tp_overlap)
         self.start, self.history = (0, [])
         if resume:
             self.start, self.history = restore_checkpoint(out, precision, self.trainer)

@@ -79,12 +79,13 @@ def check_batch(batch: int, mesh: Mesh) -> None:
         )
 
 
-def place_model(model, mesh: Mesh, sequence_parallel: bool = False):
+def place_model(model, mesh: Mesh, sequence_parallel: bool = False, tp_overlap: str = "none"):
     """``model`` on ``mesh``: linear weights sharded over ``fsdp`` (FP8 layers then
     all-gather FP8) and, with a ``tensor`` axis > 1, the attention and dense MLP split
     Megatron-style; everything else (embedding, norms, FP8 state) replicated. With
     ``sequence_parallel`` the residual stream's tokens are split over ``tensor`` too
-    (`check_sequence_parallel` says when it applies)."""
+    (`check_sequence_parallel` says when it applies), moved as ``tp_overlap`` says
+    (`fp8jax.shard_model`)."""
     tp = mesh.shape["tensor"] > 1
     dense = not model.cfg.experts
     model = shard_model(
@@ -96,6 +97,7 @@ def place_model(model, mesh: Mesh, sequence_parallel: bool = False):
         row_parallel=(ROW_PARALLEL if dense else ROW_PARALLEL[:1]) if tp else (),
         sequence_parallel=sequence_parallel,
         batch_axes=BATCH_AXES,
+        tp_overlap=tp_overlap,
     )
     if not sequence_parallel:
         return model

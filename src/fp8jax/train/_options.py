@@ -204,6 +204,14 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         "all-gather their FP8 inputs and reduce-scatter their outputs",
     )
     add(
+        "--tp-overlap",
+        choices=("none", "ring"),
+        default="none",
+        help="with --sequence-parallel: 'ring' runs the FP8 layers' token gathers and "
+        "reduce-scatters as collective matmuls (ppermute rings, each chunk moved under the "
+        "GEMM of another; --recipe tensor); 'none' moves each whole (default)",
+    )
+    add(
         "--processes",
         type=_at_least(1),
         default=None,
