@@ -25,7 +25,8 @@ bf16 dispatch), ``fp8-bf16-dispatch`` (FP8 experts, bf16 dispatch), ``fp8`` (FP8
 FP8 dispatch: e4m3 rows and per-row scales); ``fp8-replicated`` on request (the rows
 replicated over the devices, outputs summed: no all-to-all). Tokens ``--tokens`` per
 device, capacity factor ``--capacity-factor`` (0: dropless). Its records carry ``ep`` and
-``dispatch`` in ``params``, ``speedup_vs_bf16`` and the all-to-alls' dtypes.
+``dispatch`` in ``params``, ``speedup_vs_bf16``, the all-to-alls' dtypes and whether the
+grouped Pallas kernels ran (``grouped_kernel``).
 
     python -m benchmarks.moe --bench moe --ep 4     # 4 GPUs
 
@@ -84,7 +85,15 @@ MOE_VARIANTS = {
     "fp8-replicated": (True, "replicated", "auto"),
 }
 MOE_DEFAULT_VARIANTS = ("bf16", "fp8-bf16-dispatch", "fp8")
-MOE_FIELDS = (*common.META_FIELDS, "ms", "tflops", "speedup_vs_bf16", "a2a_dtypes", "peak_mem_mb")
+MOE_FIELDS = (
+    *common.META_FIELDS,
+    "ms",
+    "tflops",
+    "speedup_vs_bf16",
+    "a2a_dtypes",
+    "grouped_kernel",
+    "peak_mem_mb",
+)
 
 
 def group_sizes(rows: int, experts: int, routing: str, top_k: int = 2, seed: int = 0) -> np.ndarray:
@@ -292,6 +301,7 @@ def run_moe_case(case, variants, iters, reps, meta) -> list[dict]:
             row["ms"] = common.time_step(step, xs, dy, iters, reps, warmup=1)
             row.update(
                 a2a_dtypes=_a2a_dtypes(step, xs[0], dy),
+                grouped_kernel=gr.GROUPED_SCOPE in step.hlo_text(xs[0], dy),  # Pallas ran
                 peak_mem_mb=common.peak_mem_mb(step, xs[0], dy),
             )
         except Exception as e:  # report and go on
@@ -320,6 +330,7 @@ def moe_table(rows) -> str:
         ("TFLOP/s", lambda r: common.fmt(r["tflops"], ".0f")),
         ("vs bf16", lambda r: common.fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
         ("all-to-alls", lambda r: r.get("a2a_dtypes") or "-"),
+        ("kernel", lambda r: f"{r.get('grouped_kernel')}"),
     ]
     return "\n".join(common.markdown_rows(rows, "bench | case", _case, columns, error_chars=100))
 
