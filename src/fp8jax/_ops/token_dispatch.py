@@ -52,6 +52,8 @@ class Dispatch(NamedTuple):
         row_of_slot: ``[D * n * C]`` the padded row of each received slot (``R``: empty).
         slot: ``[T * k]`` the send slot of each assignment (``n * C``: dropped).
         kept_sizes: ``[D, G]`` the assignments each device kept per expert.
+        slot_of_row: ``[D * R]`` the inverse of ``row_of_slot`` (``n * C``: no slot).
+        assignment: ``[D * n * C]`` the inverse of ``slot`` (``tokens * k``: empty slot).
     """
 
     rows: jax.Array
@@ -59,6 +61,8 @@ class Dispatch(NamedTuple):
     row_of_slot: jax.Array
     slot: jax.Array
     kept_sizes: jax.Array
+    slot_of_row: jax.Array
+    assignment: jax.Array
 
     def kept(self) -> jax.Array:
         """``[T * k]`` whether each assignment was sent (not dropped by the capacity)."""
@@ -93,6 +97,30 @@ def quantize_rows(x):
     scale = jnp.where(amax > 0, amax / q.fp8_max(E4M3), 1.0)
     limit = q.fp8_max(E4M3)
     return jnp.clip(x.astype(F32) / scale, -limit, limit).astype(E4M3), scale[..., 0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather(num_rows: int, x, index, inverse):
+    """``x[index]`` (rows; an index past the end gives zeros). ``inverse [num_rows * m]``:
+    the output rows that read each row of ``x`` (``m`` each; past the end: none), so the
+    gradient is a gather and a sum over ``m`` where autodiff's would be a scatter-add."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_fwd(num_rows, x, index, inverse):
+    return _gather(num_rows, x, index, inverse), (index, inverse)
+
+
+def _gather_bwd(num_rows, res, ct):
+    index, inverse = res
+    dx = jnp.take(ct, inverse, axis=0, mode="fill", fill_value=0)
+    m = inverse.shape[0] // num_rows
+    if m > 1:
+        dx = jnp.sum(dx.reshape(num_rows, m, -1).astype(F32), axis=1).astype(ct.dtype)
+    return dx, None, None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -154,7 +182,7 @@ def dispatch(
         )
         slot = jnp.zeros((a,), I32).at[order].set(slot_sorted)
         assign = jnp.full((n * c,), a, I32).at[slot].set(jnp.arange(a, dtype=I32), mode="drop")
-        send = jnp.take(tokens, assign // k, axis=0, mode="fill", fill_value=0)
+        send = _gather(tokens.shape[0], tokens, assign // k, slot)
         recv = _exchange(axis, fp8, send.reshape(n, c, h)).reshape(n * c, h)
 
         got = _all_to_all(kc, axis)  # [source, local expert] rows received
@@ -167,14 +195,15 @@ def dispatch(
         row = layout.starts[jj] + earlier[src, jj] + i - (ends - got)[src, jj]
         row = jnp.where(j < per, row, r).reshape(-1)
         source = jnp.full((r,), n * c, I32).at[row].set(jnp.arange(n * c, dtype=I32), mode="drop")
-        rows = jnp.take(recv, source, axis=0, mode="fill", fill_value=0)
-        return rows, layout.group_sizes[None], layout.row_valid, row, slot, kept[None]
+        rows = _gather(n * c, recv, source, row)
+        maps = (row, slot, kept[None], source, assign)
+        return rows, layout.group_sizes[None], layout.row_valid, *maps
 
     every = P(tuple(experts.mesh.axis_names))
-    out = _shard_map(experts, local, (every, every), (every,) * 6)(tokens, expert_ids)
-    rows, group_sizes, row_valid, row_of_slot, slot, kept_sizes = out
+    out = _shard_map(experts, local, (every, every), (every,) * 8)(tokens, expert_ids)
+    rows, group_sizes, row_valid, *maps = out
     layout = BlockLayout(group_sizes, row_valid, align, num_experts)
-    return Dispatch(rows, layout, row_of_slot, slot, kept_sizes)
+    return Dispatch(rows, layout, *maps)
 
 
 def combine(experts: ExpertSharding, y, plan: Dispatch, top_k: int):
@@ -182,11 +211,13 @@ def combine(experts: ExpertSharding, y, plan: Dispatch, top_k: int):
     ``[T, k, H]``, zeros for dropped assignments."""
     axis, n = experts.axis, experts.mesh.shape[experts.axis]
 
-    def local(y, row, slot):
-        send = jnp.take(y.astype(BF16), row, axis=0, mode="fill", fill_value=0)
-        back = _all_to_all(send.reshape(n, -1, y.shape[-1]), axis).reshape(-1, y.shape[-1])
-        out = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)
-        return out.reshape(-1, top_k, y.shape[-1]).astype(y.dtype)
+    def local(y, row, slot, source, assignment):
+        h = y.shape[-1]
+        send = _gather(y.shape[0], y.astype(BF16), row, source)
+        back = _all_to_all(send.reshape(n, -1, h), axis).reshape(-1, h)
+        out = _gather(back.shape[0], back, slot, assignment)
+        return out.reshape(-1, top_k, h).astype(y.dtype)
 
     every = P(tuple(experts.mesh.axis_names))
-    return _shard_map(experts, local, (every,) * 3, every)(y, plan.row_of_slot, plan.slot)
+    maps = (plan.row_of_slot, plan.slot, plan.slot_of_row, plan.assignment)
+    return _shard_map(experts, local, (every,) * 5, every)(y, *maps)
