@@ -13,17 +13,20 @@ and combines in bf16). Each token then sums its top-k outputs with the router we
 
 FP8 rows are dequantized on arrival: the experts cast their input again with their own
 recipe (one scale per tensor, or per row or tile), so an FP8 dispatch rounds the rows twice.
-One scale per row (rather than per 128-wide tile): the rows are re-cast by the experts
-anyway, and a row of a normalised hidden state has no outlier tiles to protect.
+One scale per row rather than per 128-wide tile: the experts' own cast (one scale for all
+rows under the default recipe) bounds the precision the rows arrive with, so finer scales on
+the wire would buy little; a row's scale costs 4 bytes next to its ``H`` bytes.
 
-Backward: the combine's is autodiff's (the reverse all-to-all of the bf16 output gradient);
-the dispatch's exchange has its own VJP: the row gradients go back through the reverse
-all-to-all in bf16, straight through the quantization.
+Backward: the combine's all-to-all is autodiff's (the reverse all-to-all of the bf16 output
+gradient); the dispatch's exchange has its own VJP: the row gradients go back through the
+reverse all-to-all in bf16, straight through the quantization. Every row gather's gradient
+is a gather through the inverse map (`_gather`), not a scatter-add.
 
 Capacity: with a capacity ``cap`` (`MoE.capacity` of one device's tokens) each device
-keeps, per expert, its first ``cap`` assignments (in token order; the rest are dropped);
-dropless (``cap`` None), ``C`` is the upper bound ``tokens * min(top_k, per)``: every
-assignment fits, at the price of buffers up to ``n`` times the balanced traffic.
+keeps, per expert, its first ``cap`` assignments (in token order; the rest are dropped),
+and ``C = min(tokens * min(top_k, per), per * cap)``; dropless (``cap`` None), ``C`` is the
+upper bound ``tokens * min(top_k, per)``: every assignment fits, at the price of buffers up
+to ``n`` times the balanced traffic.
 """
 
 from __future__ import annotations
