@@ -25,8 +25,8 @@ bf16 dispatch), ``fp8-bf16-dispatch`` (FP8 experts, bf16 dispatch), ``fp8`` (FP8
 FP8 dispatch: e4m3 rows and per-row scales); ``fp8-replicated`` on request (the rows
 replicated over the devices, outputs summed: no all-to-all). Tokens ``--tokens`` per
 device, capacity factor ``--capacity-factor`` (0: dropless). Its records carry ``ep`` and
-``dispatch`` in ``params``, ``speedup_vs_bf16``, the all-to-alls' dtypes and whether the
-grouped Pallas kernels ran (``grouped_kernel``).
+``dispatch`` in ``params``, ``speedup_vs_bf16``, the all-to-alls' dtypes, whether the
+grouped Pallas kernels ran (``grouped_kernel``) and the assignments the capacity dropped.
 
     python -m benchmarks.moe --bench moe --ep 4     # 4 GPUs
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +93,7 @@ MOE_FIELDS = (
     "speedup_vs_bf16",
     "a2a_dtypes",
     "grouped_kernel",
+    "dropped_fraction",
     "peak_mem_mb",
 )
 
@@ -265,6 +267,11 @@ def _a2a_dtypes(step: common.Step, x, dy) -> str:
     return ",".join(f"{d}:{kinds.count(d)}" for d in sorted(set(kinds)))
 
 
+@eqx.filter_jit
+def _routing(model, x):
+    return model(x)[1]
+
+
 def run_moe_case(case, variants, iters, reps, meta) -> list[dict]:
     experts, tokens, hidden, ffn, top_k, ep, capacity = case
     mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
@@ -302,6 +309,7 @@ def run_moe_case(case, variants, iters, reps, meta) -> list[dict]:
             row.update(
                 a2a_dtypes=_a2a_dtypes(step, xs[0], dy),
                 grouped_kernel=gr.GROUPED_SCOPE in step.hlo_text(xs[0], dy),  # Pallas ran
+                dropped_fraction=float(_routing(model, xs[0]).dropped_fraction),
                 peak_mem_mb=common.peak_mem_mb(step, xs[0], dy),
             )
         except Exception as e:  # report and go on
@@ -331,6 +339,7 @@ def moe_table(rows) -> str:
         ("vs bf16", lambda r: common.fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
         ("all-to-alls", lambda r: r.get("a2a_dtypes") or "-"),
         ("kernel", lambda r: f"{r.get('grouped_kernel')}"),
+        ("dropped", lambda r: common.fmt(r.get("dropped_fraction"), ".3f")),
     ]
     return "\n".join(common.markdown_rows(rows, "bench | case", _case, columns, error_chars=100))
 
