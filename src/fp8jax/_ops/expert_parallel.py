@@ -162,15 +162,14 @@ def block_wgrad_gemm(
     experts: ExpertSharding, backend, lhs_t, rhs_t, layout: BlockLayout, scale, out_dtype
 ):
     """`grouped_gemms.wgrad_gemm` per device on its block (``[K, D * R] x [N, D * R]``),
-    summed over the mesh axes but ``experts.axis``: ``[G, K, N]`` split over it."""
+    summed (in float32) over the mesh axes but ``experts.axis``: ``[G, K, N]`` split over it."""
     every = P(None, _all_axes(experts))
     others = tuple(a for a in _all_axes(experts) if a != experts.axis)
 
     def local(lhs_t, rhs_t, layout, scale):
-        dw = grouped_gemms.wgrad_gemm(
-            backend, lhs_t, rhs_t, _block_layout(layout), scale, out_dtype
-        )
-        return jax.lax.psum(dw, others) if others else dw
+        dtype = jnp.float32 if others else out_dtype  # partial sums added in float32
+        dw = grouped_gemms.wgrad_gemm(backend, lhs_t, rhs_t, _block_layout(layout), scale, dtype)
+        return jax.lax.psum(dw, others).astype(out_dtype) if others else dw
 
     specs = (every, every, _layout_specs(experts, layout), P())
     return _shard_map(experts, local, specs, P(experts.axis))(lhs_t, rhs_t, layout, scale)
