@@ -1,6 +1,6 @@
 """Benchmark: grouped (MoE expert) GEMMs and the expert MLP's training step.
 
-Two benches, each timed in one process per case:
+Three benches, each timed in one process per case:
 
 * ``grouped_gemm`` -- one forward grouped GEMM ``y[r] = x[r] . W[e(r)]`` on the
   ANCHORS table-3 probe (M=16384 rows, K=4096, N=7168): ``loop-bf16`` (a Python loop
@@ -17,11 +17,24 @@ Two benches, each timed in one process per case:
 ``routing``: ``equal`` (every expert gets ``rows / G``) or ``random`` (uneven sizes
 from a random top-k routing of normal logits).
 
+``--bench moe`` (not in ``both``) times the whole `fp8jax.nn.MoE` layer's train step
+(router, dispatch, experts, combine; forward+backward) with its experts sharded ``--ep``
+ways over as many devices (expert parallelism, ``dispatch="all_to_all"``: the tokens split
+over the devices, each row sent to its experts' device and back): ``bf16`` (bf16 experts,
+bf16 dispatch), ``fp8-bf16-dispatch`` (FP8 experts, bf16 dispatch), ``fp8`` (FP8 experts,
+FP8 dispatch: e4m3 rows and per-row scales); ``fp8-replicated`` on request (the rows
+replicated over the devices, outputs summed: no all-to-all). Tokens ``--tokens`` per
+device, capacity factor ``--capacity-factor`` (0: dropless). Its records carry ``ep`` and
+``dispatch`` in ``params``, ``speedup_vs_bf16``, the all-to-alls' dtypes, whether the
+grouped Pallas kernels ran (``grouped_kernel``) and the assignments the capacity dropped.
+
+    python -m benchmarks.moe --bench moe --ep 4     # 4 GPUs
+
     python -m benchmarks.moe                    # both benches, default cases
     python -m benchmarks.moe --bench moe_mlp --experts 8 64
     python -m benchmarks.moe --quick            # CPU smoke run, writes nothing
 
-Records (GPU, not ``--quick``) go to ``benchmarks/results/{grouped_gemm,moe_mlp}.jsonl``.
+Records (GPU, not ``--quick``) go to ``benchmarks/results/{grouped_gemm,moe_mlp,moe}.jsonl``.
 """
 
 from __future__ import annotations
@@ -29,14 +42,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import fp8jax
 from benchmarks import common
 from fp8jax import Fp8Config
 from fp8jax._ops import grouped as gr
-from fp8jax.nn import GroupedMLP, make_layout
+from fp8jax.distributed import hlo_collectives
+from fp8jax.nn import GroupedMLP, MoE, make_layout
 
 BF16 = jnp.bfloat16
 COMMAND_PREFIX = "python -m benchmarks.moe"
@@ -56,6 +74,26 @@ MLP_FIELDS = (
     "speedup_vs_bf16",
     "speedup_vs_sequential_bf16",
     "fp8_gemms",
+    "peak_mem_mb",
+)
+
+
+# variant -> (FP8 experts, dispatch, dispatch_dtype) of the MoE layer bench
+MOE_VARIANTS = {
+    "bf16": (False, "all_to_all", "bf16"),
+    "fp8-bf16-dispatch": (True, "all_to_all", "bf16"),
+    "fp8": (True, "all_to_all", "fp8"),
+    "fp8-replicated": (True, "replicated", "auto"),
+}
+MOE_DEFAULT_VARIANTS = ("bf16", "fp8-bf16-dispatch", "fp8")
+MOE_FIELDS = (
+    *common.META_FIELDS,
+    "ms",
+    "tflops",
+    "speedup_vs_bf16",
+    "a2a_dtypes",
+    "grouped_kernel",
+    "dropped_fraction",
     "peak_mem_mb",
 )
 
@@ -219,6 +257,70 @@ def run_mlp_case(case, variants, iters, reps, meta) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- moe
+def _a2a_dtypes(step: common.Step, x, dy) -> str:
+    """The dtypes the step's all-to-alls move, with counts (``bf16:3,f8e4m3fn:1,...``), from
+    the partitioned program (`fp8jax.distributed.hlo_collectives`: before a backend's own
+    rewrites, which on CPU carry bf16 as f32 and FP8 as f16). One more compile."""
+    cs = hlo_collectives(jax.jit(step.fn).lower(step.params, x, dy))
+    kinds = [d for c in cs if c.kind == "all-to-all" for d in sorted(set(c.dtype.split(",")))]
+    return ",".join(f"{d}:{kinds.count(d)}" for d in sorted(set(kinds)))
+
+
+@eqx.filter_jit
+def _routing(model, x):
+    return model(x)[1]
+
+
+def run_moe_case(case, variants, iters, reps, meta) -> list[dict]:
+    experts, tokens, hidden, ffn, top_k, ep, capacity = case
+    mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
+    rows_spec = NamedSharding(mesh, P("expert"))
+    total = tokens * ep
+    kx, kd, km = jax.random.split(jax.random.PRNGKey(0), 3)
+    xs = [jax.random.normal(k, (total, hidden), BF16) for k in jax.random.split(kx, 2)]
+    xs = jax.block_until_ready([jax.device_put(x, rows_spec) for x in xs])
+    dy = jax.device_put(jax.random.normal(kd, (total, hidden), BF16), rows_spec)
+    flops = 6.0 * total * top_k * (hidden * 2 * ffn + ffn * hidden)
+    out = []
+    for name in variants:
+        fp8, dispatch, dispatch_dtype = MOE_VARIANTS[name]
+        params = dict(
+            experts=experts, tokens=total, hidden=hidden, ffn=ffn, top_k=top_k, ep=ep,
+            capacity_factor=capacity or None, dispatch=f"{dispatch}-{dispatch_dtype}",
+        )  # fmt: skip
+        row = dict(meta, bench="moe", variant=name, params=params)
+        step = model = None
+        try:
+            model = MoE(
+                hidden, ffn, experts, key=km, top_k=top_k, fp8=fp8, dtype=BF16,
+                capacity_factor=capacity or None, dispatch=dispatch,
+                dispatch_dtype=dispatch_dtype,
+            )  # fmt: skip
+            model = fp8jax.shard_model(model, mesh, fsdp_axis=None, expert_axis="expert")
+            step = common.train_step(model, lambda m, x: m(x)[0])
+            if fp8:  # delayed scaling: calibrated state, placed as the compiled step takes it
+                placed = step.params
+                step = common.calibrate(step, model, xs[0], dy)
+                step.params = jax.tree.map(
+                    lambda a, b: jax.device_put(a, b.sharding), step.params, placed
+                )
+            row["ms"] = common.time_step(step, xs, dy, iters, reps, warmup=1)
+            row.update(
+                a2a_dtypes=_a2a_dtypes(step, xs[0], dy),
+                grouped_kernel=gr.GROUPED_SCOPE in step.hlo_text(xs[0], dy),  # Pallas ran
+                dropped_fraction=float(_routing(model, xs[0]).dropped_fraction),
+                peak_mem_mb=common.peak_mem_mb(step, xs[0], dy),
+            )
+        except Exception as e:  # report and go on
+            row.update(ms=None, error=common.error_text(e))
+        finally:
+            step = model = None
+        out.append(row)
+    common.add_ratios(out, flops, {"speedup_vs_bf16": "bf16"})
+    return out
+
+
 def table(rows) -> str:
     columns = [
         ("ms", lambda r: f"{r['ms']:.3f}"),
@@ -230,6 +332,18 @@ def table(rows) -> str:
     return "\n".join(common.markdown_rows(rows, "bench | case", _case, columns, error_chars=100))
 
 
+def moe_table(rows) -> str:
+    columns = [
+        ("ms", lambda r: f"{r['ms']:.3f}"),
+        ("TFLOP/s", lambda r: common.fmt(r["tflops"], ".0f")),
+        ("vs bf16", lambda r: common.fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
+        ("all-to-alls", lambda r: r.get("a2a_dtypes") or "-"),
+        ("kernel", lambda r: f"{r.get('grouped_kernel')}"),
+        ("dropped", lambda r: common.fmt(r.get("dropped_fraction"), ".3f")),
+    ]
+    return "\n".join(common.markdown_rows(rows, "bench | case", _case, columns, error_chars=100))
+
+
 def _case(r) -> str:
     return f"{r['bench']} | " + ", ".join(f"{k}={v}" for k, v in r["params"].items())
 
@@ -237,7 +351,12 @@ def _case(r) -> str:
 def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog=COMMAND_PREFIX, description=__doc__.split("\n\n")[0])
-    p.add_argument("--bench", choices=("grouped_gemm", "moe_mlp", "both"), default="both")
+    p.add_argument("--bench", choices=("grouped_gemm", "moe_mlp", "both", "moe"), default="both")
+    p.add_argument("--ep", type=int, help="moe: expert-parallel devices (default 4)")
+    p.add_argument("--tokens", type=int, help="moe: tokens per device")
+    p.add_argument(
+        "--capacity-factor", type=float, default=1.25, help="moe: capacity factor (0: dropless)"
+    )
     p.add_argument("--experts", type=int, nargs="+")
     p.add_argument("--routing", nargs="+", default=["equal", "random"], choices=("equal", "random"))
     p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v])
@@ -272,6 +391,21 @@ def main(argv=None) -> list[dict]:
             table,
             common.results_path("moe_mlp"),
             MLP_FIELDS,
+            record=not args.quick,
+        )
+    if args.bench == "moe":
+        experts = args.experts or [8]
+        ep = args.ep or 4
+        dims = (
+            (args.tokens or 64, 64, 32, 2) if args.quick else (args.tokens or 8192, 4096, 14336, 2)
+        )
+        cases = [(e, *dims, ep, args.capacity_factor) for e in experts]
+        rows += common.run_cases(
+            cases,
+            lambda c: run_moe_case(c, args.variants or MOE_DEFAULT_VARIANTS, iters, reps, meta),
+            moe_table,
+            common.results_path("moe"),
+            MOE_FIELDS,
             record=not args.quick,
         )
     return rows

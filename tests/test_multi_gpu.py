@@ -134,3 +134,41 @@ def test_fused_mlp_core_runs_per_gpu_on_its_rows():
                      jax.tree_util.tree_leaves(fp8jax.trainable(ref_grads)), strict=True):  # fmt: skip
         g, rg = np.asarray(g, np.float32), np.asarray(rg, np.float32)
         assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
+
+
+def test_moe_all_to_all_dispatch_runs_the_grouped_kernels_per_gpu():
+    """`MoE(dispatch="all_to_all")` with its experts over the GPUs (up to 4): each GPU runs
+    the grouped Pallas kernels on its block of dispatched rows; the bf16 dispatch's step
+    matches one GPU's, the FP8 dispatch's rows move as e4m3."""
+    from fp8jax._ops.grouped_gemms import GROUPED_SCOPE
+
+    n = min(4, jax.device_count())
+    mesh = Mesh(np.array(jax.devices()[:n]), ("expert",))
+    kx, kc = jax.random.split(jax.random.PRNGKey(7))
+    x, c = (jax.random.normal(k, (4096, 512), BF16) for k in (kx, kc))
+    grad = eqx.filter_jit(
+        eqx.filter_value_and_grad(lambda m, x, c: jnp.mean((m(x)[0] - c).astype(jnp.float32) ** 2))
+    )
+
+    def moe(dispatch_dtype, dispatch="all_to_all"):
+        return fp8jax.nn.MoE(512, 256, 8, top_k=2, config=CFG, dtype=BF16, dispatch=dispatch,
+                             dispatch_dtype=dispatch_dtype, key=jax.random.PRNGKey(0))  # fmt: skip
+
+    ref_loss, ref_grads = grad(moe("bf16", "replicated"), x, c)
+    rows = NamedSharding(mesh, P("expert"))
+    xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+    for dispatch_dtype in ("bf16", "fp8"):
+        model = fp8jax.shard_model(moe(dispatch_dtype), mesh, fsdp_axis=None,
+                                   expert_axis="expert")  # fmt: skip
+        assert GROUPED_SCOPE in grad.lower(model, xs, cs).lowered.compile().as_text()
+        a2a = {k.dtype for k in distributed.hlo_collectives(grad.lower(model, xs, cs))
+               if k.kind == "all-to-all" and k.shape.endswith(",512]")}  # fmt: skip
+        assert a2a == ({"bf16", "f8e4m3fn"} if dispatch_dtype == "fp8" else {"bf16"}), a2a
+        if dispatch_dtype == "bf16":
+            loss, grads = grad(model, xs, cs)
+            np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
+            for g, rg in zip(jax.tree_util.tree_leaves(fp8jax.trainable(grads)),
+                             jax.tree_util.tree_leaves(fp8jax.trainable(ref_grads)),
+                             strict=True):  # fmt: skip
+                g, rg = np.asarray(g, np.float32), np.asarray(rg, np.float32)
+                assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))

@@ -115,7 +115,8 @@ def shard_model(
     ``tensor_axis`` along out / in (Megatron; a column-parallel bias too); everything
     else, the FP8 state included, replicated. ``expert_axis``: shard every
     `fp8jax.nn.GroupedLinear`'s experts (``weight [E, in, out]`` along ``E``; MoE expert
-    parallel), else replicate them. ``fp8_all_gather``: record the sharding
+    parallel; `fp8jax.nn.MoE` with ``dispatch="all_to_all"`` then sends each token to its
+    experts' devices in all-to-alls), else replicate them. ``fp8_all_gather``: record the sharding
     in each FP8 layer so it casts its shard and all-gathers FP8 (`record_fsdp`).
 
     ``sequence_parallel``: Megatron sequence parallelism (`fp8jax._ops.sequence_parallel`).

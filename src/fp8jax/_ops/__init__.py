@@ -9,6 +9,7 @@ and `fp8jax.Fp8DotGeneral` call them.
 - `grouped_gemms`: the grouped GEMMs themselves (kernel or reference, tile choices).
 - `group_layout`: the padded row layout of the experts' rows.
 - `expert_parallel`: grouped GEMMs per device on its own experts (``shard_map``).
+- `token_dispatch`: MoE's all-to-all token dispatch (FP8 or bf16 rows) and bf16 combine.
 - `fsdp`: FP8 all-gather of user-placed FSDP weights (``custom_partitioning``).
 - `sequence_parallel`: Megatron sequence parallelism: FP8 token gathers, reduce-scatters.
 - `tp_ring`: the same as collective matmul: ``ppermute`` rings around the FP8 GEMMs.

@@ -69,7 +69,7 @@ def grouped_plain(backend: str, x, w, layout: GroupLayout, experts=None):
 
 def _plain_fwd(backend, x, w, layout, experts=None):
     xm = _masked(x, layout)
-    y = _gemms_for(experts)[0](
+    y = _gemms_for(experts, layout)[0](
         backend,
         xm,
         jnp.swapaxes(w, 1, 2).astype(x.dtype),
@@ -82,7 +82,7 @@ def _plain_fwd(backend, x, w, layout, experts=None):
 
 def _plain_bwd(backend, experts, res, dy):
     xm, w, layout = res
-    rows, wgrad = _gemms_for(experts)
+    rows, wgrad = _gemms_for(experts, layout)
     dym = _masked(dy.astype(xm.dtype), layout)
     ones = jnp.ones((layout.num_groups,), F32)
     dx = _masked(rows(backend, dym, w.astype(xm.dtype), layout, ones, xm.dtype), layout)
@@ -103,16 +103,23 @@ class Spec(NamedTuple):
 
 
 ExpertSharding = _ep.ExpertSharding
+BlockLayout = _ep.BlockLayout
 
 
-def _gemms(spec: Spec):
-    return _gemms_for(spec.experts)
+def _gemms(spec: Spec, layout):
+    return _gemms_for(spec.experts, layout)
 
 
-def _gemms_for(experts: _ep.ExpertSharding | None):
-    """(rows, wgrad) GEMMs: the module's, or each device's on its experts (`_ep`)."""
+def _gemms_for(experts: _ep.ExpertSharding | None, layout):
+    """(rows, wgrad) GEMMs: the module's, or each device's on its experts (`_ep`): on
+    whole rows, or on its block of a `BlockLayout` (the all-to-all dispatch's rows)."""
     if experts is None:
         return rows_gemm, wgrad_gemm
+    if isinstance(layout, BlockLayout):
+        return (
+            functools.partial(_ep.block_rows_gemm, experts),
+            functools.partial(_ep.block_wgrad_gemm, experts),
+        )
     return (
         functools.partial(_ep.rows_gemm, experts),
         functools.partial(_ep.wgrad_gemm, experts),
@@ -140,7 +147,8 @@ def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
     wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(
         cfg.kernel_dtype
     )  # [G, in, out]
-    y = _gemms(spec)[0](spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
+    rows = _gemms(spec, layout)[0]
+    y = rows(spec.backend, xq, jnp.swapaxes(wq, 1, 2), layout, sx * sw, spec.x_dtype)
     return y, (xq.T, wq, sx, sw, ax, aw)
 
 
@@ -161,7 +169,7 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
     ag = q.amax(dym)
     sg = cfg.recipe.scale(g_h, g_s, cfg.grad_dtype, ag)
     dyq = q.quantize(dym, sg, cfg.grad_dtype)
-    rows, wgrad = _gemms(spec)
+    rows, wgrad = _gemms(spec, layout)
     dx = _masked(rows(spec.backend, dyq, wq, layout, sg * sw, spec.x_dtype), layout)
     dw = wgrad(spec.backend, xTq, dyq.T, layout, (sx * sg).reshape(()), spec.w_dtype)
 

@@ -28,11 +28,11 @@ F32 = jnp.float32
 BACKENDS = ("auto", "pallas", "reference")
 
 
-def _kernel_reason(layout: GroupLayout, k: int, n: int, dtype) -> str:
+def _kernel_reason(layout: GroupLayout, k: int, n: int, dtype, per_device: bool = False) -> str:
     ok, why = gk.available()
     if not ok:
         return why
-    why = dispatch.unpartitioned_reason()
+    why = None if per_device else dispatch.unpartitioned_reason()
     if why:
         return why
     if layout.align % gk.ROW_ALIGN:
@@ -59,10 +59,14 @@ def check_backend(backend: str, owner: str = "grouped GEMM") -> str:
     return backend
 
 
-def resolve_backend(backend: str, layout: GroupLayout, k: int, n: int, dtype) -> str:
+def resolve_backend(
+    backend: str, layout: GroupLayout, k: int, n: int, dtype, per_device: bool = False
+) -> str:
     """``"pallas"`` or ``"reference"`` for a GEMM set of sizes ``[M_pad, k] x [G, k, n]``
-    (`fp8jax._kernels.dispatch.choose`)."""
-    why = _kernel_reason(layout, k, n, dtype) or None
+    (`fp8jax._kernels.dispatch.choose`). ``per_device``: the GEMMs run inside a shard_map
+    over every mesh axis (the block GEMMs of `fp8jax._ops.expert_parallel`), where the
+    kernels see their own shard; ``layout`` then gives one device's sizes."""
+    why = _kernel_reason(layout, k, n, dtype, per_device) or None
     chosen = dispatch.choose("grouped GEMM", backend, why, BACKENDS)
     return "pallas" if chosen == "kernel" else "reference"
 

@@ -20,6 +20,7 @@ from .._kernels import blockwise_grouped_mgpu as bgk
 from .._kernels import dispatch
 from .._recipe_base import Recipe
 from . import dot as _dot
+from . import expert_parallel as _ep
 from . import grouped_gemms as _gemms
 from .group_layout import _masked, _zero_ct
 
@@ -28,6 +29,17 @@ F32 = jnp.float32
 
 def _deq(recipe: Recipe, data, scale):
     return recipe.dequantize(data, scale, F32)
+
+
+def _references(spec, layout):
+    """The float32 (rows, wgrad) references: global, or per device on the blocks of a
+    `BlockLayout` (the all-to-all dispatch's rows, which only their device can read)."""
+    if isinstance(layout, _ep.BlockLayout):
+        return (
+            lambda *a: _ep.block_rows_gemm(spec.experts, "reference", *a),
+            lambda *a: _ep.block_wgrad_gemm(spec.experts, "reference", *a),
+        )
+    return _gemms._rows_reference, _gemms._wgrad_reference
 
 
 def kernel_reason(spec, layout, k: int, n: int, operand) -> str | None:
@@ -70,7 +82,7 @@ def tiled_fwd(spec, x, w, layout):
                 out_dtype=spec.x_dtype, group_align=layout.align,
             )  # fmt: skip
     else:
-        y = _gemms._rows_reference(
+        y = _references(spec, layout)[0](
             _deq(recipe, xc.data, xc.scale)[0],
             _deq(recipe, wc.data_t, wc.scale_t),
             layout,
@@ -97,10 +109,11 @@ def tiled_bwd(spec, residuals, dy):
             )  # fmt: skip
     else:
         ones = jnp.ones((layout.num_groups,), F32)
+        rows_ref, wgrad_ref = _references(spec, layout)
         dy_deq = _deq(recipe, gc.data, gc.scale)[0]
-        dx = _gemms._rows_reference(dy_deq, _deq(recipe, wq, swq), layout, ones, spec.x_dtype)
+        dx = rows_ref(dy_deq, _deq(recipe, wq, swq), layout, ones, spec.x_dtype)
         x_t, dy_t = _deq(recipe, xTq, sxT)[0], _deq(recipe, gc.data_t, gc.scale_t)[0]
-        dw = _gemms._wgrad_reference(x_t, dy_t, layout, jnp.ones((), F32), spec.w_dtype)
+        dw = wgrad_ref(x_t, dy_t, layout, jnp.ones((), F32), spec.w_dtype)
     dx = _masked(dx, layout)
     observed, bad = q.sanitize_amax(jnp.concatenate([ax.reshape(1), gc.amax.reshape(1), aw]))
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state

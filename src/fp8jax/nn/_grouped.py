@@ -197,9 +197,12 @@ class GroupedLinear(eqx.Module):
         call runs). Pads to the kernel layout and back."""
         return _apply_sorted(self, self, x_sorted, group_sizes)
 
-    def apply_padded(self, x: Float[Array, "rows_pad in"], layout: GroupLayout) -> Array:
+    def apply_padded(
+        self, x: Float[Array, "rows_pad in"], layout: GroupLayout | gr.BlockLayout
+    ) -> Array:
         """The grouped GEMM on rows already in ``layout``'s padded layout (what `MoE`
-        calls). Output rows that are not ``layout.row_valid`` are undefined."""
+        calls), or in a `fp8jax._ops.expert_parallel.BlockLayout`'s device blocks (`MoE`'s
+        all-to-all dispatch). Output rows that are not ``layout.row_valid`` are undefined."""
         x = self._check_input(x, "x")
         if x.shape[0] != layout.num_rows:
             raise ValueError(
@@ -215,12 +218,16 @@ class GroupedLinear(eqx.Module):
                 f"GroupedLinear: weight has stack shape {self.weight.shape[:-3]}: run a stacked "
                 "layer one slice at a time (jax.lax.scan or eqx.filter_vmap)."
             )
+        blocks = isinstance(layout, gr.BlockLayout)  # each device's own rows (all-to-all)
+        if blocks and self.expert_sharding is None:
+            raise ValueError("GroupedLinear: a BlockLayout needs the experts sharded (shard_model)")
         backend = gr.resolve_backend(
             self.backend,
-            layout,
+            layout.block_shape() if blocks else layout,
             self.in_features,
             self.out_features,
             x.dtype if self.fp8_state is None else jnp.float8_e4m3fn,
+            per_device=blocks,
         )
         if self.fp8_state is None:
             return gr.grouped_plain(backend, x, self.weight, layout, self.expert_sharding)

@@ -16,6 +16,7 @@ from .. import _checks as checks
 from .._config import Fp8Config
 from .._ops import group_layout as gl
 from .._ops import grouped as gr
+from .._ops import token_dispatch as td
 from ._grouped import F32, GroupedMLP, _check_backend, row_align
 
 
@@ -49,6 +50,14 @@ class MoE(eqx.Module):
     expert keeps at most ``ceil(c * tokens * top_k / num_experts)`` assignments and
     the rest are dropped (their weight is 0; the residual path carries the token).
     ``normalize_weights``: rescale the top-k weights to sum to 1 (Mixtral).
+    ``dispatch``: with the experts sharded (`fp8jax.shard_model`'s ``expert_axis``),
+    ``"replicated"`` runs each device's experts on every token (rows whole on each device,
+    outputs summed over the axis); ``"all_to_all"`` splits the tokens over the devices and
+    sends each row only to its experts' device and back (`fp8jax._ops.token_dispatch`), in
+    ``dispatch_dtype``: ``"fp8"`` (e4m3 rows, one float32 scale per row; the experts cast
+    them again, so the rows round twice), ``"bf16"``, or ``"auto"`` (FP8 for FP8 experts);
+    the outputs come back in bf16. There the capacity counts each device's own tokens, and
+    the tokens must divide over the mesh's devices. Without sharded experts both run alike.
     The load-balancing loss is Switch/GShard's ``E * sum_e f_e * P_e`` (``f_e``: share
     of assignments sent to ``e``, ``P_e``: mean router probability of ``e``); the
     router z-loss (ST-MoE) is ``mean(logsumexp(logits)^2)``. Add them to the loss with
@@ -66,6 +75,8 @@ class MoE(eqx.Module):
         config: the `Fp8Config` (None: the default one).
         dtype: the experts' weights' dtype.
         backend: ``"auto"``, ``"pallas"`` or ``"reference"``.
+        dispatch: ``"replicated"`` or ``"all_to_all"`` (expert parallelism only).
+        dispatch_dtype: ``"auto"``, ``"fp8"`` or ``"bf16"`` (the all-to-all's payload).
     """
 
     router: Float[Array, "hidden experts"]
@@ -74,6 +85,8 @@ class MoE(eqx.Module):
     score: str = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
     normalize_weights: bool = eqx.field(static=True)
+    dispatch: str = eqx.field(static=True, default="replicated")
+    dispatch_dtype: str = eqx.field(static=True, default="auto")
 
     def __init__(
         self,
@@ -91,6 +104,8 @@ class MoE(eqx.Module):
         config: Fp8Config | None = None,
         dtype=F32,
         backend: str = "auto",
+        dispatch: Literal["replicated", "all_to_all"] = "replicated",
+        dispatch_dtype: Literal["auto", "fp8", "bf16"] = "auto",
     ):
         hidden = checks.count("MoE", "hidden", hidden)
         ffn = checks.count("MoE", "ffn", ffn)
@@ -100,6 +115,14 @@ class MoE(eqx.Module):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+            )
+        if dispatch not in ("replicated", "all_to_all"):
+            raise ValueError(
+                f"MoE: dispatch must be 'replicated' or 'all_to_all', got {dispatch!r}"
+            )
+        if dispatch_dtype not in ("auto", "fp8", "bf16"):
+            raise ValueError(
+                f"MoE: dispatch_dtype must be 'auto', 'fp8' or 'bf16', got {dispatch_dtype!r}"
             )
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"MoE: score must be 'softmax' or 'sigmoid', got {score!r}")
@@ -126,13 +149,15 @@ class MoE(eqx.Module):
         self.top_k, self.score = top_k, score
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.normalize_weights = normalize_weights
+        self.dispatch, self.dispatch_dtype = dispatch, dispatch_dtype
 
     @property
     def num_experts(self) -> int:
         return int(self.router.shape[-1])
 
     def capacity(self, num_tokens: int) -> int | None:
-        """Assignments each expert keeps (None: dropless)."""
+        """Assignments each expert keeps of ``num_tokens`` tokens (None: dropless); with the
+        all-to-all dispatch, of each device's tokens."""
         if self.capacity_factor is None:
             return None
         return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
@@ -154,15 +179,65 @@ class MoE(eqx.Module):
         probs = (
             jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
         )
-        weights, experts = jax.lax.top_k(probs, k)  # ties: lower expert index first
+        sharding = self.experts.fc1.expert_sharding
+        if self.dispatch != "all_to_all":
+            sharding = None  # the experts see every row, on each device
+        if sharding is not None and num_tokens % sharding.mesh.size:
+            raise ValueError(
+                f"MoE: dispatch='all_to_all' splits the tokens over the mesh's "
+                f"{sharding.mesh.size} devices; {num_tokens} tokens do not divide."
+            )
+        # ties: lower expert index first
+        weights, experts = (
+            jax.lax.top_k(probs, k) if sharding is None else td.top_k(sharding, probs, k)
+        )
         if self.normalize_weights and (k > 1 or self.score == "sigmoid"):
             weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
 
         flat_expert = experts.reshape(-1).astype(jnp.int32)  # [A] assignments, token-major
         num_assign = flat_expert.shape[0]
+        counts = jnp.bincount(flat_expert, length=g).astype(jnp.int32)
+        if sharding is not None:
+            gathered, kept, kept_sizes = self._run_all_to_all(tokens, experts, sharding)
+        else:
+            gathered, kept, kept_sizes = self._run_replicated(tokens, flat_expert, counts)
+        w = jnp.where(kept, weights, 0.0).astype(gathered.dtype)
+        y = jnp.einsum("tk,tkh->th", w, gathered, preferred_element_type=F32).astype(tokens.dtype)
+
+        share = counts.astype(F32) / num_assign
+        mean_prob = jnp.mean(
+            probs if self.score == "softmax" else probs / jnp.sum(probs, -1, keepdims=True), axis=0
+        )
+        info = RoutingInfo(
+            load_balancing_loss=g * jnp.sum(share * mean_prob),
+            router_z_loss=jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+            tokens_per_expert=kept_sizes,
+            dropped_fraction=(num_assign - jnp.sum(kept_sizes)).astype(F32) / num_assign,
+        )
+        return y, info
+
+    def _run_all_to_all(self, tokens, experts, sharding: gr.ExpertSharding):
+        """The experts on the rows sent to their devices (`fp8jax._ops.token_dispatch`):
+        ``([T, k, H] outputs, [T, k] kept, [G] kept assignments per expert)``."""
+        num_tokens, k = experts.shape
+        devices = sharding.mesh.size
+        fp8 = self.dispatch_dtype == "fp8" or (
+            self.dispatch_dtype == "auto" and self.experts.fc1.fp8_state is not None
+        )
+        align = row_align(self.experts.fc1, num_tokens * k // devices)
+        cap = self.capacity(num_tokens // devices)
+        plan = td.dispatch(sharding, tokens, experts, self.num_experts, cap, align, fp8)
+        y_pad = self.experts.apply_padded(plan.rows, plan.layout)
+        gathered = td.combine(sharding, y_pad, plan, k)
+        kept = plan.kept().reshape(num_tokens, k)
+        return gathered, kept, jnp.sum(plan.kept_sizes, axis=0)
+
+    def _run_replicated(self, tokens, flat_expert, counts):
+        """The experts on the padded layout of every row (``_run_all_to_all``'s outputs)."""
+        num_tokens, g, k = tokens.shape[0], self.num_experts, self.top_k
+        num_assign = flat_expert.shape[0]
         order = jnp.argsort(flat_expert, stable=True)
         sorted_expert = flat_expert[order]
-        counts = jnp.bincount(flat_expert, length=g).astype(jnp.int32)
         starts_unpadded = jnp.cumsum(counts) - counts
         rank = jnp.arange(num_assign, dtype=jnp.int32) - starts_unpadded[sorted_expert]
         cap = self.capacity(num_tokens)
@@ -191,17 +266,4 @@ class MoE(eqx.Module):
         gathered = jnp.take(y_pad, pos, axis=0, mode="fill", fill_value=0).reshape(
             num_tokens, k, -1
         )
-        w = jnp.where(kept, weights, 0.0).astype(gathered.dtype)
-        y = jnp.einsum("tk,tkh->th", w, gathered, preferred_element_type=F32).astype(tokens.dtype)
-
-        share = counts.astype(F32) / num_assign
-        mean_prob = jnp.mean(
-            probs if self.score == "softmax" else probs / jnp.sum(probs, -1, keepdims=True), axis=0
-        )
-        info = RoutingInfo(
-            load_balancing_loss=g * jnp.sum(share * mean_prob),
-            router_z_loss=jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
-            tokens_per_expert=kept_sizes,
-            dropped_fraction=(num_assign - jnp.sum(kept_sizes)).astype(F32) / num_assign,
-        )
-        return y, info
+        return gathered, kept, kept_sizes
