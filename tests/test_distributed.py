@@ -348,7 +348,9 @@ def _block(kind):
             64, 4, mode="fp8_mha", backend="reference", config=CFG, key=k
         )
     fp8 = kind == "moe"  # "moe-bf16": the same grouped GEMMs in the input precision
-    return fp8jax.nn.MoE(64, 64, 8, top_k=2, backend="reference", fp8=fp8, config=CFG, key=k)
+    return fp8jax.nn.MoE(  # the replicated dispatch (test_expert_dispatch: the all-to-all)
+        64, 64, 8, top_k=2, backend="reference", fp8=fp8, config=CFG, dispatch="replicated", key=k
+    )
 
 
 BLOCK_SHARDING = {  # shard_model keyword arguments per block

@@ -52,7 +52,8 @@ class MoE(eqx.Module):
     ``normalize_weights``: rescale the top-k weights to sum to 1 (Mixtral).
     ``dispatch``: with the experts sharded (`fp8jax.shard_model`'s ``expert_axis``),
     ``"replicated"`` runs each device's experts on every token (rows whole on each device,
-    outputs summed over the axis); ``"all_to_all"`` splits the tokens over the devices and
+    outputs summed over the axis); ``"all_to_all"`` (the default: it moves each row only
+    where it is needed, see benchmarks/RESULTS.md) splits the tokens over the devices and
     sends each row only to its experts' device and back (`fp8jax._ops.token_dispatch`), in
     ``dispatch_dtype``: ``"fp8"`` (e4m3 rows, one float32 scale per row; the experts cast
     them again, so the rows round twice), ``"bf16"``, or ``"auto"`` (FP8 for FP8 experts);
@@ -75,7 +76,7 @@ class MoE(eqx.Module):
         config: the `Fp8Config` (None: the default one).
         dtype: the experts' weights' dtype.
         backend: ``"auto"``, ``"pallas"`` or ``"reference"``.
-        dispatch: ``"replicated"`` or ``"all_to_all"`` (expert parallelism only).
+        dispatch: ``"all_to_all"`` (default) or ``"replicated"`` (expert parallelism only).
         dispatch_dtype: ``"auto"``, ``"fp8"`` or ``"bf16"`` (the all-to-all's payload).
     """
 
@@ -85,7 +86,7 @@ class MoE(eqx.Module):
     score: str = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
     normalize_weights: bool = eqx.field(static=True)
-    dispatch: str = eqx.field(static=True, default="replicated")
+    dispatch: str = eqx.field(static=True, default="all_to_all")
     dispatch_dtype: str = eqx.field(static=True, default="auto")
 
     def __init__(
@@ -104,7 +105,7 @@ class MoE(eqx.Module):
         config: Fp8Config | None = None,
         dtype=F32,
         backend: str = "auto",
-        dispatch: Literal["replicated", "all_to_all"] = "replicated",
+        dispatch: Literal["replicated", "all_to_all"] = "all_to_all",
         dispatch_dtype: Literal["auto", "fp8", "bf16"] = "auto",
     ):
         hidden = checks.count("MoE", "hidden", hidden)

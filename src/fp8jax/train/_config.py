@@ -129,7 +129,7 @@ class RunConfig:
     tokenizer: str = "bytes"  # `tokenizer.BYTES`, `BPE` or `USER`
     tokenizer_vocab: int | None = 256
     tokenizer_sha256: str | None = None
-    remat: str = "none"  # ``--remat``: one of `_model.REMAT` (`_model.remat_block`), or "auto"
+    remat: str = "auto"  # ``--remat``: one of `_model.REMAT` (`_model.remat_block`), or "auto"
 
 
 def fp8_config(run: RunConfig) -> Fp8Config:

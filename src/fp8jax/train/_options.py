@@ -161,11 +161,11 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     add(
         "--remat",
         choices=[AUTO, *REMAT],
-        default="none",
-        help="what the backward keeps of each block (jax.checkpoint): auto (the first of none, "
-        "fp8, fp8-min, full whose compiled step fits the GPU's memory limit less 5%%, said in "
-        "one line with each try's bytes; none where no limit is known); none (the default: "
-        "all it reads); fp8 (fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run "
+        default=AUTO,
+        help="what the backward keeps of each block (jax.checkpoint): auto (the default: the "
+        "first of none, fp8, fp8-min, full whose compiled step fits the GPU's memory limit less "
+        "5%%, said in one line with each try's bytes; none where no limit is known, as on a "
+        "CPU); none (all it reads: the fastest where it fits); fp8 (fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run "
         "and bf16 in the bf16 run, and the MLP's fc1 output; norms, attention, activations and the "
         "qkv and o GEMMs run again in the backward); fp8-min (the same without fc1's output: "
         "its GEMM runs again too); full (only the block's input). Same math",
