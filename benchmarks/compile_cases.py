@@ -118,7 +118,7 @@ args = (model, opt.init(fp8jax.trainable(model)), x, jnp.sin(x))
 # of every record, a quick check of what a change does to the compiled program.
 MODELS["1b-step"] = """
 from fp8jax.train import _config as train_config
-from fp8jax.train._loop import make_train_step
+from fp8jax.train._trainer import make_train_step
 run = train_config.RunConfig(**train_config.PRESETS["tiny" if quick else "1b"])
 is_leaf = lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
 model = eqx.filter_eval_shape(train_config.build_model, run, precision)

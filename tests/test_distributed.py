@@ -472,3 +472,17 @@ def test_collectives_listed_with_the_compilation_cache_on(tmp_path):
     for _ in range(2):
         cs = _collectives(fp8jax.shard_model(_model(), mesh), mesh)
         assert {c.dtype for c in cs if c.kind == "all-gather"} == {"f8e4m3fn"}
+
+
+def test_fsdp_shards_the_dim_the_axis_divides():
+    """FSDP splits a weight's larger dim where the axis divides it, else the other one (a
+    head of 50,257 vocabulary rows splits its 4,096 columns); where neither divides it
+    refuses, naming the layer."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 8, 1), BLOCK_MESH)
+    model = eqx.nn.Linear(16, 20, key=jax.random.PRNGKey(0))  # weight [20, 16]: 20 % 8 != 0
+    placed = fp8jax.shard_model(model, mesh)
+    assert placed.weight.sharding.spec == P(None, "fsdp")
+    wide = fp8jax.shard_model(eqx.nn.Linear(16, 24, key=jax.random.PRNGKey(0)), mesh)
+    assert wide.weight.sharding.spec == P("fsdp", None)  # both divide: the larger
+    with pytest.raises(ValueError, match=r"out_features=20 .* not divisible by mesh axis 'fsdp'"):
+        fp8jax.shard_model(eqx.nn.Linear(12, 20, key=jax.random.PRNGKey(0)), mesh)

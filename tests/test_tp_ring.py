@@ -14,7 +14,7 @@ import test_distributed as td
 import test_train_mesh as ttm
 from fp8jax import distributed
 from fp8jax.train import _cli as cli
-from fp8jax.train import _loop as loop
+from fp8jax.train import _trainer
 from fp8jax.train._mesh import make_mesh, parse_mesh
 
 pytestmark = pytest.mark.skipif(
@@ -98,7 +98,7 @@ def test_trainer_ring_step_in_bfloat16():
     for overlap in ("none", "ring"):
         mesh = make_mesh(parse_mesh("data=2,tensor=4"))
         model, opt = cli.build_model(run, "fp8"), cli.make_optimizer(run)
-        trainer = loop.Trainer(model, opt, mesh, sequence_parallel=True, tp_overlap=overlap)
+        trainer = _trainer.Trainer(model, opt, mesh, sequence_parallel=True, tp_overlap=overlap)
         batch = trainer.device_batch(tokens)
         lowered = trainer._train.lower(trainer.params, trainer.opt_state, batch)
         compiled, collectives[overlap] = distributed.compile_with_collectives(lowered)

@@ -120,11 +120,10 @@ def test_remat_option_reaches_the_model_and_a_resume_may_change_it(tmp_path):
     run = cli.run_config(cli.parse_args(["--remat", "fp8"]))
     model = cli.build_model(run, "fp8")
     assert run.remat == model.remat == model.with_token_split(None).remat == "fp8"
-    # the default, none; --remat auto (tests/test_train_remat_auto.py) builds the model as none
+    # the default, auto (tests/test_train_remat_auto.py), builds the model as none
     default = cli.run_config(cli.parse_args([]))
-    assert default.remat == "none" and cli.build_model(default, "bf16").remat == "none"
-    auto = cli.run_config(cli.parse_args(["--remat", "auto"]))
-    assert auto.remat == "auto" and cli.build_model(auto, "bf16").remat == "none"
+    assert default.remat == "auto" and cli.build_model(default, "bf16").remat == "none"
+    assert cli.RunConfig(**cli.PRESETS["tiny"]).remat == "auto"
     off = cli.run_config(cli.parse_args(["--remat", "none"]))
     stored = rundir.config_record(off, "fp8")
     assert stored["remat"] == "none"

@@ -174,7 +174,7 @@ def test_resume_of_a_run_from_before_stored_configs_names_the_misfit(tmp_path, d
     --dim fails in one line naming the checkpoint and the shapes, not an orbax traceback."""
     import orbax.checkpoint as ocp
 
-    from fp8jax.train._loop import Trainer
+    from fp8jax.train._trainer import Trainer
 
     out = tmp_path / "old"
     run = cli.run_config(cli.parse_args(TINY))

@@ -69,8 +69,11 @@ def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel, block=None
     elif parallel == "row":
         spec[1] = tensor_axis
     if _axis_size(mesh, fsdp_axis) > 1:
+        # the larger free dim that the axis divides (a vocabulary of 50,257 rows leaves the
+        # head's other dim to FSDP); where neither divides, the larger, refused below
         free = [i for i in (0, 1) if spec[i] is None]
-        spec[max(free, key=lambda i: (shape[-2:][i], -i))] = fsdp_axis  # the larger dim
+        n = _axis_size(mesh, fsdp_axis)
+        spec[max(free, key=lambda i: (shape[-2:][i] % n == 0, shape[-2:][i], -i))] = fsdp_axis
     names = ("out_features", "in_features")
     for i, axis in enumerate(spec):
         n = _axis_size(mesh, axis)

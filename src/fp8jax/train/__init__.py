@@ -8,7 +8,8 @@ Import from `fp8jax.train` itself (its ``__all__``); the modules are its impleme
 - `_data`: the byte-level corpus (the standard library's sources, or ``--data``).
 - `_tokenizer`: ``--tokenizer``: bytes, a BPE trained on the corpus, or a tokenizer.json.
 - `_mesh`: ``--mesh``: the device mesh, the model's placement, multi-host start.
-- `_loop`: `Trainer` (jitted steps), `TrainRun` (one precision's run) and `train`.
+- `_trainer`: `Trainer` (a model's jitted train and eval steps, on one device or a mesh).
+- `_loop`: `TrainRun` (one precision's run) and `train`.
 - `_checkpoint`: orbax checkpoints, with the metric history and the config.
 - `_interrupts`: Ctrl-C, acted on between steps.
 - `_census`: how many of the step's GEMM calls run in FP8.
@@ -26,7 +27,8 @@ Import from `fp8jax.train` itself (its ``__all__``); the modules are its impleme
 
 from ._cli import main
 from ._config import PRESETS, RunConfig
-from ._loop import Trainer, train
+from ._loop import train
 from ._model import ModelConfig, Transformer
+from ._trainer import Trainer
 
 __all__ = ["PRESETS", "ModelConfig", "RunConfig", "Trainer", "Transformer", "main", "train"]

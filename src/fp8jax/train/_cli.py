@@ -43,8 +43,14 @@ from . import _tokenizer as tokenizer
 from ._checkpoint import restore_checkpoint, save_checkpoint
 from ._config import PRESETS, RunConfig, build_model, compute_dtype, fp8_config, make_optimizer
 from ._data import check_seq, load_corpus
-from ._loop import Trainer, TrainRun, lm_loss, train, train_interleaved
-from ._mesh import check_sequence_parallel, initialize_distributed, make_mesh, parse_mesh
+from ._loop import TrainRun, train, train_interleaved
+from ._mesh import (
+    check_sequence_parallel,
+    default_mesh,
+    initialize_distributed,
+    make_mesh,
+    parse_mesh,
+)
 from ._metering import PEAK_BF16_FLOPS, energy_counter
 from ._model import ModelConfig, Transformer, cast_for_compute
 from ._options import _at_least, _positive, build_parser, millions  # noqa: F401 (generate's)
@@ -59,6 +65,7 @@ from ._rundir import (
     remove_created,
     write_marker,
 )
+from ._trainer import Trainer, lm_loss
 
 # Re-exported: callers (benchmarks, notebooks) reach the trainer's pieces through `cli`.
 __all__ = [
@@ -143,10 +150,12 @@ def run_config(args, tok=None) -> RunConfig:
 
 def _mesh(args):
     """The mesh to train on; None (one device, unsharded, as before meshes) when one
-    device is visible and no --mesh is given."""
+    device is visible and no --mesh is given, else `default_mesh` of the devices."""
     if args.mesh is None and jax.device_count() == 1:
         return None
-    text = f"data={jax.device_count()}" if args.mesh is None else args.mesh
+    text = (
+        default_mesh(jax.default_backend(), jax.device_count()) if args.mesh is None else args.mesh
+    )
     return make_mesh(_usage(parse_mesh, text))
 
 

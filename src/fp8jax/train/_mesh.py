@@ -50,9 +50,17 @@ def parse_mesh(text: str, device_count: int | None = None) -> dict[str, int]:
         raise ValueError(
             f"--mesh {text!r}: the axis sizes multiply to {total}, but {device_count} devices "
             f"are visible; their product must equal the device count (default: "
-            f"data={device_count})"
+            f"fsdp={device_count} on GPUs, data={device_count} elsewhere)"
         )
     return sizes
+
+
+def default_mesh(backend: str, device_count: int) -> str:
+    """``--mesh``'s default over ``device_count`` devices: FSDP on GPUs (faster than data
+    parallel there and in less memory: benchmarks/RESULTS.md, nineteenth session), data
+    parallel elsewhere (the CPU's virtual devices, where the tests run and weight gathers
+    only cost compile time)."""
+    return f"fsdp={device_count}" if backend == "gpu" else f"data={device_count}"
 
 
 def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:

@@ -165,8 +165,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         help="what the backward keeps of each block (jax.checkpoint): auto (the default: the "
         "first of none, fp8, fp8-min, full whose compiled step fits the GPU's memory limit less "
         "5%%, said in one line with each try's bytes; none where no limit is known, as on a "
-        "CPU); none (all it reads: the fastest where it fits); fp8 (fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run "
-        "and bf16 in the bf16 run, and the MLP's fc1 output; norms, attention, activations and the "
+        "CPU); none (all it reads: the fastest where it fits); fp8 (fp8jax.remat_policy: the "
+        "GEMMs' input copies, FP8 in the fp8 run and bf16 in the bf16 run, and the MLP's fc1 "
+        "output; norms, attention, activations and the "
         "qkv and o GEMMs run again in the backward); fp8-min (the same without fc1's output: "
         "its GEMM runs again too); full (only the block's input). Same math",
     )
@@ -194,7 +195,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         help="device mesh over axes data, fsdp, tensor (e.g. data=2,fsdp=4; axes left out are 1); "
         "the sizes must multiply to the number of visible devices. The batch is split over data "
         "and fsdp, weights sharded over fsdp (FP8 all-gather) and tensor (Megatron). Default: "
-        "data parallel over all visible devices",
+        "fsdp over all visible GPUs (faster than data parallel there, in less memory), data "
+        "parallel over other devices",
     )
     add(
         "--sequence-parallel",
