@@ -53,7 +53,13 @@ import numpy as np
 from benchmarks import common, distributed
 from fp8jax.train import _cli as cli
 from fp8jax.train._memory import allocator_peak_bytes, compiled_bytes
-from fp8jax.train._mesh import AXES, batch_size_per_shard, make_mesh, parse_mesh
+from fp8jax.train._mesh import (
+    AXES,
+    batch_size_per_shard,
+    default_mesh,
+    make_mesh,
+    parse_mesh,
+)
 from fp8jax.train._model import REMAT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,10 +90,11 @@ OPTIONAL_FIELDS = ("max_batch", "max_batch_mem_mb", "next_mem_mb", "memory_limit
 
 def mesh_of(text: str | None):
     """(the trainer's mesh, its ``data=..,fsdp=..,tensor=..`` text): None on one device with
-    no ``--mesh`` (the trainer's unsharded step), else ``text`` (default ``data=<devices>``)."""
+    no ``--mesh`` (the trainer's unsharded step), else ``text`` (default: the trainer's,
+    `default_mesh`)."""
     if text is None and jax.device_count() == 1:
         return None, ",".join(f"{a}=1" for a in AXES)
-    sizes = parse_mesh(text or f"data={jax.device_count()}")
+    sizes = parse_mesh(text or default_mesh(jax.default_backend(), jax.device_count()))
     return make_mesh(sizes), ",".join(f"{a}={sizes[a]}" for a in AXES)
 
 
@@ -225,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mesh",
         default=None,
-        help="e.g. fsdp=2 (default, as the trainer: unsharded on one device, else data=<devices>)",
+        help="e.g. fsdp=2 (default, as the trainer: unsharded on one device, else "
+        "fsdp=<GPUs>, data=<devices> on CPUs)",
     )
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the preset's)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
