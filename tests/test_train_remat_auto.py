@@ -1,4 +1,4 @@
-"""fp8jax-train ``--remat auto`` (not yet the default): the step is compiled with ``none``
+"""fp8jax-train ``--remat auto`` (the default): the step is compiled with ``none``
 and, where its bytes (arguments + outputs - aliased + temporaries) exceed the device's limit, with
 ``fp8``, ``fp8-min``, ``full`` in turn until one fits (``full`` where none does, with a
 warning); one printed line names each try's bytes and the limit. No limit known (the CPU):
@@ -165,3 +165,13 @@ def test_explicit_remat_is_as_before(steps, monkeypatch, tmp_path, capsys):
         (rec,) = [json.loads(line) for line in record.read_text().splitlines()]
         assert rec["params"].get("remat") == (None if remat == "none" else remat)
         assert rec["remat_option"] == remat
+
+
+def test_default_is_auto_and_silent_without_a_limit(tmp_path, capsys, monkeypatch):
+    """No ``--remat``: auto; on the CPU (no memory limit) it keeps ``none`` and prints no line
+    about it (the README's first command stays clean)."""
+    monkeypatch.delenv(memory.LIMIT_ENV, raising=False)
+    default = [a for a in SMALL if a not in ("--remat", "auto")]
+    result = cli.main(default + ["--steps", "1", "--out", str(tmp_path / "d")])["bf16"]
+    assert result["remat"] == "none"
+    assert "--remat auto" not in capsys.readouterr().err

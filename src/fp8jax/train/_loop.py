@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from . import _interrupts as interrupts
 from ._checkpoint import restore_checkpoint, save_checkpoint
 from ._config import RunConfig, build_model, make_optimizer
-from ._memory import allocator_peak_bytes, choose_remat
+from ._memory import NO_LIMIT, allocator_peak_bytes, choose_remat
 from ._mesh import check_batch
 from ._metering import energy_counter, peak_flops
 from ._model import AUTO, REMAT
@@ -63,7 +63,7 @@ class TrainRun:
         self.remat, self.remat_tried = run.remat, None
         if run.remat == AUTO:
             self.remat, self.remat_tried, line = self._choose_remat()
-            if main_process:
+            if main_process and NO_LIMIT not in line:  # a CPU run (the default): nothing to say
                 print(f"{precision}: {line}", file=sys.stderr, flush=True)
         self.step = self.start
         host_val = corpus.val_batches(run.batch, run.model.seq, run.eval_batches)

@@ -92,6 +92,9 @@ def compiled_bytes(compiled, donated: bool = False) -> int | None:
     return int(total - aliased)
 
 
+NO_LIMIT = "no device memory limit known"  # `step_limit`'s reason where it finds none
+
+
 def step_limit(devices, argument_bytes: int) -> tuple[int | None, str]:
     """(the bytes a step may use per device, how it was found): the allocator's
     ``bytes_limit`` (the smallest of ``devices``) less `MARGIN` and less what other arrays
@@ -103,7 +106,7 @@ def step_limit(devices, argument_bytes: int) -> tuple[int | None, str]:
         return int(float(hook) * 1e9), f"{LIMIT_ENV}={hook}"
     stats = [d.memory_stats() or {} for d in devices]
     if not stats or any("bytes_limit" not in s for s in stats):
-        return None, "no device memory limit known"
+        return None, NO_LIMIT
     limit = min(s["bytes_limit"] for s in stats)
     held = max(max(s.get("bytes_in_use", 0) for s in stats) - argument_bytes, 0)
     usable = int(limit * (1 - MARGIN)) - held
