@@ -19,7 +19,9 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
   compute kernel beside it, and all collective time (a profile of 3 steps on the GPUs,
   `benchmarks.comm_profile`);
 * ``speedup_vs_bf16`` (FP8 rows: over the bf16 row of the same run);
-* ``peak_mem_mb`` of the compiled step;
+* ``peak_mem_mb`` of the compiled step (arguments + outputs + temporaries, the outputs
+  that reuse the donated parameters and optimizer state counted once; records before
+  2026-11-27's nineteenth session counted them twice);
 * ``saved_residual_mb`` and ``saved_residuals`` (MiB by dtype): what the step's backward
   keeps besides the parameters, all devices (`fp8jax.train._memory.saved_residuals`, as
   the trainer reports it; traced only).
@@ -202,7 +204,7 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
         params, opt_state = state
         if comm is not None:
             row["exposed_comm_ms"], row["comm_ms"] = comm
-    mem = compiled_bytes(compiled)
+    mem = compiled_bytes(compiled, donated=True)  # the step donates params and opt state
     mem = None if mem is None else mem / 2**20
     return dict(row, ms=ms, tokens_per_s=batch_size * run.model.seq / (ms * 1e-3), peak_mem_mb=mem)
 

@@ -12,7 +12,8 @@ few steps and reports per case:
   CPU the compiled step's memory analysis (arguments + outputs + temporaries);
   ``peak_mem_source`` says which;
 * ``compiled_mem_mb`` and ``temp_mem_mb``: the compiled step's memory analysis, all of it and
-  its temporaries (per device; the donated parameters counted as arguments and outputs);
+  its temporaries (per device; the outputs that reuse the donated parameters counted once;
+  before 2026-11-27's nineteenth session, twice);
 * ``saved_residual_mb``: what the step's backward keeps (`fp8jax.residuals_report` of the
   trainer's loss, the parameters themselves left out; the whole step's, all devices:
   `fp8jax.train._memory.saved_residuals`, as the trainer reports it), and

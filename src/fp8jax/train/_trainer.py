@@ -208,7 +208,8 @@ class Trainer:
         return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
 
     def peak_mem_mb(self) -> float | None:
-        """The compiled step's memory analysis (arguments + outputs + temporaries, per
-        device) in MiB; None where the backend has none."""
-        nbytes = compiled_bytes(self.compiled)
+        """The compiled step's memory analysis (arguments + outputs + temporaries, less the
+        outputs that reuse the donated parameters and optimizer state, per device) in MiB;
+        None where the backend has none."""
+        nbytes = compiled_bytes(self.compiled, donated=True)
         return None if nbytes is None else nbytes / 2**20
