@@ -185,8 +185,9 @@ class MoE(eqx.Module):
             sharding = None  # the experts see every row, on each device
         if sharding is not None and num_tokens % sharding.mesh.size:
             raise ValueError(
-                f"MoE: dispatch='all_to_all' splits the tokens over the mesh's "
-                f"{sharding.mesh.size} devices; {num_tokens} tokens do not divide."
+                f"MoE: dispatch='all_to_all' (the default with sharded experts) splits the "
+                f"tokens over the mesh's {sharding.mesh.size} devices; {num_tokens} tokens do "
+                "not divide. Pad the batch, or build the MoE with dispatch='replicated'."
             )
         # ties: lower expert index first
         weights, experts = (
