@@ -22,11 +22,12 @@ from a random top-k routing of normal logits).
 ways over as many devices (expert parallelism, ``dispatch="all_to_all"``: the tokens split
 over the devices, each row sent to its experts' device and back): ``bf16`` (bf16 experts,
 bf16 dispatch), ``fp8-bf16-dispatch`` (FP8 experts, bf16 dispatch), ``fp8`` (FP8 experts,
-FP8 dispatch: e4m3 rows and per-row scales); ``fp8-replicated`` on request (the rows
-replicated over the devices, outputs summed: no all-to-all). Tokens ``--tokens`` per
-device, capacity factor ``--capacity-factor`` (0: dropless). Its records carry ``ep`` and
-``dispatch`` in ``params``, ``speedup_vs_bf16``, the all-to-alls' dtypes, whether the
-grouped Pallas kernels ran (``grouped_kernel``) and the assignments the capacity dropped.
+FP8 dispatch: e4m3 rows cast with the experts' own per-tensor scale); ``fp8-replicated`` on
+request (the rows replicated over the devices, outputs summed: no all-to-all). Tokens
+``--tokens`` per device, capacity factor ``--capacity-factor`` (0: dropless). Its records
+carry ``ep`` and ``dispatch`` in ``params``, ``speedup_vs_bf16``, the all-to-alls' dtypes,
+whether the grouped Pallas kernels ran (``grouped_kernel``) and the assignments the capacity
+dropped.
 
     python -m benchmarks.moe --bench moe --ep 4     # 4 GPUs
 

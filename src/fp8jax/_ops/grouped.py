@@ -126,6 +126,26 @@ def _gemms_for(experts: _ep.ExpertSharding | None, layout):
     )
 
 
+class InputCast(NamedTuple):
+    """An input already cast with the GEMM's own per-tensor scale (`grouped_fp8_precast`).
+
+    Arguments:
+        values: ``[M_pad, in]`` the FP8 rows (zeros off the groups).
+        scale: the ``[1]`` scale they were cast with (`input_scale`'s).
+        amax: the input's amax, for the state update.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+
+
+def input_scale(config: Fp8Config, amax, input_scale, input_history):
+    """The per-tensor input scale the FP8 op chooses (`_fp8_fwd_impl`): from the state's
+    history (delayed) or from ``amax``, the input's (current)."""
+    return config.recipe.scale(input_history, input_scale, config.input_dtype, amax)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
     """FP8 ``y = x . W_e`` per group; ``state`` as `fp8jax._state.MAX_GRAD`."""
@@ -133,16 +153,20 @@ def grouped_fp8(spec: Spec, x, w, layout: GroupLayout, state):
     return y
 
 
-def _fp8_fwd_impl(spec: Spec, x, w, layout, state):
+def _fp8_fwd_impl(spec: Spec, x, w, layout, state, cast: InputCast | None = None):
     cfg = spec.config
     if not cfg.recipe.per_tensor_scale:
         return tiled_fwd(spec, x, w, layout)
     in_s, k_s, _, in_h, k_h, _, _ = state
-    xm = _masked(x, layout)
-    ax, aw = q.amax(xm), _per_expert_amax(w)
-    sx = cfg.recipe.scale(in_h, in_s, cfg.input_dtype, ax)
+    aw = _per_expert_amax(w)
+    if cast is None:
+        xm = _masked(x, layout)
+        ax = q.amax(xm)
+        sx = input_scale(cfg, ax, in_s, in_h)
+        xq = q.quantize(xm, sx, cfg.input_dtype)
+    else:
+        xq, sx, ax = cast
     sw = cfg.recipe.scale(k_h, k_s, cfg.kernel_dtype, aw, axis=0)  # one per expert
-    xq = q.quantize(xm, sx, cfg.input_dtype)
     limit = q.fp8_max(cfg.kernel_dtype)
     wq = jnp.clip(w.astype(F32) / sw[:, None, None], -limit, limit).astype(
         cfg.kernel_dtype
@@ -188,3 +212,29 @@ def _grouped_fp8_bwd(spec, residuals, cotangents):
 
 
 grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def grouped_fp8_precast(spec: Spec, x, cast: InputCast, w, layout: GroupLayout, state):
+    """`grouped_fp8` on an input already cast with its own scale (per-tensor recipes):
+    ``cast`` goes into the GEMMs as it is (no cast pass), ``cast.amax`` into the state.
+    ``x``: zeros of the input's shape and dtype, unused in the forward: the input's gradient
+    (as `grouped_fp8`'s, straight through the cast) is its cotangent."""
+    y, _ = _fp8_fwd_impl(spec, x, w, layout, _state.values(state), cast)
+    return y
+
+
+def _precast_fwd(spec, x, cast, w, layout, state):
+    values = _state.values(state)
+    y, res = _fp8_fwd_impl(spec, x, w, layout, values, cast)
+    return y, (res, layout, values)
+
+
+def _precast_bwd(spec, residuals, dy):
+    dx, dw, d_layout, d_state = _grouped_fp8_bwd(spec, residuals, dy)
+    x_t, _, sx, _, ax, _ = residuals[0]
+    zeros = InputCast(jnp.zeros(x_t.shape[::-1], x_t.dtype), jnp.zeros_like(sx), jnp.zeros_like(ax))
+    return dx, zeros, dw, d_layout, d_state
+
+
+grouped_fp8_precast.defvjp(_precast_fwd, _precast_bwd)

@@ -198,11 +198,17 @@ class GroupedLinear(eqx.Module):
         return _apply_sorted(self, self, x_sorted, group_sizes)
 
     def apply_padded(
-        self, x: Float[Array, "rows_pad in"], layout: GroupLayout | gr.BlockLayout
+        self,
+        x: Float[Array, "rows_pad in"],
+        layout: GroupLayout | gr.BlockLayout,
+        precast: gr.InputCast | None = None,
     ) -> Array:
         """The grouped GEMM on rows already in ``layout``'s padded layout (what `MoE`
         calls), or in a `fp8jax._ops.expert_parallel.BlockLayout`'s device blocks (`MoE`'s
-        all-to-all dispatch). Output rows that are not ``layout.row_valid`` are undefined."""
+        all-to-all dispatch). Output rows that are not ``layout.row_valid`` are undefined.
+        ``precast``: the rows already cast with this layer's input scale (`MoE`'s FP8
+        dispatch, per-tensor recipes); ``x`` then stands in for them (zeros carrying their
+        gradient)."""
         x = self._check_input(x, "x")
         if x.shape[0] != layout.num_rows:
             raise ValueError(
@@ -239,7 +245,12 @@ class GroupedLinear(eqx.Module):
             np.dtype(self.weight.dtype),
             self.expert_sharding,
         )
-        return gr.grouped_fp8(spec, x, self.weight, layout, _state.enter(state.state()))
+        entered = _state.enter(state.state())
+        if precast is not None:
+            if not state.config.recipe.per_tensor_scale:
+                raise ValueError("GroupedLinear: a pre-cast input needs a per-tensor recipe")
+            return gr.grouped_fp8_precast(spec, x, precast, self.weight, layout, entered)
+        return gr.grouped_fp8(spec, x, self.weight, layout, entered)
 
     def _check_input(self, x, name):
         x = checks.float_array("GroupedLinear", name, x)
@@ -377,6 +388,9 @@ class GroupedMLP(eqx.Module):
         return _apply_sorted(self, self.fc1, x_sorted, group_sizes)
 
     @jax.named_scope("fp8jax.nn.GroupedMLP")
-    def apply_padded(self, x: Array, layout: GroupLayout) -> Array:
-        h = self.fc1.apply_padded(x, layout)
+    def apply_padded(
+        self, x: Array, layout: GroupLayout, precast: gr.InputCast | None = None
+    ) -> Array:
+        """`GroupedLinear.apply_padded` through both layers (``precast``: fc1's)."""
+        h = self.fc1.apply_padded(x, layout, precast)
         return self.fc2.apply_padded(activate(h, self.activation), layout)

@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import _checks as checks
+from .. import _state
 from .._config import Fp8Config
 from .._ops import group_layout as gl
 from .._ops import grouped as gr
@@ -55,10 +56,12 @@ class MoE(eqx.Module):
     outputs summed over the axis); ``"all_to_all"`` (the default: it moves each row only
     where it is needed, see benchmarks/RESULTS.md) splits the tokens over the devices and
     sends each row only to its experts' device and back (`fp8jax._ops.token_dispatch`), in
-    ``dispatch_dtype``: ``"fp8"`` (e4m3 rows, one float32 scale per row; the experts cast
-    them again, so the rows round twice), ``"bf16"``, or ``"auto"`` (FP8 for FP8 experts);
-    the outputs come back in bf16. There the capacity counts each device's own tokens, and
-    the tokens must divide over the mesh's devices. Without sharded experts both run alike.
+    ``dispatch_dtype``: ``"fp8"`` (e4m3 rows: to per-tensor FP8 experts, the default
+    recipe, cast once with fc1's own input scale and taken by fc1 as they arrive, so they
+    round once, as on one device; otherwise one float32 scale per row, cast again by the
+    experts), ``"bf16"``, or ``"auto"`` (FP8 for FP8 experts); the outputs come back in
+    bf16. There the capacity counts each device's own tokens, and the tokens must divide
+    over the mesh's devices. Without sharded experts both run alike.
     The load-balancing loss is Switch/GShard's ``E * sum_e f_e * P_e`` (``f_e``: share
     of assignments sent to ``e``, ``P_e``: mean router probability of ``e``); the
     router z-loss (ST-MoE) is ``mean(logsumexp(logits)^2)``. Add them to the loss with
@@ -228,11 +231,25 @@ class MoE(eqx.Module):
         )
         align = row_align(self.experts.fc1, num_tokens * k // devices)
         cap = self.capacity(num_tokens // devices)
-        plan = td.dispatch(sharding, tokens, experts, self.num_experts, cap, align, fp8)
-        y_pad = self.experts.apply_padded(plan.rows, plan.layout)
+        precast = self._precast() if fp8 else None
+        plan = td.dispatch(sharding, tokens, experts, self.num_experts, cap, align, fp8, precast)
+        y_pad = self.experts.apply_padded(plan.rows, plan.layout, plan.precast)
         gathered = td.combine(sharding, y_pad, plan, k)
         kept = plan.kept().reshape(num_tokens, k)
         return gathered, kept, jnp.sum(plan.kept_sizes, axis=0)
+
+    def _precast(self) -> td.Precast | None:
+        """fc1's input cast for the FP8 dispatch, where fc1 scales its input per tensor: the
+        rows then cross cast once, with fc1's own scale (else per-row scales, None)."""
+        state = self.experts.fc1.fp8_state
+        if state is None or not state.config.recipe.per_tensor_scale:
+            return None
+        cfg = state.config
+        return td.Precast(
+            lambda amax, s, h: gr.input_scale(cfg, amax, s, h),
+            _state.values((state.input_scale, state.input_amax_history)),
+            cfg.input_dtype,
+        )
 
     def _run_replicated(self, tokens, flat_expert, counts):
         """The experts on the padded layout of every row (``_run_all_to_all``'s outputs)."""
