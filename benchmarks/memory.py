@@ -3,8 +3,9 @@
 Builds the `fp8jax-train` step (`fp8jax.train`'s `Trainer`: the model of a preset, AdamW,
 the donated jitted step) for each precision and ``fp8jax-train --remat`` choice (``none``:
 the backward keeps what it reads; ``fp8``: `fp8jax.remat_policy` per block, the GEMMs' input
-copies, FP8 in the fp8 run, bf16 in the bf16 run; ``full``: only each block's input), runs a
-few steps and reports per case:
+copies, FP8 in the fp8 run, bf16 in the bf16 run; ``fp8-store``: the same with the MLP's fc1
+output kept in FP8 in the fp8 run; ``fp8-min``: without fc1's output; ``full``: only each
+block's input), runs a few steps and reports per case:
 
 * ``peak_mem_mb``: on a GPU the allocator's peak (``peak_bytes_in_use``, the largest of the
   mesh's devices) over building the model and optimizer as the trainer does (on a mesh the
@@ -19,8 +20,8 @@ few steps and reports per case:
   `fp8jax.train._memory.saved_residuals`, as the trainer reports it), and
   ``saved_residuals``: the same by dtype;
 * ``ms`` and ``tokens_per_s`` over ``--steps`` steps on one batch, and ``loss``, the last
-  step's (a remat choice changes no math: within a precision the cases' losses differ only
-  by the compiler's rounding and reduction order); ``mem_vs_none`` and
+  step's (a remat choice changes no math, ``fp8-store`` only the gradients' rounding: within
+  a precision the cases' losses differ little); ``mem_vs_none`` and
   ``tokens_per_s_vs_none``: over the same precision's ``--remat none`` case of this run;
 * with ``--max-batch``: ``max_batch``, the largest batch whose compiled step fits a device's
   memory, found by compiling only (`benchmarks.distributed.search_batch`, the probe of
@@ -31,6 +32,8 @@ allocator's peak cannot be reset within a process, and a case must not find the 
 one's buffers.
 
     python -m benchmarks.memory --preset 1b --batch 8 --variants bf16 fp8 --remat none fp8 full
+    python -m benchmarks.memory --preset 1b --batch 8 --variants fp8 --remat none fp8 fp8-store \
+        fp8-min
     python -m benchmarks.memory --preset 1b --batch 8 --variants fp8 --max-batch
     python -m benchmarks.memory --quick     # CPU smoke run, writes nothing
 

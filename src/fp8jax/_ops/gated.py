@@ -15,6 +15,10 @@ holds matching gate and up columns), unless they are stored that way
 parallelism); fc1's wgrad comes out in the weight's own order (natural ``[gate | up]``,
 Megatron's convention, or interleaved). Delayed scaling only (the activation's scale must
 be known before the pass).
+
+``Spec.fc1_out_fp8`` keeps ``h`` for the backward as e4m3 with one scale instead (`saved_fp8`,
+outside the kernels: the backward's kernel reads the exact bf16 copy of the e4m3 values and
+takes the scale in its ``h`` scale).
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ from .._kernels.gated_activation import (  # noqa: F401  (re-exported: the core'
 )
 from . import dot as _dot
 from . import rows as _split
+from . import saved_fp8 as _saved
 
 BF16 = jnp.bfloat16
-# fc1's output (``h``, bf16): the checkpoint name `fp8jax.nn.FusedMLP` gives it on either path,
-# which `fp8jax.remat_policy` saves (a gated activation's backward reads it).
+# fc1's output (``h``, bf16; or its FP8 copy and scale, `FusedMLP.fc1_out_fp8`): the checkpoint
+# name `fp8jax.nn.FusedMLP` gives it on either path, which `fp8jax.remat_policy` saves (a gated
+# activation's backward reads it).
 FC1_OUT = "fp8jax_mlp_fc1_out"
 
 
@@ -67,6 +73,7 @@ class Spec(NamedTuple):
     activation: str = "swiglu"  # one of `ACTIVATIONS`
     gate_block: int | None = None  # fc1's row layout (`fp8jax.nn.FusedMLP.gate_block`)
     rows: _split.RowSplit | None = None  # the kernels' token split on a mesh (`fp8jax._ops.rows`)
+    fc1_out_fp8: bool = False  # keep ``h`` for the backward as e4m3 + scale (`saved_fp8`)
 
 
 def usable(
@@ -188,18 +195,22 @@ def _dht_block(gate_block: int | None) -> int | None:
 def _fwd(spec, x, w1, state1, w2, state2):
     state1, state2 = _state.values(state1), _state.values(state2)
     y, residuals = _forward(spec, x, w1, state1, w2, state2)
+    if spec.fc1_out_fp8:  # h as (e4m3, scale): current scaling from its amax
+        xTq, w1Tq, h, *rest = residuals
+        residuals = (xTq, w1Tq, _saved.save_fp8(h, _saved.margin(spec.config1)), *rest)
     return y, (_named(residuals), state1, state2)
 
 
 def _named(residuals):
     """The residuals under the checkpoint names `fp8jax.remat_policy` saves, as `_dot` names
-    an FP8 GEMM's: the FP8 input copy, the FP8 weights, fc1's output and the scalars (under
-    a ``jax.checkpoint`` with that policy the core's forward then does not run again)."""
+    an FP8 GEMM's: the FP8 input copy, the FP8 weights, fc1's output (or its FP8 copy and
+    scale) and the scalars (under a ``jax.checkpoint`` with that policy the core's forward
+    then does not run again)."""
     xTq, w1Tq, h, w2Tq, *scalars = residuals
     return (
         checkpoint_name(xTq, _dot.INPUT_RESIDUAL),
         checkpoint_name(w1Tq, _dot.KERNEL_RESIDUAL),
-        checkpoint_name(h, FC1_OUT),
+        jax.tree_util.tree_map(lambda a: checkpoint_name(a, FC1_OUT), h),
         checkpoint_name(w2Tq, _dot.KERNEL_RESIDUAL),
         *(checkpoint_name(s, _dot.SCALAR_RESIDUALS) for s in scalars),
     )
@@ -220,7 +231,11 @@ def _bwd(spec, saved, g):
             dht_block=_dht_block(spec.gate_block),
         )  # fmt: skip
 
-    args = (h, (sx * sw1).reshape(()), da, (sg * sw2).reshape(()), sdh, sa)
+    h_scale = (sx * sw1).reshape(())
+    if spec.fc1_out_fp8:  # e4m3 -> bf16 is exact; the kernel applies the scale in float32
+        h, h8_scale = h
+        h, h_scale = h.astype(BF16), h_scale * h8_scale.reshape(())
+    args = (h, h_scale, da, (sg * sw2).reshape(()), sdh, sa)
     in_dims = (0, None, 0, None, None, None)
     grad = _local_amax(spec.rows, grad, 2)
     dhq, dhTq, adh, aTq = _split.on_rows(spec.rows, grad, args, in_dims, (0, 1, "max", 1))

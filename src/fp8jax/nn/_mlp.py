@@ -33,6 +33,7 @@ from .._config import Fp8Config, resolve_config
 from .._ops import dot as _dot
 from .._ops import gated as _gated
 from .._ops import rows as _rows
+from .._ops import saved_fp8 as _saved
 from ._elementwise import ACTIVATIONS, NORMS, activate, normalize, relayout_rows
 from ._linear import Linear, apply_linear
 
@@ -59,6 +60,17 @@ class FusedMLP(eqx.Module):
     its block (128) keeps gate and up rows in separate scale blocks. `with_gate_block`
     converts a block.
 
+    ``fc1_out_fp8``: with FP8 fc1 and fc2, keep fc1's output for the backward as e4m3 with one
+    float32 scale (`fp8jax._ops.saved_fp8`; current scaling from its amax: one more read of
+    it, and its cast, in the forward) instead of bf16: half the bytes of the largest tensor
+    the block keeps, no GEMM run again (DeepSeek-V3's FP8 cache of the SwiGLU input). The
+    forward is unchanged; the rounding enters the activation's gradient (and on the gated
+    core fc2's weight gradient, whose FP8 input the backward recomputes from it; the XLA
+    path keeps that input's FP8 copy instead, as its recomputation would need the bf16
+    output). The copy carries fc1's output's checkpoint name (`fp8jax.remat_policy` keeps
+    it). Bf16 linears keep bf16 (their fc2 reads the bf16 activation, which keeping would
+    cost what the copy saves). `with_fc1_out_fp8` switches it.
+
     On Hopper, a gated activation (those in `_gated.GPU_TESTED`) with both linears FP8
     (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax._ops.gated`: one
     custom VJP whose Pallas kernels write the activation and its gradient straight to FP8,
@@ -81,6 +93,7 @@ class FusedMLP(eqx.Module):
     residual: bool = eqx.field(static=True)
     fused: bool = eqx.field(static=True)
     gate_block: int | None = eqx.field(static=True)
+    fc1_out_fp8: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -99,6 +112,7 @@ class FusedMLP(eqx.Module):
         fp8: bool = True,
         config: Fp8Config | None = None,
         gate_block: int | None = None,
+        fc1_out_fp8: bool = False,
         dtype=None,
         key: PRNGKeyArray | None = None,
         parts: tuple | None = None,
@@ -118,6 +132,7 @@ class FusedMLP(eqx.Module):
             fp8: FP8 linears (else ``eqx.nn.Linear``).
             config: the `Fp8Config` (None: the default one).
             gate_block: the gated fc1's row layout (None: ``[gate | up]``).
+            fc1_out_fp8: keep fc1's output for the backward in FP8 (see the class).
             dtype: the parameters' dtype.
             key: initialises the parameters (needed without ``parts``).
             parts: the parameters to use as they are instead.
@@ -157,6 +172,7 @@ class FusedMLP(eqx.Module):
             config=config,
             hidden=hidden,
             gate_block=gate_block,
+            fc1_out_fp8=fc1_out_fp8,
         )
 
     @classmethod
@@ -231,6 +247,11 @@ class FusedMLP(eqx.Module):
         """The same block (same arrays and state) with fusion on or off."""
         return self._replace(fused=fused)
 
+    def with_fc1_out_fp8(self, fc1_out_fp8: bool) -> "FusedMLP":
+        """The same block (same arrays and state) keeping fc1's output for the backward in
+        FP8 or not (see the class)."""
+        return self._replace(fc1_out_fp8=fc1_out_fp8)
+
     def _replace(self, *, fc1=None, **changes) -> "FusedMLP":
         """A block built by ``__init__`` from this one's arrays and fields (``fc1``, if
         given, in place of its own), ``changes`` applied. Its linears are kept as they are
@@ -245,6 +266,7 @@ class FusedMLP(eqx.Module):
             fused=self.fused,
             fp8=False,
             gate_block=self.gate_block,
+            fc1_out_fp8=self.fc1_out_fp8,
             parts=parts,
         )
         return type(self)(self.hidden, self.ffn, **(fields | changes))
@@ -255,7 +277,12 @@ class FusedMLP(eqx.Module):
             x, self.norm_weight, self.norm_bias, self.norm, self.eps, self.zero_centered_gamma
         )
         fc1_out = apply_linear(self.fc1, normed)
-        act = activate(checkpoint_name(fc1_out, FC1_OUT), self.activation, self.gate_block)
+        act_fn = functools.partial(activate, activation=self.activation, gate_block=self.gate_block)
+        if _stores_fp8(self):  # the backward reads fc1_out from an FP8 copy named FC1_OUT
+            margin = _saved.margin(self.fc1.dot_general.config)
+            act = _saved.through_fp8_residual(act_fn, fc1_out, FC1_OUT, margin)
+        else:
+            act = act_fn(checkpoint_name(fc1_out, FC1_OUT))
         y = apply_linear(self.fc2, act)
         if self.residual:
             y = y + x.astype(y.dtype)
@@ -334,6 +361,7 @@ def _init(
     config,
     hidden=None,
     gate_block=None,
+    fc1_out_fp8=False,
 ):
     """Validate shapes and set the fields (``__init__``'s body)."""
     _check_kinds(norm, activation)
@@ -395,6 +423,7 @@ def _init(
         residual=bool(residual),
         fused=bool(fused),
         gate_block=gate_block,
+        fc1_out_fp8=bool(fc1_out_fp8),
     ).items():
         setattr(self, name, value)
 
@@ -450,6 +479,7 @@ def _gated_call(mlp: FusedMLP, x):
         mlp.activation,
         mlp.gate_block,
         _row_split(mlp),
+        mlp.fc1_out_fp8,
     )
     y = _gated.gated_mlp(
         spec,
@@ -463,10 +493,19 @@ def _gated_call(mlp: FusedMLP, x):
     return y + x.astype(y.dtype) if mlp.residual else y
 
 
-def _policy():
+def _stores_fp8(mlp: FusedMLP) -> bool:
+    """Whether the block keeps fc1's output in FP8 (`FusedMLP.fc1_out_fp8`, FP8 linears)."""
+    return mlp.fc1_out_fp8 and isinstance(mlp.fc1, Linear) and isinstance(mlp.fc2, Linear)
+
+
+def _policy(mlp: FusedMLP):
     """Save fc1's output and the GEMMs' FP8 weights/scales; recompute the norm, the
-    activation and the FP8 input copies (elementwise, fused into passes that run anyway)."""
-    return jax.checkpoint_policies.save_only_these_names(FC1_OUT, *_dot.SAVED_RESIDUAL_NAMES)
+    activation and the FP8 input copies (elementwise, fused into passes that run anyway).
+    With fc1's output in FP8 the input copies are kept too: fc2's would be recomputed from
+    the bf16 output, whose GEMM would run again."""
+    inputs = (_dot.INPUT_RESIDUAL,) if _stores_fp8(mlp) else ()
+    names = (FC1_OUT, *inputs, *_dot.SAVED_RESIDUAL_NAMES)
+    return jax.checkpoint_policies.save_only_these_names(*names)
 
 
 def _checkpointed_call(mlp: FusedMLP, x):
@@ -477,4 +516,4 @@ def _checkpointed_call(mlp: FusedMLP, x):
     def block(params, x):
         return eqx.combine(params, static)._unfused(x)[0]
 
-    return jax.checkpoint(block, policy=_policy())(params, x)
+    return jax.checkpoint(block, policy=_policy(mlp))(params, x)

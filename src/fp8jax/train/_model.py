@@ -29,7 +29,7 @@ from ..nn._remat import remat_policy
 VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
 LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 # ``--remat``: what the backward keeps of each block (`remat_block`).
-REMAT = ("none", "fp8", "fp8-min", "full")
+REMAT = ("none", "fp8", "fp8-store", "fp8-min", "full")
 # ``--remat auto`` (the trainer's default): the first of `REMAT`, in order, whose compiled step
 # fits the device's memory (`fp8jax.train._memory.choose_remat`); the model is built with
 # ``"none"`` and rebuilt only where that does not fit.
@@ -249,16 +249,20 @@ def remat_block(block, remat: str):
     fp8 run keeps in FP8; a bf16 `FusedMLP` keeps its fc1 output only, as it does anyway)
     and the MLP's fc1 output are kept; the norms, rotary embedding, attention and
     activations are recomputed, and so is each GEMM whose output a recomputed op reads (qkv,
-    o); ``"fp8-min"``, the same but fc1's output, whose GEMM runs again too
-    (``remat_policy(keep_fc1_out=False)``); ``"full"``, nothing is kept but the block's
-    input. The values and gradients are those of ``"none"``. The MoE's grouped GEMMs name no
-    residual: under ``"fp8"`` they run again too."""
+    o); ``"fp8-store"``, the same with fc1's output kept in FP8 in the fp8 run
+    (`FusedMLP.fc1_out_fp8`, set by `Transformer.forward`: half its bytes, no GEMM run again;
+    the backward reads it rounded to e4m3, so the gradients differ slightly); ``"fp8-min"``,
+    ``"fp8"`` but fc1's output, whose GEMM runs again too (``remat_policy(keep_fc1_out=False)``);
+    ``"full"``, nothing is kept but the block's input. The values, and but for ``"fp8-store"``
+    the gradients, are those of ``"none"``. The MoE's grouped GEMMs name no residual: under
+    ``"fp8"`` they run again too."""
     _check_remat(remat)
     if remat == "none":
         return block
     # prevent_cse stays on (JAX's default; JAX allows it off inside a scan's loop): the GPU
     # presets unroll the layer scan, where XLA could merge the recomputation into the forward.
-    policy = {"fp8": remat_policy(), "fp8-min": remat_policy(keep_fc1_out=False)}.get(remat)
+    keep_fc1_out = {"fp8": True, "fp8-store": True, "fp8-min": False}
+    policy = remat_policy(keep_fc1_out=keep_fc1_out[remat]) if remat in keep_fc1_out else None
     return jax.checkpoint(block, policy=policy)
 
 
@@ -339,7 +343,8 @@ class Transformer(eqx.Module):
         # inside it: its float32 -> MAX_GRAD conversion and the backward's keep-or-replace
         # select then run on [layers, ...] arrays: fewer HLO instructions and a shorter
         # compile (issue 21; benchmarks/RESULTS.md, fourteenth session, "Two changes").
-        params, static = eqx.partition(enter_tree(self.blocks), eqx.is_array)
+        blocks = _fc1_out_fp8(self.blocks) if self.remat == "fp8-store" else self.blocks
+        params, static = eqx.partition(enter_tree(blocks), eqx.is_array)
         block = remat_block(lambda p, x: eqx.combine(p, static)(x), self.remat)
 
         def layer(carry, p):
@@ -355,6 +360,14 @@ class Transformer(eqx.Module):
         if logits_dtype is not None:
             logits = logits.astype(logits_dtype)
         return logits, self.cfg.aux_loss_coef * aux
+
+
+def _fc1_out_fp8(blocks):
+    """``blocks`` whose `FusedMLP` keeps fc1's output in FP8 for the backward (``--remat
+    fp8-store``; it does where its linears are FP8: the fp8 run)."""
+    if not isinstance(blocks.mlp, FusedMLP):
+        return blocks
+    return eqx.tree_at(lambda b: b.mlp, blocks, blocks.mlp.with_fc1_out_fp8(True))
 
 
 def cast_for_compute(model, dtype):
