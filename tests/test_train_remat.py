@@ -50,7 +50,10 @@ def _checkpoints(jaxpr) -> int:
 def test_remat_gives_the_same_loss_and_gradients(precision):
     """Bit for bit on the CPU. On a GPU the recomputed forward fuses differently, so bf16
     (and the FP8 casts fed by it) round differently: the loss within 1e-3 relative, every
-    gradient within 30 dB SQNR of the no-remat step's."""
+    gradient within 30 dB SQNR of the no-remat step's. ``fp8-store`` keeps fc1's output in FP8
+    in the fp8 run: the same loss (the forward is unchanged), every gradient within 17 dB SQNR
+    of none's (measured 19.8 dB at the least: this first step's FP8 gradients round to e5m2
+    with uncalibrated scales, and the rounded copy moves some roundings)."""
     batch = _batch(2)
     results, regions = {}, {}
     for remat in REMAT:
@@ -64,11 +67,13 @@ def test_remat_gives_the_same_loss_and_gradients(precision):
         regions[remat] = _checkpoints(jax.make_jaxpr(loss)(params).jaxpr)
         results[remat] = step.lower(params).compile(EXACT)(params)
     # FusedMLP checkpoints its own core in either precision; --remat adds one around the block
-    assert regions["fp8"] == regions["fp8-min"] == regions["full"] == regions["none"] + 1, regions
+    assert regions["fp8"] == regions["fp8-store"] == regions["fp8-min"] == regions["full"], regions
+    assert regions["fp8"] == regions["none"] + 1, regions
     loss0, grads0 = results["none"]
     leaves0 = jax.tree_util.tree_leaves(grads0)
     assert len(leaves0) > (30 if precision == "fp8" else 8)  # weights (and every FP8 state)
-    for remat in ("fp8", "fp8-min", "full"):
+    exact = ("fp8", "fp8-min", "full") + (("fp8-store",) if precision == "bf16" else ())
+    for remat in exact:
         loss1, grads1 = results[remat]
         pairs = list(zip(leaves0, jax.tree_util.tree_leaves(grads1), strict=True))
         if ON_GPU:
@@ -80,6 +85,13 @@ def test_remat_gives_the_same_loss_and_gradients(precision):
         assert float(loss1) == float(loss0), remat
         for a, b in pairs:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=remat)
+    if precision == "fp8":
+        loss1, grads1 = results["fp8-store"]
+        limit = 1e-3 * abs(float(loss0)) if ON_GPU else 0.0
+        assert abs(float(loss1) - float(loss0)) <= limit
+        for a, b in zip(leaves0, jax.tree_util.tree_leaves(grads1), strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.array_equal(a, b) or sqnr_db(b, a) > 17, sqnr_db(b, a)
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU memory analysis; the GPU's peak is benchmarks.memory's")
@@ -88,10 +100,12 @@ def test_remat_fp8_lowers_the_steps_temporaries_and_keeps_what_the_gemms_read(pr
     """The trainer's compiled step needs less temporary memory under ``--remat fp8`` (measured
     on the CPU: 0.67x in bf16, 0.63x in fp8); its backward keeps the GEMMs' input copies
     (FP8 in the fp8 run, bf16 in the bf16 run) and fc1's output; ``fp8-min`` keeps the same
-    but fc1's output, and less than ``fp8``."""
+    but fc1's output, and less than ``fp8``; ``fp8-store`` keeps fc1's output as e4m3 (and a
+    scale) in the fp8 run, half the bytes, with no more GEMMs in the step than ``fp8``'s
+    (``fp8-min``'s has more: fc1's forward again), and in the bf16 run what ``fp8`` keeps."""
     batch = _batch(4)
-    temp, kept = {}, {}
-    for remat in ("none", "fp8", "fp8-min"):
+    temp, kept, dots = {}, {}, {}
+    for remat in ("none", "fp8", "fp8-store", "fp8-min"):
         run = dataclasses.replace(BASE, remat=remat, batch=4)
         model = cli.build_model(run, precision)
         report = fp8jax.residuals_report(lambda m, b: cli.lm_loss(m, b), model, batch)
@@ -99,6 +113,7 @@ def test_remat_fp8_lowers_the_steps_temporaries_and_keeps_what_the_gemms_read(pr
         trainer = cli.Trainer(model, cli.make_optimizer(run))
         trainer.compile(batch)
         temp[remat] = trainer.compiled.memory_analysis().temp_size_in_bytes
+        dots[remat] = trainer.compiled.as_text().count(" dot(")
     assert temp["fp8"] < 0.75 * temp["none"], temp
     saved = {remat: sum(r.nbytes for r in rs) for remat, rs in kept.items()}
     assert saved["fp8"] < 0.6 * saved["none"], saved
@@ -110,6 +125,18 @@ def test_remat_fp8_lowers_the_steps_temporaries_and_keeps_what_the_gemms_read(pr
     assert saved["fp8-min"] < 0.8 * saved["fp8"], saved  # 0.71x in fp8
     names = {remat: {r.name for r in kept[remat]} for remat in ("fp8", "fp8-min")}
     assert FC1_OUT in names["fp8"] and FC1_OUT not in names["fp8-min"], names
+    fc1_out = {
+        remat: [(str(r.dtype), r.nbytes) for r in kept[remat] if r.name == FC1_OUT and len(r.shape) > 1]
+        for remat in ("fp8", "fp8-store")
+    }
+    ((dtype, nbytes),) = fc1_out["fp8"]
+    assert dtype == "bfloat16", fc1_out
+    if precision == "bf16":
+        assert fc1_out["fp8-store"] == fc1_out["fp8"] and saved["fp8-store"] == saved["fp8"]
+    else:
+        assert fc1_out["fp8-store"] == [("float8_e4m3fn", nbytes // 2)], fc1_out
+        assert saved["fp8-store"] == saved["fp8"] - nbytes // 2 + 4 * BASE.model.layers, saved
+    assert dots["fp8-store"] == dots["fp8"] < dots["fp8-min"], dots
 
 
 def test_remat_option_reaches_the_model_and_a_resume_may_change_it(tmp_path):
@@ -120,6 +147,8 @@ def test_remat_option_reaches_the_model_and_a_resume_may_change_it(tmp_path):
     run = cli.run_config(cli.parse_args(["--remat", "fp8"]))
     model = cli.build_model(run, "fp8")
     assert run.remat == model.remat == model.with_token_split(None).remat == "fp8"
+    store = cli.run_config(cli.parse_args(["--remat", "fp8-store"]))
+    assert store.remat == cli.build_model(store, "fp8").with_remat("fp8-store").remat
     # the default, auto (tests/test_train_remat_auto.py), builds the model as none
     default = cli.run_config(cli.parse_args([]))
     assert default.remat == "auto" and cli.build_model(default, "bf16").remat == "none"

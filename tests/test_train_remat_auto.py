@@ -1,6 +1,6 @@
 """fp8jax-train ``--remat auto`` (the default): the step is compiled with ``none``
 and, where its bytes (arguments + outputs - aliased + temporaries) exceed the device's limit, with
-``fp8``, ``fp8-min``, ``full`` in turn until one fits (``full`` where none does, with a
+``fp8``, ``fp8-store``, ``fp8-min``, ``full`` in turn until one fits (``full`` where none does, with a
 warning); one printed line names each try's bytes and the limit. No limit known (the CPU):
 ``none``. The limit is forced here by ``FP8JAX_MEMORY_LIMIT_GB``. Explicit choices are as
 before."""
@@ -59,7 +59,7 @@ def _choose(steps, monkeypatch, limit: int | None):
 
 def test_auto_tries_in_order_until_one_fits_and_names_the_bytes(steps, monkeypatch):
     """For a limit at (and a byte below) each choice's bytes: the first choice in
-    ``none, fp8, fp8-min, full`` whose step fits, ``full`` where none does; the line names
+    ``none, fp8, fp8-store, fp8-min, full`` whose step fits, ``full`` where none does; the line names
     the choice, each try's bytes and the limit."""
     _, nbytes = steps
     assert nbytes["fp8"] < nbytes["none"], nbytes  # the case --remat auto is for

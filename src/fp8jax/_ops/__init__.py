@@ -3,6 +3,7 @@ and `fp8jax.Fp8DotGeneral` call them.
 
 - `dot`: the linear layers' FP8 GEMM (forward, dgrad, wgrad) on 3-D operands.
 - `gated`: the FusedMLP core (fc1 -> gated activation -> fc2) as one custom VJP.
+- `saved_fp8`: an activation kept for the backward as e4m3 + scale (fc1's output).
 - `attention`: FP8 flash attention (cuDNN; plain-JAX reference).
 - `grouped`: MoE experts' grouped GEMMs, the FP8 and bf16 custom VJPs.
 - `grouped_tiled`: the grouped GEMMs under the row- and block-wise recipes.

@@ -105,7 +105,9 @@ class TrainRun:
             trainer.compile(spec)
             return trainer.compiled
 
-        return choose_remat(compile_with, trainer.devices(), REMAT)
+        # the bf16 run keeps fc1's output in bf16 under fp8-store: fp8's step, not tried twice
+        choices = REMAT if self.precision == "fp8" else tuple(r for r in REMAT if r != "fp8-store")
+        return choose_remat(compile_with, trainer.devices(), choices)
 
     @property
     def done(self) -> bool:
