@@ -75,6 +75,33 @@ def test_fused_mlp_core_runs_per_device_on_its_rows():
     assert_grads_match(grads, ref_grads)
 
 
+def test_fused_mlp_core_keeps_fc1_out_in_fp8_per_device():
+    """`FusedMLP(fc1_out_fp8=True)`'s core on the same mesh: fc1's output's FP8 copy is cast
+    on each device with the one scale of the whole tensor (a scalar max across the devices),
+    no activation is gathered; the loss is the mesh's without the option bit for bit, the
+    gradients match one device's with it."""
+    from fp8jax.nn import _mlp as mlp_module
+    from fp8jax._ops import gated
+
+    with gated.tuning(activation="interpret"):
+        kx, km, kc = jax.random.split(jax.random.PRNGKey(6), 3)
+        mlp = fp8jax.nn.FusedMLP(64, 128, config=CFG, gate_block=64, fc1_out_fp8=True, key=km)
+        x, c = (jax.random.normal(k, (512, 64)) for k in (kx, kc))
+        step = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, c: jnp.sum(m(x) * c)))
+        ref_loss, ref_grads = step(mlp, x, c)
+        mesh = _mesh(2, 4, 1)
+        model = fp8jax.shard_model(mlp, mesh)
+        rows = NamedSharding(mesh, P(("data", "fsdp")))
+        xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+        assert mlp_module._gated_core_runs(model, xs)
+        collectives = distributed.hlo_collectives(step.lower(model, xs, cs))
+        assert not [c for c in collectives if "512" in c.shape], collectives  # no token gather
+        loss, grads = step(model, xs, cs)
+        assert float(loss) == float(step(model.with_fc1_out_fp8(False), xs, cs)[0])
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    assert_grads_match(grads, ref_grads)
+
+
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
 def test_tiled_recipes_run_per_device_on_their_rows(recipe):
     """The row- and block-wise recipes under FSDP (2 x 4): casts and GEMMs run under
