@@ -32,8 +32,9 @@ def remat_policy(*extra_names: str, keep_fc1_out: bool = True) -> Callable:
     Arguments:
         extra_names: further ``checkpoint_name`` names of the user's own to save too.
         keep_fc1_out: keep `FusedMLP`'s fc1 output (bf16, ``[tokens, 2 * hidden]`` gated:
-            most of what the policy keeps). False recomputes it from the kept FP8 copies
-            (fc1's forward GEMM runs again in the backward): less memory for one more GEMM.
+            most of what the policy keeps; its e4m3 copy and scale with ``fc1_out_fp8``).
+            False recomputes it from the kept FP8 copies (fc1's forward GEMM runs again in
+            the backward): less memory for one more GEMM.
 
     Returns:
         The policy, for ``jax.checkpoint(..., policy=...)``.
