@@ -1,6 +1,6 @@
 """fp8jax-train ``--remat auto`` (the default): the step is compiled with ``none``
 and, where its bytes (arguments + outputs - aliased + temporaries) exceed the device's limit, with
-``fp8``, ``fp8-store``, ``fp8-min``, ``full`` in turn until one fits (``full`` where none does, with a
+``fp8``, ``fp8-min``, ``full`` in turn until one fits (``full`` where none does, with a
 warning); one printed line names each try's bytes and the limit. No limit known (the CPU):
 ``none``. The limit is forced here by ``FP8JAX_MEMORY_LIMIT_GB``. Explicit choices are as
 before."""
@@ -13,7 +13,7 @@ import pytest
 
 from fp8jax.train import _cli as cli
 from fp8jax.train import _memory as memory
-from fp8jax.train._model import REMAT
+from fp8jax.train._model import AUTO_ORDER as REMAT  # what --remat auto tries, in order
 
 SMALL = ["--dim", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
          "--seq", "32", "--batch", "8", "--eval-batches", "1", "--max-bytes", "100000", "--quiet",
@@ -59,7 +59,7 @@ def _choose(steps, monkeypatch, limit: int | None):
 
 def test_auto_tries_in_order_until_one_fits_and_names_the_bytes(steps, monkeypatch):
     """For a limit at (and a byte below) each choice's bytes: the first choice in
-    ``none, fp8, fp8-store, fp8-min, full`` whose step fits, ``full`` where none does; the line names
+    ``none, fp8, fp8-min, full`` whose step fits (``fp8-store``, which rounds, is never tried), ``full`` where none does; the line names
     the choice, each try's bytes and the limit."""
     _, nbytes = steps
     assert nbytes["fp8"] < nbytes["none"], nbytes  # the case --remat auto is for
@@ -78,6 +78,7 @@ def test_auto_tries_in_order_until_one_fits_and_names_the_bytes(steps, monkeypat
         assert warned == (nbytes["full"] > limit), line
         seen.add(chosen)
     assert {"none", "fp8", "full"} <= seen, seen
+    assert "fp8-store" not in REMAT  # it rounds: an explicit choice only
     # above none's bytes: none, compiled once; between fp8's and none's: fp8
     assert _choose(steps, monkeypatch, nbytes["none"] + 1)[:2] == ("none", {"none": nbytes["none"]})
     between = (nbytes["none"] + nbytes["fp8"]) // 2

@@ -18,7 +18,7 @@ from ._config import RunConfig, build_model, make_optimizer
 from ._memory import NO_LIMIT, allocator_peak_bytes, choose_remat
 from ._mesh import check_batch
 from ._metering import energy_counter, peak_flops
-from ._model import AUTO, REMAT
+from ._model import AUTO, AUTO_ORDER
 from ._report import TensorBoardLog
 from ._rundir import clear_outputs, config_record
 from ._trainer import Trainer
@@ -105,9 +105,7 @@ class TrainRun:
             trainer.compile(spec)
             return trainer.compiled
 
-        # the bf16 run keeps fc1's output in bf16 under fp8-store: fp8's step, not tried twice
-        choices = REMAT if self.precision == "fp8" else tuple(r for r in REMAT if r != "fp8-store")
-        return choose_remat(compile_with, trainer.devices(), choices)
+        return choose_remat(compile_with, trainer.devices(), AUTO_ORDER)
 
     @property
     def done(self) -> bool:

@@ -30,10 +30,13 @@ VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
 LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 # ``--remat``: what the backward keeps of each block (`remat_block`).
 REMAT = ("none", "fp8", "fp8-store", "fp8-min", "full")
-# ``--remat auto`` (the trainer's default): the first of `REMAT`, in order, whose compiled step
-# fits the device's memory (`fp8jax.train._memory.choose_remat`); the model is built with
-# ``"none"`` and rebuilt only where that does not fit.
+# ``--remat auto`` (the trainer's default): the first of `AUTO_ORDER`, in order, whose compiled
+# step fits the device's memory (`fp8jax.train._memory.choose_remat`); the model is built with
+# ``"none"`` and rebuilt only where that does not fit. Only the choices that keep the math:
+# ``fp8-store`` rounds what the activation's backward reads and has not yet been validated
+# over a training run on a GPU, so it is the user's explicit choice.
 AUTO = "auto"
+AUTO_ORDER = ("none", "fp8", "fp8-min", "full")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,7 +163,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         choices=[AUTO, *REMAT],
         default=AUTO,
         help="what the backward keeps of each block (jax.checkpoint): auto (the default: the "
-        "first of none, fp8, fp8-store (fp8 run), fp8-min, full whose compiled step fits the "
+        "first of none, fp8, fp8-min, full whose compiled step fits the "
         "GPU's memory limit less 5%%, said in one line with each try's bytes; none where no "
         "limit is known, as on a CPU); none (all it reads: the fastest where it fits); fp8 "
         "(fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run and bf16 in the bf16 "
