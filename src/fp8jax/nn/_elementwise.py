@@ -151,3 +151,32 @@ def _normalize_bwd(norm, eps, zero_centered_gamma, res, g):
 
 
 _normalize.defvjp(_normalize_fwd, _normalize_bwd)
+
+
+def check_gate_block(gate_block, ffn: int, activation: str) -> None:
+    """`FusedMLP`'s ``gate_block``: None, or a positive int dividing ``ffn`` for a gated
+    activation."""
+    if gate_block is None:
+        return
+    if not ACTIVATIONS[activation][1]:
+        raise ValueError(
+            f"FusedMLP: gate_block={gate_block!r} lays out a gated fc1's gate and up rows, "
+            f"but activation {activation!r} is not gated; leave gate_block=None"
+        )
+    if isinstance(gate_block, bool) or not isinstance(gate_block, int) or gate_block < 1:
+        raise ValueError(f"FusedMLP: gate_block must be None or a positive int, got {gate_block!r}")
+    if ffn % gate_block:
+        raise ValueError(
+            f"FusedMLP: gate_block={gate_block} must divide ffn={ffn} (fc1's gate and up halves "
+            "are interleaved in blocks of gate_block rows)"
+        )
+
+
+def check_kinds(norm: str, activation: str) -> None:
+    """`FusedMLP`'s ``norm`` and ``activation``: names in `NORMS` and `ACTIVATIONS`."""
+    if norm not in NORMS:
+        raise ValueError(f"FusedMLP: unknown norm {norm!r}; choose from {NORMS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"FusedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}"
+        )

@@ -34,7 +34,15 @@ from .._ops import dot as _dot
 from .._ops import gated as _gated
 from .._ops import rows as _rows
 from .._ops import saved_fp8 as _saved
-from ._elementwise import ACTIVATIONS, NORMS, activate, normalize, relayout_rows
+from ._elementwise import (
+    ACTIVATIONS,
+    NORMS,
+    activate,
+    check_gate_block,
+    check_kinds,
+    normalize,
+    relayout_rows,
+)
 from ._linear import Linear, apply_linear
 
 F32 = jnp.float32
@@ -139,7 +147,7 @@ class FusedMLP(eqx.Module):
         """
         hidden = checks.count("FusedMLP", "hidden", hidden)
         ffn = checks.count("FusedMLP", "ffn", ffn)
-        _check_kinds(norm, activation)
+        check_kinds(norm, activation)
         if parts is None:
             if key is None:
                 raise TypeError("FusedMLP: pass key= (to initialise the weights) or parts=.")
@@ -234,7 +242,7 @@ class FusedMLP(eqx.Module):
         """The same block with fc1's rows (weight, bias) moved to layout ``gate_block``
         (see the class): the same function of its input. The FP8 state is unchanged (a
         row permutation keeps every amax)."""
-        _check_gate_block(gate_block, self.ffn, self.activation)
+        check_gate_block(gate_block, self.ffn, self.activation)
         src = self.gate_block
         fc1 = eqx.tree_at(
             lambda f: f.weight, self.fc1, relayout_rows(self.fc1.weight, -2, src, gate_block)
@@ -318,32 +326,6 @@ class FusedMLP(eqx.Module):
         return _checkpointed_call(self, x)
 
 
-def _check_gate_block(gate_block, ffn: int, activation: str) -> None:
-    if gate_block is None:
-        return
-    if not ACTIVATIONS[activation][1]:
-        raise ValueError(
-            f"FusedMLP: gate_block={gate_block!r} lays out a gated fc1's gate and up rows, "
-            f"but activation {activation!r} is not gated; leave gate_block=None"
-        )
-    if isinstance(gate_block, bool) or not isinstance(gate_block, int) or gate_block < 1:
-        raise ValueError(f"FusedMLP: gate_block must be None or a positive int, got {gate_block!r}")
-    if ffn % gate_block:
-        raise ValueError(
-            f"FusedMLP: gate_block={gate_block} must divide ffn={ffn} (fc1's gate and up halves "
-            "are interleaved in blocks of gate_block rows)"
-        )
-
-
-def _check_kinds(norm: str, activation: str) -> None:
-    if norm not in NORMS:
-        raise ValueError(f"FusedMLP: unknown norm {norm!r}; choose from {NORMS}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"FusedMLP: unknown activation {activation!r}; choose from {tuple(ACTIVATIONS)}"
-        )
-
-
 def _init(
     self,
     weight,
@@ -364,7 +346,7 @@ def _init(
     fc1_out_fp8=False,
 ):
     """Validate shapes and set the fields (``__init__``'s body)."""
-    _check_kinds(norm, activation)
+    check_kinds(norm, activation)
     eps = checks.positive_number("FusedMLP", "eps", eps)
     try:
         config = resolve_config(config)
@@ -383,7 +365,7 @@ def _init(
             f"but fc1 has an odd number of outputs ({width})"
         )
     ffn = width // 2 if gated else width
-    _check_gate_block(gate_block, ffn, activation)
+    check_gate_block(gate_block, ffn, activation)
     if fc2.in_features != ffn:
         raise ValueError(
             f"FusedMLP: fc2 takes {fc2.in_features} features but {activation!r} gives {ffn} "
