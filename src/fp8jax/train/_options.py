@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from .. import _compilation as compilation
+from .._ops.tp_ring import OVERLAPS
 from .._recipe import RECIPES
 from ._config import PRESETS
 from ._model import AUTO, REMAT
@@ -210,7 +211,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     )
     add(
         "--tp-overlap",
-        choices=("none", "ring"),
+        choices=OVERLAPS,
         default="none",
         help="with --sequence-parallel: 'ring' runs the FP8 layers' token gathers and "
         "reduce-scatters as collective matmuls (ppermute rings, each chunk moved under the "
