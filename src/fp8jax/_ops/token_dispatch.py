@@ -111,11 +111,10 @@ def _all_to_all(x, axis):
 
 
 def quantize_rows(x):
-    """``x [..., H]`` as e4m3 with one float32 scale per row (``amax / 448``, current)."""
-    amax = jnp.max(jnp.abs(x.astype(F32)), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / q.fp8_max(E4M3), 1.0)
-    limit = q.fp8_max(E4M3)
-    return jnp.clip(x.astype(F32) / scale, -limit, limit).astype(E4M3), scale[..., 0]
+    """``x [..., H]`` as e4m3 with one float32 scale per row: the tiled recipes' current
+    scaling (`fp8jax._quant.tile_scales` of each row's amax) with a ``1 x H`` tile."""
+    scale = q.tile_scales(q.tile_amax(x, axis=-1), E4M3)
+    return q.saturate(x, 1.0 / scale[..., None], E4M3), scale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
