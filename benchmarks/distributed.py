@@ -64,6 +64,7 @@ import fp8jax
 from benchmarks import comm_profile, common
 from fp8jax import _compilation as compilation
 from fp8jax import distributed
+from fp8jax._ops.tp_ring import OVERLAPS
 from fp8jax.nn import cross_entropy
 from fp8jax.train import _cli as cli
 from fp8jax.train._memory import compiled_bytes, saved_cell, saved_residuals
@@ -409,7 +410,7 @@ def main(argv=None):
     )
     p.add_argument(
         "--tp-overlap",
-        choices=("none", "ring"),
+        choices=OVERLAPS,
         default="none",
         help="with --sequence-parallel: 'ring' moves the FP8 layers' tokens as collective "
         "matmuls (fp8jax-train's option)",

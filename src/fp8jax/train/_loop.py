@@ -230,7 +230,7 @@ class TrainRun:
         """(peak MiB, its source): on a GPU the allocator's peak (the largest of this
         process's devices of the step) where it grew during this run and no other run's
         arrays shared the device (``alone``: not ``--interleave``d), else the compiled step's
-        memory analysis (arguments + outputs + temporaries per device)."""
+        memory analysis (`Trainer.peak_mem_mb`)."""
         peak = allocator_peak_bytes(self.trainer.devices())
         if alone and peak is not None and (self.peak_before is None or peak > self.peak_before):
             return peak / 2**20, "allocator"

@@ -31,7 +31,7 @@ def saved_residuals(loss: Callable, model, batch) -> dict:
         ``saved_residual_mb``: the total in MiB, and ``saved_residuals``: MiB by dtype name
         (largest first; they sum to the total).
     """
-    report = residuals_report(lambda m, b: loss(m, b), model, batch)
+    report = residuals_report(loss, model, batch)
     by_dtype: dict[str, float] = {}
     for r in report.residuals:
         if r.kind != "argument":  # the parameters themselves
