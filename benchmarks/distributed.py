@@ -302,6 +302,8 @@ def run_params(run, sizes, devices) -> dict:
         params["tp_overlap"] = run.tp_overlap
     if run.fp8_head:
         params["fp8_head"] = True
+    if run.fp8_attention:
+        params["fp8_attention"] = True
     flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "").strip()
     if flags:  # the user's XLA flags change what is measured: they go with the record
         params["xla_flags"] = flags
@@ -419,6 +421,11 @@ def main(argv=None):
         "--vocab", type=int, default=None, help="vocabulary size (default: the preset's)"
     )
     p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
+    p.add_argument(
+        "--fp8-attention",
+        action="store_true",
+        help="attention in FP8 too (cuDNN on Hopper; fp8jax-train's option)",
+    )
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")
     p.add_argument(
@@ -454,6 +461,7 @@ def main(argv=None):
         sequence_parallel=args.sequence_parallel,
         tp_overlap=args.tp_overlap,
         fp8_head=args.fp8_head,
+        fp8_attention=args.fp8_attention,
     )
     if args.tp_overlap != "none" and not args.sequence_parallel:
         p.error(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")

@@ -27,11 +27,13 @@ from ._collectives import (  # noqa: F401  (public here too)
 )
 from ._convert import _path_str
 from ._ops import fsdp
+from ._ops.attention import AttnSplit
 from ._ops.dot import WeightSharding
 from ._ops.expert_parallel import ExpertSharding
 from ._placement import _axis_size, _check_auto, _check_mesh, _kinds, _matches, _names
 from ._sequence import _batch_axes, _record_sequence, check_overlap
 from ._state import OverwriteWithGradient
+from .nn._attention import DotProductAttention
 from .nn._grouped import GroupedLinear
 from .nn._linear import Linear
 from .nn._mlp import ACTIVATIONS, FusedMLP
@@ -207,7 +209,26 @@ def shard_model(
     if sequence_parallel:
         batch = _batch_axes(mesh, batch_axes, tensor_axis)
         model = _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap)
-    return model
+    heads = tensor_axis if (column_parallel or row_parallel) else None
+    return _record_attention(model, mesh, _batch_axes(mesh, batch_axes, tensor_axis), heads)
+
+
+def _record_attention(model: Any, mesh: Mesh, batch_axes, head_axis: str | None) -> Any:
+    """``model`` with each FP8 `DotProductAttention` run per device on its sequences
+    (split over ``batch_axes``) and heads (over ``head_axis``, the tensor-parallel axis:
+    column-parallel QKV projections split the heads), as `fp8jax._ops.attention.AttnSplit`
+    says; axes of size 1 are left out. A no-op on one device."""
+    batch = tuple(a for a in batch_axes if mesh.shape[a] > 1)
+    head = head_axis if head_axis is not None and mesh.shape[head_axis] > 1 else None
+    if not (batch or head):
+        return model
+    split = AttnSplit(mesh, batch, head)
+    is_attn = lambda x: isinstance(x, DotProductAttention)  # noqa: E731
+
+    def record(x):
+        return x.with_split(split) if is_attn(x) and x.state is not None else x
+
+    return jax.tree_util.tree_map(record, model, is_leaf=is_attn)
 
 
 def _check_gated_splits(model: Any, mesh: Mesh, tensor_axis, column_parallel) -> None:

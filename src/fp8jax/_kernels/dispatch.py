@@ -46,7 +46,8 @@ def unpartitioned_reason() -> str | None:
     XLA would hand each device the whole operands (all-gathered) and run the kernel on them.
     They run when one device is visible, or inside a `jax.shard_map` that makes every mesh
     axis manual (the kernel then sees its own shard); elsewhere the XLA path runs, which
-    partitions. (cuDNN attention is XLA's own custom call and partitions.)"""
+    partitions. (cuDNN's bf16 attention partitions by JAX's rule; its FP8 attention runs per
+    device where the model was placed: `fp8jax._ops.attention.AttnSplit`.)"""
     if jax.device_count() == 1:
         return None
     mesh = jax.sharding.get_abstract_mesh()

@@ -23,11 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
+from jax.sharding import PartitionSpec as P
 
 from .. import _quant as qt
 from .. import _state
 from .._config import Fp8Config
 from .._kernels import cudnn_attention as cudnn
+from .._kernels import dispatch
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn
@@ -39,6 +41,16 @@ S_SCALE = 1.0 / 448.0
 INITIAL_SCALES = tuple(S_SCALE if name == "s" else 1.0 for name in TENSORS)
 
 
+class AttnSplit(NamedTuple):
+    """Where a placed model's attention runs (`fp8jax.shard_model` records it): its
+    sequences split over ``batch_axes`` of ``mesh`` and its heads over ``head_axis`` (None:
+    not split). Hashable: part of `AttnSpec`."""
+
+    mesh: jax.sharding.Mesh
+    batch_axes: tuple[str, ...]
+    head_axis: str | None = None
+
+
 class AttnSpec(NamedTuple):
     """Static description of one attention call (hashable: a custom_vjp nondiff arg)."""
 
@@ -48,6 +60,7 @@ class AttnSpec(NamedTuple):
     softmax_scale: float
     in_dtype: np.dtype  # of q, k, v: their gradients come back in it
     out_dtype: np.dtype
+    split: AttnSplit | None = None
 
 
 # ----------------------------------------------------------------------------- reference
@@ -120,8 +133,81 @@ def _reference_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
     return (*out, qt.amax(dq), qt.amax(dk), qt.amax(dv), amax_dp)
 
 
+# ----------------------------------------------------------------------------- per shard
+# cuDNN's FP8 attention is a custom call whose partitioning rule (JAX's) failed to compile
+# with the batch split over four GPUs ("dimensions mismatch as broadcasting", jax 0.11.2)
+# and declares the amaxes replicated though each device sees only its own rows. Where
+# the model was placed on a mesh, each device runs the kernel on its own sequences and
+# heads (attention mixes neither), and the amaxes are combined by ``pmax``.
+BTNH, HEADS_FIRST, ROWS, WHOLE, MAX = "btnh", "bn", "b", "whole", "max"
+
+
+def _split_spec(split: AttnSplit, kind: str, ndim: int) -> P:
+    batch = split.batch_axes or None
+    if kind == BTNH:
+        return P(batch, None, split.head_axis, None)
+    if kind == HEADS_FIRST:  # softmax statistics [B, N, T, ...]
+        return P(batch, split.head_axis, *(None,) * (ndim - 2))
+    if kind == ROWS:
+        return P(batch)
+    return P()
+
+
+def _on_shards(split: AttnSplit | None, fn, args: tuple, in_kinds: tuple, out_kinds: tuple):
+    """``fn(*args)`` on each device's sequences and heads when ``split`` is given and the
+    program spans several devices outside a ``shard_map`` (else a plain call). Kinds:
+    `BTNH`, `HEADS_FIRST`, `ROWS` (``[B]``), `WHOLE` (replicated) and, for outputs, `MAX`
+    (an amax: ``pmax`` over the split axes). None args and outputs pass through."""
+    if split is None or dispatch.unpartitioned_reason() is None:
+        return fn(*args)
+    axes = tuple(split.batch_axes) + ((split.head_axis,) if split.head_axis else ())
+    present = [i for i, a in enumerate(args) if a is not None]
+
+    def local(*given):
+        full = list(args)
+        for i, a in zip(present, given):
+            full[i] = a
+        outs = fn(*full)
+        return tuple(
+            None if o is None else jax.lax.pmax(o, axes) if k == MAX else o
+            for o, k in zip(outs, out_kinds)
+        )
+
+    outs_shape = jax.eval_shape(fn, *args)
+    out_specs = tuple(
+        None if o is None else _split_spec(split, k, o.ndim) for o, k in zip(outs_shape, out_kinds)
+    )
+    return jax.shard_map(
+        local,
+        mesh=split.mesh,
+        in_specs=tuple(_split_spec(split, in_kinds[i], args[i].ndim) for i in present),
+        out_specs=out_specs,
+        check_vma=False,
+    )(*(args[i] for i in present))
+
+
 # ----------------------------------------------------------------------------- backends
 def _backend_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
+    return _on_shards(
+        spec.split,
+        lambda *a: _local_forward(spec, *a, training),
+        (q8, k8, v8, sc, q_len, kv_len),
+        (BTNH, BTNH, BTNH, WHOLE, ROWS, ROWS),
+        (BTNH, MAX, MAX, HEADS_FIRST),
+    )
+
+
+def _backend_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
+    return _on_shards(
+        spec.split,
+        lambda *a: _local_backward(spec, *a),
+        (q8, k8, v8, o8, do8, stats, sc, q_len, kv_len),
+        (BTNH,) * 5 + (HEADS_FIRST, WHOLE, ROWS, ROWS),
+        (BTNH,) * 3 + (MAX,) * 4,
+    )
+
+
+def _local_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
     if spec.backend == "reference":
         return _reference_forward(spec, q8, k8, v8, sc, q_len, kv_len)
     # Always cuDNN's training kernel: its inference variant gave wrong outputs without a
@@ -143,7 +229,7 @@ def _backend_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
     return o8, amax_s, amax_o, stats if training else None
 
 
-def _backend_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
+def _local_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
     if spec.backend == "reference":
         return _reference_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len)
     return cudnn.backward(

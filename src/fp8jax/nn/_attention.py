@@ -24,6 +24,7 @@ usual `partition_for_grad_overwrite` / `apply_updates` step works unchanged.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import ClassVar
@@ -216,6 +217,7 @@ def dot_product_attention(
     query_seq_lengths: Int[Array, " B"] | None = None,
     key_value_seq_lengths: Int[Array, " B"] | None = None,
     backend: str = "auto",
+    split: _attention.AttnSplit | None = None,
 ) -> Float[Array, "B T N H"]:
     """Scaled dot-product attention on BTNH arrays, in FP8 for ``mode="fp8_dpa"`` /
     ``"fp8_mha"`` (``state`` required) or in the input precision for ``"bf16"``.
@@ -237,6 +239,9 @@ def dot_product_attention(
         scale: the scores' scale (None: ``1 / sqrt(H)``).
         query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths, or None.
         backend: ``"auto"``, ``"cudnn"`` (``"kernel"``) or ``"reference"``.
+        split: FP8 modes over several devices: the mesh axes that split the sequences and
+            the heads (`fp8jax.shard_model` records it in `DotProductAttention`); each
+            device then runs the kernel on its own part. None: one call, as XLA places it.
 
     Returns:
         The attention output ``[B, T, N, H]`` in the query's dtype; in FP8 modes the
@@ -283,6 +288,7 @@ def dot_product_attention(
         softmax_scale,
         np.dtype(query.dtype),
         np.dtype(query.dtype),
+        split,
     )
     q_len = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths, jnp.int32)
     kv_len = (
@@ -309,6 +315,7 @@ class DotProductAttention(eqx.Module):
     is_causal: bool = eqx.field(static=True)
     scale: float | None = eqx.field(static=True)
     backend: str = eqx.field(static=True)
+    split: _attention.AttnSplit | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -330,6 +337,14 @@ class DotProductAttention(eqx.Module):
             raise TypeError(f"DotProductAttention: {e}.") from None
         self.state = None if mode == "bf16" else Fp8AttentionState(config, stack_shape=stack_shape)
         self.mode, self.is_causal, self.scale, self.backend = mode, bool(is_causal), scale, backend
+        self.split = None
+
+    def with_split(self, split: _attention.AttnSplit | None) -> "DotProductAttention":
+        """This layer run per device on ``split``'s sequences and heads (`fp8jax.shard_model`
+        records it when it places a model)."""
+        new = copy.copy(self)  # shares the state arrays; ``split`` is a static field
+        object.__setattr__(new, "split", split)
+        return new
 
     @jax.named_scope("fp8jax.nn.DotProductAttention")
     def __call__(self, query, key, value, *, query_seq_lengths=None, key_value_seq_lengths=None):
@@ -353,5 +368,6 @@ class DotProductAttention(eqx.Module):
             query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths,
             backend=self.backend,
+            split=self.split,
         )
         return out[0] if single else out
