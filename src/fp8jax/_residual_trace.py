@@ -96,7 +96,10 @@ class Tensors:
     def root(self, jaxpr, v) -> tuple:
         """A hashable key of ``v``'s tensor."""
         end = self._walk(jaxpr, v, False)
-        return end[:2] if end[0] == "call" else ("var", end[1])
+        if end[0] == "call":
+            return end[:2]
+        # a walk may end at a literal (a cast of a constant): unhashable, its own tensor
+        return ("literal", id(end[1])) if is_literal(end[1]) else ("var", end[1])
 
     def _walk(self, jaxpr, v, fp8: bool) -> tuple:
         """``("var", var, fp8)``: the variable of ``jaxpr`` the walk from ``v`` ends at;

@@ -240,6 +240,21 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
 
 
+def _after(a, amax):
+    """``a`` (FP8) unchanged, computed from ``amax`` (the output gradient's) too: a saved
+    copy the backward gathers again (its tokens under sequence parallelism, the weight
+    under FSDP) is gathered only once the output gradient exists. The gather reads forward
+    values only, so XLA may otherwise run it in the forward and hold the gathered copy, ``tp``
+    or ``fsdp`` times the saved bytes, until the backward (an optimization barrier does not
+    order it: XLA's CPU pipeline drops barriers before scheduling). The dependency is a max
+    of the bits with a zero XLA cannot fold (``x != x and x == x`` is false for every ``x``,
+    NaN included): one elementwise pass over the shard."""
+    amax = jnp.max(jnp.asarray(amax, F32))
+    zero = ((amax != amax) & (amax == amax)).astype(jnp.uint8)
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint8)
+    return jax.lax.bitcast_convert_type(jnp.maximum(bits, zero), a.dtype)
+
+
 def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     """``g_scale``: the output gradient's scale where the forward chose it (delayed
     per-tensor scaling), else its old scale."""
@@ -251,7 +266,6 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         gT, xT = jnp.swapaxes(g3, 1, 2), jnp.swapaxes(xr, 1, 2)
         dw = _gemm.gemm(xT, gT, wr.dtype) if spec.rhs_k_first else _gemm.gemm(gT, xT, wr.dtype)
         return dx, dw, jnp.zeros((), F32), g_scale
-    xTq, w_kn = xr, _fsdp(spec, wr, not spec.rhs_k_first, True)  # FSDP: all-gather FP8 again
     known = g_scale if _scales_in_forward(spec) else None
     rows = _rows(spec, g3.shape[1])  # as the forward's: the same token count
     if rows is None:
@@ -262,6 +276,13 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     # row gathers the FP8 output gradient's tokens: one layout where one scale covers the
     # tensor (wgrad's copy is the gathered one transposed on each device), else both.
     col, row = _sp.sides(spec.sequence)
+    # The shards kept are gathered again after the output gradient's cast (`_after`).
+    t, xTq, w_kn = not spec.rhs_k_first, xr, wr  # w_kn is w3's transpose
+    if col is not None:
+        xTq = _sp.constrain(col, _after(_sp.constrain(col, xr, 2, True), g.amax), 2, True)
+    if spec.w_shardings:  # FSDP with a recorded sharding: the weight's shard
+        w_kn = _fsdp(spec, _after(_fsdp(spec, wr, t, False), g.amax), t, False)
+    w_kn = _fsdp(spec, w_kn, t, True)  # FSDP: all-gather FP8 again
     fast = cfg.fast_backward
     if _ring.applies(spec.sequence, recipe):  # dgrad as a ring; wgrad's operands gathered
         gemm = functools.partial(recipe.gemm, out_dtype=spec.x_dtype, fast_accumulation=fast)
