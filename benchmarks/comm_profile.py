@@ -97,11 +97,54 @@ def exposed_comm_ms(trace_dir: str, steps: int) -> tuple[float, float] | None:
     return mean[0], mean[1]
 
 
+KINDS = ("gemm", "attention", "collective", "other")
+
+
+def kernel_kind(kernel: str) -> str:
+    """``"collective"`` (NCCL), ``"gemm"`` (cuBLAS(Lt)/CUTLASS/nvjet GEMMs; our own GEMM
+    kernels are named ``*gemm*``), ``"attention"`` (cuDNN's flash attention) or ``"other"``
+    (elementwise, reductions, casts, copies)."""
+    name = kernel.lower()
+    if is_collective(name):
+        return "collective"
+    if any(k in name for k in ("sdpa", "flash", "fmha", "attention")):
+        return "attention"
+    if any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "matmul")):
+        return "gemm"
+    return "other"
+
+
+def breakdown_ms(trace_dir: str, steps: int) -> dict[str, float] | None:
+    """Where a step's time goes on its GPUs (mean over them, ms per step): ``gemm``,
+    ``attention``, ``other`` (each the union of its kernels' intervals), ``exposed_comm``
+    (collectives under no compute), ``idle`` (no kernel at all between the trace's first
+    and last kernel) and ``span``. None without GPU planes."""
+    rows = []
+    for kernels in device_kernels(trace_dir).values():
+        by = {k: merge((s, e) for n, s, e in kernels if kernel_kind(n) == k) for k in KINDS}
+        compute = merge(iv for k in ("gemm", "attention", "other") for iv in by[k])
+        start, end = min(s for _, s, _ in kernels), max(e for _, _, e in kernels)
+        busy = covered(merge(compute + by["collective"]))
+        row = {k: covered(by[k]) for k in ("gemm", "attention", "other")}
+        row["exposed_comm"] = exposed(by["collective"], compute)[0]
+        row["idle"], row["span"] = end - start - busy, end - start
+        rows.append(row)
+    if not rows:
+        return None
+    return {k: sum(r[k] for r in rows) / len(rows) / steps / 1e6 for k in rows[0]}
+
+
 def profile_exposed_comm(run_step: Callable[[], object], steps: int = 3):
     """``run_step()`` ``steps`` times under the profiler (it must block until its step is
     done); returns `exposed_comm_ms` of the trace."""
+    return profile_step(run_step, steps)[0]
+
+
+def profile_step(run_step: Callable[[], object], steps: int = 3):
+    """As `profile_exposed_comm`, and `breakdown_ms` of the same trace: ``(exposed_comm_ms
+    result, breakdown)``."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
                 run_step()
-        return exposed_comm_ms(trace_dir, steps)
+        return exposed_comm_ms(trace_dir, steps), breakdown_ms(trace_dir, steps)

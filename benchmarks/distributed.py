@@ -95,7 +95,14 @@ RECORD_FIELDS = (
     "saved_residuals",
 )
 # Fields only some records have (written where a row has them): ``--max-batch``'s.
-OPTIONAL_FIELDS = ("max_batch", "max_batch_mem_mb", "next_mem_mb", "memory_limit_gb", "compiles")
+OPTIONAL_FIELDS = (
+    "max_batch",
+    "max_batch_mem_mb",
+    "next_mem_mb",
+    "memory_limit_gb",
+    "compiles",
+    "time_breakdown_ms",  # GPU: where the step's time goes (`comm_profile.breakdown_ms`)
+)
 MAX_BATCH_STEPS = 2**16  # --max-batch gives up above this many sequences per rank
 
 
@@ -201,10 +208,17 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
             state[0], state[1], out = compiled(state[0], state[1], batch)
             jax.block_until_ready(out)
 
-        comm = comm_profile.profile_exposed_comm(one_step)
+        comm, breakdown = comm_profile.profile_step(one_step)
         params, opt_state = state
         if comm is not None:
             row["exposed_comm_ms"], row["comm_ms"] = comm
+        if breakdown is not None:  # where the step's time goes: GEMMs, attention, the rest
+            row["time_breakdown_ms"] = breakdown
+            print(
+                f"{precision}: time per step (ms) "
+                + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items()),
+                flush=True,
+            )
     mem = compiled_bytes(compiled, donated=True)  # the step donates params and opt state
     mem = None if mem is None else mem / 2**20
     return dict(row, ms=ms, tokens_per_s=batch_size * run.model.seq / (ms * 1e-3), peak_mem_mb=mem)
@@ -507,6 +521,7 @@ def main(argv=None):
         Path(args.out),
         RECORD_FIELDS,
         record=not args.quick,
+        optional=OPTIONAL_FIELDS,
     )
 
 

@@ -352,6 +352,33 @@ def test_exposed_communication_is_the_collective_time_no_compute_covers():
     assert not cp.is_collective("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128")
 
 
+def test_step_breakdown_sorts_kernels_and_counts_idle_time(monkeypatch):
+    """`breakdown_ms`: GEMM, attention and other kernels each as the union of their
+    intervals, collectives only where no compute covers them, idle where nothing runs."""
+    from benchmarks import comm_profile as cp
+
+    assert cp.kernel_kind("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n") == "gemm"
+    assert cp.kernel_kind("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert cp.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_knob_7") == "attention"
+    assert cp.kernel_kind("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "collective"
+    assert cp.kernel_kind("loop_convert_fusion_3") == "other"
+    ms = 1_000_000
+    kernels = {
+        "/device:GPU:0": [
+            ("nvjet_gemm_a", 0, 4 * ms),
+            ("sm90_xmma_gemm_b", 3 * ms, 6 * ms),  # overlaps the first GEMM: union 6 ms
+            ("cudnn_sdpa_fwd", 6 * ms, 8 * ms),
+            ("ncclDevKernel_AllGather", 7 * ms, 11 * ms),  # 3 ms not under compute
+            ("fusion_1", 12 * ms, 13 * ms),  # idle 11..12
+        ]
+    }
+    monkeypatch.setattr(cp, "device_kernels", lambda trace_dir: kernels)
+    got = cp.breakdown_ms("unused", steps=1)
+    want = dict(gemm=6.0, attention=2.0, other=1.0, exposed_comm=3.0, idle=1.0, span=13.0)
+    assert got == pytest.approx(want)
+    assert cp.breakdown_ms("unused", steps=2)["gemm"] == pytest.approx(3.0)
+
+
 def test_distributed_vocab_option(tmp_path):
     """``--vocab`` sizes the embedding and head (the tokens drawn from all of it)."""
     from benchmarks import distributed
