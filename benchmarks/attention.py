@@ -4,7 +4,9 @@ Two levels, each timed in one process and one run:
 
 * ``attention`` (the core on BTNH q, k, v): ``cudnn-bf16`` (``jax.nn.dot_product_attention``,
   cuDNN) vs ``fp8jax-fp8_dpa`` (`fp8jax.nn.dot_product_attention`, cuDNN FP8 with
-  bf16 in/out, the casts included);
+  bf16 in/out, the casts included) and ``fp8-mgpu``, forward only (fp8jax's own Pallas
+  Mosaic GPU kernel, `fp8jax._kernels.flash_fp8_mgpu`, after per-tensor e4m3 casts of
+  q, k, v from their amax; its "FP8 attention" cell reads "mgpu (fwd only)");
 * ``mha`` (the `fp8jax.nn.MultiHeadAttention` block: QKV projection, rotary,
   attention, output projection on ``x: [batch, seq, dim]``): ``cudnn-bf16`` (mode
   bf16), ``fp8jax-fp8_dpa`` (FP8 core, bf16 projections) and ``fp8jax-fp8_mha``
@@ -41,11 +43,12 @@ from fp8jax.nn import DotProductAttention, MultiHeadAttention
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 VARIANTS = {
-    "attention": ("cudnn-bf16", "fp8jax-fp8_dpa"),
+    "attention": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8-mgpu"),
     "mha": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8jax-fp8_mha"),
 }
 MODE = {"cudnn-bf16": "bf16", "fp8jax-fp8_dpa": "fp8_dpa", "fp8jax-fp8_mha": "fp8_mha"}
 DIRECTIONS = ("fwd", "fwd+bwd")
+FORWARD_ONLY = ("fp8-mgpu",)  # variants without a backward: no fwd+bwd rows
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
 DEFAULT_SEQS = (2048, 4096, 8192, 16384, 32768)
 DEFAULT_OUT = common.results_path("attention")
@@ -59,6 +62,7 @@ RECORD_FIELDS = (
     "saved_act_mb",
     "peak_mem_mb",
 )
+OPTIONAL_FIELDS = ("forward_only",)
 
 
 def case_params(seq: int, quick: bool) -> dict:
@@ -107,6 +111,26 @@ def build(level: str, variant: str, p: dict, key, backend: str):
     return module, [(p["batch"], p["seq"], dim)]
 
 
+def mgpu_step(p: dict, backend: str) -> common.Step:
+    """``fp8-mgpu``'s forward: per-tensor e4m3 casts of q, k, v (scale amax / 448) and the
+    causal FP8 flash-attention kernel (its plain-JAX reference with ``backend``
+    "reference"), output bf16."""
+    from fp8jax._kernels import flash_fp8_mgpu as flash
+
+    attend = flash.flash_fp8_reference if backend == "reference" else flash.flash_fp8
+    e4m3 = jnp.float8_e4m3fn
+
+    def cast(x):
+        scale = jnp.maximum(jnp.max(jnp.abs(x.astype(F32))), 1e-12) / 448.0
+        return (x.astype(F32) / scale).astype(e4m3), scale
+
+    def fn(params, inputs, g):
+        (q, qs), (k, ks), (v, vs) = (cast(x) for x in inputs)
+        return attend(q, k, v, qs, ks, vs, causal=True)[0]
+
+    return common.Step(fn, None)
+
+
 def make_step(module, direction: str, inputs, g) -> common.Step:
     """A `benchmarks.common.Step` of ``direction``: the forward output, or the loss and
     its gradients. FP8 variants are calibrated by one train step first (delayed scales
@@ -130,8 +154,14 @@ def run_case(
     for level in levels:
         for direction in DIRECTIONS:
             for variant in VARIANTS[level]:
+                if variant in FORWARD_ONLY and direction != "fwd":
+                    continue
                 row = dict(meta, params=dict(p, level=level, direction=direction), variant=variant)
                 try:
+                    if variant in FORWARD_ONLY:
+                        row.update(_time_mgpu(p, key, backend, iters, reps))
+                        rows.append(row)
+                        continue
                     module, shapes = build(level, variant, p, key, backend)
                     keys = jax.random.split(jax.random.PRNGKey(seq + 1), 3 * len(shapes) + 1)
                     input_sets = [
@@ -162,6 +192,38 @@ def run_case(
     return rows
 
 
+def _time_mgpu(p: dict, key, backend: str, iters: int, reps: int) -> dict:
+    """The ``fp8-mgpu`` row's measured fields (forward only; no saved activations)."""
+    q_shape = (p["batch"], p["seq"], p["heads"], p["head_dim"])
+    kv_shape = (p["batch"], p["seq"], p["kv_heads"], p["head_dim"])
+    keys = jax.random.split(key, 9)
+    input_sets = [
+        [
+            jax.random.normal(keys[3 * i + j], s, BF16)
+            for j, s in enumerate((q_shape, kv_shape, kv_shape))
+        ]
+        for i in range(3)
+    ]
+    step = mgpu_step(p, backend)
+    ms = common.time_step(step, input_sets, None, iters, reps, warmup=1)
+    hlo = step.hlo_text(input_sets[0], None)
+    kernel = "mosaic_gpu" in hlo
+    return dict(
+        ms=ms,
+        fp8_gemms=kernel or not common.on_gpu(),
+        fp8_attention_kernel=kernel,
+        forward_only=True,
+        peak_mem_mb=common.peak_mem_mb(step, input_sets[0], None),
+        saved_act_mb=None,
+    )
+
+
+def _fp8_attention_cell(r) -> str:
+    if r.get("forward_only"):
+        return "mgpu (fwd only)" if r["fp8_attention_kernel"] else "reference (fwd only)"
+    return "yes" if r["fp8_attention_kernel"] else "no"
+
+
 def markdown_table(rows) -> str:
     def case(r):
         p = r["params"]
@@ -171,8 +233,8 @@ def markdown_table(rows) -> str:
         ("ms", lambda r: f"{r['ms']:.3f}"),
         ("TFLOP/s", lambda r: common.fmt(r["tflops"], ".0f")),
         ("vs bf16", lambda r: common.fmt(r["speedup_vs_bf16"], ".2f", "x")),
-        ("FP8 attention", lambda r: "yes" if r["fp8_attention_kernel"] else "no"),
-        ("saved act MiB", lambda r: f"{r['saved_act_mb']:.0f}"),
+        ("FP8 attention", _fp8_attention_cell),
+        ("saved act MiB", lambda r: common.fmt(r["saved_act_mb"], ".0f")),
         ("peak MiB", lambda r: common.fmt(r["peak_mem_mb"], ".0f")),
     ]
     return "\n".join(
@@ -214,6 +276,7 @@ def main(argv=None) -> list[dict]:
         args.out,
         RECORD_FIELDS,
         record=not args.quick,
+        optional=OPTIONAL_FIELDS,
     )
 
 

@@ -12,4 +12,5 @@ Implementation: the public part is `gemm`'s ``tuning`` (see ``docs/architecture.
 - `grouped_gemm`: Hopper grouped GEMM kernels (Pallas Mosaic GPU) for MoE experts.
 - `gated_activation`: Pallas Triton gated activation + FP8 cast of the FusedMLP core.
 - `cudnn_attention`: cuDNN FP8 flash-attention custom calls.
+- `flash_fp8_mgpu`: a Hopper FP8 flash-attention forward (Pallas Mosaic GPU, wgmma).
 """
