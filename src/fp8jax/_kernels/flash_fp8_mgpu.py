@@ -55,11 +55,12 @@ COMPUTE_WGS = 2  # compute warpgroups per CTA (the third one loads)
 class Config:
     """Tiles of `flash_fp8`: each compute warpgroup owns ``block_q`` query rows (a CTA
     ``2 * block_q``); K/V stream in ``block_kv``-row tiles through ``max_concurrent_steps``
-    shared-memory slots (``attention_mgpu``'s defaults)."""
+    shared-memory slots. The fastest of a sweep at seq 8192, 32 heads x 128, causal
+    (`benchmarks/RESULTS.md`, "FP8 flash attention, first attempt")."""
 
     block_q: int = 64
     block_kv: int = 128
-    max_concurrent_steps: int = 2
+    max_concurrent_steps: int = 4
 
 
 def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
