@@ -546,3 +546,22 @@ def test_fp8_attention_runs_per_device_and_matches_one_device(shape, tp):
     text = jax.make_jaxpr(lambda m: m(xs))(sharded)
     assert "shard_map" in str(text)
     check_matches(train(sharded, xs), train(model, x))
+
+
+def test_fp8_attention_split_keeps_heads_whole_where_the_axis_does_not_divide_them():
+    """Two KV heads over a tensor axis of 4: each device runs all heads of its sequences
+    (the output still matches one device); a batch the split does not divide is refused
+    with the axes named."""
+    from fp8jax._ops.attention import AttnSplit
+
+    mesh = _mesh(2, 1, 4)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference")
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(ks[0], (4, 32, 8, 16))
+    k, v = (jax.random.normal(kk, (4, 32, 2, 16)) for kk in ks[1:])
+    split = attn.with_split(AttnSplit(mesh, ("data",), "tensor"))
+    want = jax.jit(lambda q, k, v: attn(q, k, v))(q, k, v)
+    got = jax.jit(lambda q, k, v: split(q, k, v))(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="3 sequences do not split over the mesh axes"):
+        jax.jit(lambda q, k, v: split(q, k, v))(q[:3], k[:3], v[:3])

@@ -17,6 +17,7 @@ so that repeated uses of one state in a step combine by max.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -161,6 +162,12 @@ def _on_shards(split: AttnSplit | None, fn, args: tuple, in_kinds: tuple, out_ki
     if split is None or dispatch.unpartitioned_reason() is None:
         return fn(*args)
     axes = tuple(split.batch_axes) + ((split.head_axis,) if split.head_axis else ())
+    rows = math.prod(split.mesh.shape[a] for a in split.batch_axes)
+    if args[0].shape[0] % rows:
+        raise ValueError(
+            f"FP8 attention: {args[0].shape[0]} sequences do not split over the mesh axes "
+            f"{split.batch_axes} ({rows} devices) that the model was placed to split them over"
+        )
     present = [i for i, a in enumerate(args) if a is not None]
 
     def local(*given):
@@ -187,9 +194,18 @@ def _on_shards(split: AttnSplit | None, fn, args: tuple, in_kinds: tuple, out_ki
 
 
 # ----------------------------------------------------------------------------- backends
+def _fit(split: AttnSplit | None, q, k) -> AttnSplit | None:
+    """``split`` for these shapes: heads split only where the head axis divides both the
+    query and the KV heads (else each device runs all heads of its sequences)."""
+    if split is None or split.head_axis is None:
+        return split
+    n = split.mesh.shape[split.head_axis]
+    return split if q.shape[2] % n == 0 and k.shape[2] % n == 0 else split._replace(head_axis=None)
+
+
 def _backend_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
     return _on_shards(
-        spec.split,
+        _fit(spec.split, q8, k8),
         lambda *a: _local_forward(spec, *a, training),
         (q8, k8, v8, sc, q_len, kv_len),
         (BTNH, BTNH, BTNH, WHOLE, ROWS, ROWS),
@@ -199,7 +215,7 @@ def _backend_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
 
 def _backend_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
     return _on_shards(
-        spec.split,
+        _fit(spec.split, q8, k8),
         lambda *a: _local_backward(spec, *a),
         (q8, k8, v8, o8, do8, stats, sc, q_len, kv_len),
         (BTNH,) * 5 + (HEADS_FIRST, WHOLE, ROWS, ROWS),
