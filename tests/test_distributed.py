@@ -520,22 +520,6 @@ def test_fp8_attention_runs_per_device_and_matches_one_device(shape, tp):
     model = fp8jax.fp8_linear_layers(_AttnBlock(jax.random.PRNGKey(0)), CFG)
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 32, 64)) * 2.0
     y = jax.random.normal(jax.random.PRNGKey(2), (8, 32, 64))
-
-    @eqx.filter_jit
-    def attn_step(model, opt_state, x, y):
-        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-        model, opt_state = fp8jax.optax_step(OPT, model, grads, opt_state)
-        return model, opt_state, loss, fp8jax.trainable(grads)
-
-    def train(model, x):
-        opt_state = OPT.init(fp8jax.trainable(model))
-        losses, grads = [], []
-        for _ in range(STEPS):
-            model, opt_state, loss, g = attn_step(model, opt_state, x, y)
-            losses.append(float(loss))
-            grads.append(g)
-        return model, losses, grads
-
     mesh = _mesh(*shape)
     kw = dict(tensor_axis="tensor", column_parallel=["qkv"], row_parallel=["o"]) if tp else {}
     sharded = distributed.shard_model(model, mesh, **kw)
@@ -545,7 +529,7 @@ def test_fp8_attention_runs_per_device_and_matches_one_device(shape, tp):
     xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
     text = jax.make_jaxpr(lambda m: m(xs))(sharded)
     assert "shard_map" in str(text)
-    check_matches(train(sharded, xs), train(model, x))
+    check_matches(_train(sharded, xs, y), _train(model, x, y))
 
 
 def test_fp8_attention_split_keeps_heads_whole_where_the_axis_does_not_divide_them():
