@@ -24,7 +24,6 @@ usual `partition_for_grad_overwrite` / `apply_updates` step works unchanged.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import ClassVar
@@ -308,6 +307,10 @@ class DotProductAttention(eqx.Module):
         is_causal, scale, backend: as `dot_product_attention` takes them.
         config: the `Fp8Config` (None: the default one).
         stack_shape: leading dims of stacked layers, else ``()``.
+        split: where the layer runs over several devices (`dot_product_attention`'s
+            ``split``; `fp8jax.shard_model` records it), else None.
+        state: an existing `Fp8AttentionState` to keep (its arrays shared; FP8 modes),
+            instead of a fresh one from ``config`` and ``stack_shape``.
     """
 
     state: Fp8AttentionState | None
@@ -326,6 +329,8 @@ class DotProductAttention(eqx.Module):
         backend: str = "auto",
         config: Fp8Config | None = None,
         stack_shape: tuple[int, ...] = (),
+        split: _attention.AttnSplit | None = None,
+        state: Fp8AttentionState | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"DotProductAttention: mode must be one of {MODES}, got {mode!r}")
@@ -335,16 +340,29 @@ class DotProductAttention(eqx.Module):
             config = resolve_config(config)
         except TypeError as e:
             raise TypeError(f"DotProductAttention: {e}.") from None
-        self.state = None if mode == "bf16" else Fp8AttentionState(config, stack_shape=stack_shape)
+        if mode == "bf16":
+            state = None
+        elif state is None:
+            state = Fp8AttentionState(config, stack_shape=stack_shape)
+        elif not isinstance(state, Fp8AttentionState):
+            raise TypeError(
+                f"DotProductAttention: state must be an Fp8AttentionState, got {type(state)}"
+            )
+        self.state = state
         self.mode, self.is_causal, self.scale, self.backend = mode, bool(is_causal), scale, backend
-        self.split = None
+        self.split = split
 
     def with_split(self, split: _attention.AttnSplit | None) -> "DotProductAttention":
-        """This layer run per device on ``split``'s sequences and heads (`fp8jax.shard_model`
-        records it when it places a model)."""
-        new = copy.copy(self)  # shares the state arrays; ``split`` is a static field
-        object.__setattr__(new, "split", split)
-        return new
+        """The same layer (shared state arrays) run per device on ``split``'s sequences and
+        heads (`fp8jax.shard_model` records it when it places a model)."""
+        return type(self)(
+            self.mode,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            backend=self.backend,
+            split=split,
+            state=self.state,
+        )
 
     @jax.named_scope("fp8jax.nn.DotProductAttention")
     def __call__(self, query, key, value, *, query_seq_lengths=None, key_value_seq_lengths=None):
