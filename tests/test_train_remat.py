@@ -12,7 +12,7 @@ import pytest
 from conftest import ON_GPU, sqnr_db
 
 import fp8jax
-from fp8jax._ops.dot import INPUT_RESIDUAL
+from fp8jax._ops.dot import INPUT_RESIDUAL, KERNEL_RESIDUAL
 from fp8jax.nn._mlp import FC1_OUT
 from fp8jax.train import _cli as cli
 from fp8jax.train import _resume as resume
@@ -102,14 +102,23 @@ def test_remat_fp8_lowers_the_steps_temporaries_and_keeps_what_the_gemms_read(pr
     (FP8 in the fp8 run, bf16 in the bf16 run) and fc1's output; ``fp8-min`` keeps the same
     but fc1's output, and less than ``fp8``; ``fp8-store`` keeps fc1's output as e4m3 (and a
     scale) in the fp8 run, half the bytes, with no more GEMMs in the step than ``fp8``'s
-    (``fp8-min``'s has more: fc1's forward again), and in the bf16 run what ``fp8`` keeps."""
+    (``fp8-min``'s has more: fc1's forward again), and in the bf16 run what ``fp8`` keeps.
+    Issue 49: no FP8 GEMM's operand, activation or weight, is also kept in bf16 (before,
+    `FusedMLP`'s checkpoint kept fc1's and fc2's bf16 weights to recompute their FP8 input
+    copies); under a remat policy only the weights of the GEMMs it runs again are."""
     batch = _batch(4)
     temp, kept, dots = {}, {}, {}
+    cfg = BASE.model
+    rerun = {(cfg.dim, cfg.dim + 2 * cfg.kv_heads * cfg.head_dim), (cfg.dim, cfg.dim)}  # qkv, o
+    rerun = {"fp8": rerun, "fp8-store": rerun, "fp8-min": rerun | {(cfg.dim, 2 * cfg.ffn)}}
     for remat in ("none", "fp8", "fp8-store", "fp8-min"):
         run = dataclasses.replace(BASE, remat=remat, batch=4)
         model = cli.build_model(run, precision)
         report = fp8jax.residuals_report(lambda m, b: cli.lm_loss(m, b), model, batch)
         kept[remat] = [r for r in report.residuals if r.kind != "argument"]
+        twice = report.bf16_copies_of_fp8_inputs()  # (FP8 copy, bf16 copy) pairs
+        assert all(f.name == KERNEL_RESIDUAL for f, _ in twice), (remat, twice)
+        assert {f.shape[-2:] for f, _ in twice} <= rerun.get(remat, set()), (remat, twice)
         trainer = cli.Trainer(model, cli.make_optimizer(run))
         trainer.compile(batch)
         temp[remat] = trainer.compiled.memory_analysis().temp_size_in_bytes

@@ -193,15 +193,19 @@ def _scales_in_forward(spec: Spec) -> bool:
     return spec.config.recipe.scale_known_before_cast
 
 
-def _fwd_impl(spec: Spec, x3, w3, state):
+def _cast_input(spec: Spec, n: int, x3, state):
+    """The forward's input side: ``x3``'s FP8 copies (the GEMM's, with its scale, and the
+    transposed one the wgrad keeps, with its scale and amax) and the weight's and output
+    gradient's scales where delayed scaling chooses all three at once; ``x3`` itself where
+    the GEMM runs in the input precision (`uses_fp8`; ``n``: the layer's outputs, for its
+    warning). Apart from the weight's side (`_weight_gemm`): a ``jax.checkpoint`` that
+    recomputes the input's copy replays this op alone, from ``x3`` and the state, instead of
+    keeping the high-precision weight for a replay of the whole forward."""
     cfg, recipe = spec.config, spec.config.recipe
-    in_s, k_s, g_s, in_h, k_h, _, _ = state
-    out_dtype = spec.out_dtype
-    if not uses_fp8(spec, x3.shape[1], x3.shape[2], w3.shape[2 if spec.rhs_k_first else 1]):
-        y = _gemm.gemm(x3, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
-        zero = jnp.zeros((), F32)
-        return y, (x3, w3, in_s, k_s, zero, zero, g_s)
-    sx, sw, sg = None, None, g_s  # None: each cast chooses its own scale
+    in_s, k_s, g_s, in_h, _, _, _ = state
+    if not uses_fp8(spec, x3.shape[1], x3.shape[2], n):
+        return x3, in_s, x3, in_s, jnp.zeros((), F32), k_s, g_s
+    sx, sw, sg = None, k_s, g_s  # None: the cast chooses its own scale
     if _scales_in_forward(spec):  # all three in one small computation; sg to the backward
         scales = recipe.gemm_scales(*scale_inputs(cfg, state))
         sx, sw, sg = scales[0:1], scales[1:2], scales[2:3]
@@ -210,6 +214,24 @@ def _fwd_impl(spec: Spec, x3, w3, state):
         x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
     else:
         x = _cast_rows(rows, recipe, x3, cfg.input_dtype)
+    # Sequence parallel: a column-parallel layer's transposed copy stays split until the
+    # backward (`_weight_gemm` gathers the GEMM's copy).
+    col, _ = _sp.sides(spec.sequence)
+    x_data_t = _sp.constrain(col, x.data_t, 2, True) if col else x.data_t
+    return x.data, x.scale, x_data_t, x.scale_t, x.amax, sw, sg
+
+
+def _weight_gemm(spec: Spec, x_data, x_scale, w3, state, sw, sg):
+    """The forward's weight side and GEMM, from `_cast_input`'s copy of the input: ``y``,
+    the weight's FP8 copy the dgrad reads, its scale and amax."""
+    cfg, recipe = spec.config, spec.config.recipe
+    _, k_s, _, _, k_h, _, _ = state
+    out_dtype = spec.out_dtype
+    if x_data.dtype != cfg.input_dtype:  # `_cast_input` chose the input precision
+        y = _gemm.gemm(x_data, jnp.swapaxes(w3, 1, 2) if spec.rhs_k_first else w3, out_dtype)
+        return y, w3, sw, jnp.zeros((), F32)
+    sw = sw if _scales_in_forward(spec) else None  # None: the cast chooses its own scale
+    rows = _rows(spec, x_data.shape[1])
     # FSDP: each device casts its own shard (global amax: a scalar all-reduce), the FP8
     # copy is all-gathered for the GEMM and kept sharded as the residual.
     w3 = _fsdp(spec, w3, False, False)
@@ -220,24 +242,31 @@ def _fwd_impl(spec: Spec, x3, w3, state):
     t = spec.rhs_k_first  # w_nk is w3's transpose
     w_nk = _fsdp(spec, _fsdp(spec, w_nk, t, False), t, True)
     w_kn = _fsdp(spec, w_kn, not t, False)
-    # Sequence parallel: a column-parallel layer all-gathers its FP8 input's tokens (its
-    # transposed copy stays split until the backward); a row-parallel one reduce-scatters
-    # its output. Identities without it.
+    # Sequence parallel: a column-parallel layer all-gathers its FP8 input's tokens; a
+    # row-parallel one reduce-scatters its output. Identities without it.
     col, row = _sp.sides(spec.sequence)
-    x_data_t = _sp.constrain(col, x.data_t, 2, True) if col else x.data_t
     if _ring.applies(spec.sequence, recipe):  # the same moves, chunked under the GEMMs
         gemm = functools.partial(
             recipe.gemm, out_dtype=out_dtype, fast_accumulation=cfg.fast_forward
         )
-        y = _ring.forward(spec.sequence, gemm, x.data, x.scale, w_nk, sw_nk)
-        return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
-    x_data, x_scale = _sp.gather_scaled(col, x.data, x.scale, 1)
+        y = _ring.forward(spec.sequence, gemm, x_data, x_scale, w_nk, sw_nk)
+        return y, w_kn, sw_kn, w.amax
+    x_data, x_scale = _sp.gather_scaled(col, x_data, x_scale, 1)
     # x [B, M, K] . w [B, N, K]: column splits N (w's dim 1), row splits K (both dims 2)
     x_data, w_nk = _sp.pin_operands(col, x_data, w_nk, None, 1)
     x_data, w_nk = _sp.pin_operands(row, x_data, w_nk, 2, 2)
     y = _gemm_rows(rows, recipe, x_data, x_scale, w_nk, sw_nk, out_dtype, cfg.fast_forward)
     y = _sp.scatter(row, y, 1)
-    return y, (x_data_t, w_kn, x.scale_t, sw_kn, x.amax, w.amax, sg)
+    return y, w_kn, sw_kn, w.amax
+
+
+def _fwd_impl(spec: Spec, x3, w3, state):
+    """``y`` and the residuals ``(xTq, w_kn, sx, sw, ax, aw, sg)``: two ``custom_vmap`` ops,
+    `_cast_input` (whose inputs are ``x3`` and the state) and `_weight_gemm`."""
+    n = w3.shape[2 if spec.rhs_k_first else 1]
+    x_data, x_scale, xr, sx, ax, sw, sg = cast_fn(spec, n)(x3, state)
+    y, wr, sw, aw = gemm_fn(spec)(x_data, x_scale, w3, state, sw, sg)
+    return y, (xr, wr, sx, sw, ax, aw, sg)
 
 
 def _after(a, amax):
@@ -392,31 +421,79 @@ def _traced_once(impl, name: str):
 
 @functools.lru_cache(maxsize=None)
 def fwd_fn(spec: Spec):
-    """Forward compute as a ``custom_vmap``: under ``jax.vmap`` over the activations
-    the vmapped axis becomes GEMM rows (one GEMM, one amax over the whole batch)."""
+    """Forward compute (`_fwd_impl`) as two ``custom_vmap`` ops (`cast_fn`, `gemm_fn`):
+    under ``jax.vmap`` over the activations the vmapped axis becomes GEMM rows (one GEMM,
+    one amax over the whole batch)."""
 
     def impl(x3, w3, state):
         return _fwd_impl(spec, x3, w3, state)
 
-    fn = custom_vmap(_traced_once(impl, "fp8_gemm_forward"))
+    return _quiet_when_vmapped(_traced_once(impl, "fp8_gemm_forward"), 0)
+
+
+def _rows_scale(scale, m: int) -> bool:
+    """Whether an activation's scale ``scale`` has one row per token (row- and block-wise
+    recipes: ``[B, M, ...]``), so that a vmapped axis folded into the ``m`` rows splits it."""
+    return scale.ndim == 3 and scale.shape[1] == m
+
+
+@functools.lru_cache(maxsize=None)
+def cast_fn(spec: Spec, n: int):
+    """`_cast_input` as a ``custom_vmap``: under ``jax.vmap`` over the activations the
+    vmapped axis becomes rows of one cast (one amax); its copies come back split again."""
+
+    def impl(x3, state):
+        return _cast_input(spec, n, x3, state)
+
+    @custom_vmap
+    def fn(x3, state):
+        return impl(x3, state)
 
     @fn.def_vmap
-    def rule(axis_size, in_batched, x3, w3, state):
-        xb, wb, sb = in_batched
+    def rule(axis_size, in_batched, x3, state):
+        xb, sb = in_batched
         if axis_size == 0:
             raise ValueError(
                 f"Fp8DotGeneral: vmapped over an axis of size 0 (each example's input "
                 f"{tuple(x3.shape[1:])}): no rows, so no amax for the FP8 scales."
             )
-        if not xb or wb or any(jax.tree_util.tree_leaves(sb)):
-            return _decide_loudly(x3, _fallback_vmap, impl, in_batched, (x3, w3, state))
-        y, (xr, *others) = _decide_loudly(x3, fn, _merge(x3, axis_size), w3, state)
+        if not xb or any(jax.tree_util.tree_leaves(sb)):
+            return _decide_loudly(x3, _fallback_vmap, impl, in_batched, (x3, state))
+        merged = _merge(x3, axis_size)
+        data, scale, xr, *others = _decide_loudly(x3, fn, merged, state)
         fp8 = xr.dtype == spec.config.input_dtype
+        per_row = fp8 and _rows_scale(scale, merged.shape[1])
+        data = _split_rows(data, axis_size)
+        scale = _split_rows(scale, axis_size) if per_row else scale
         xr = _split_cols(xr, axis_size) if fp8 else _split_rows(xr, axis_size)
-        out = (_split_rows(y, axis_size), (xr, *others))
-        return out, (True, (True,) + (False,) * len(others))
+        return (data, scale, xr, *others), (True, per_row, True) + (False,) * len(others)
 
-    return _quiet_when_vmapped(fn, 0)
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_fn(spec: Spec):
+    """`_weight_gemm` as a ``custom_vmap``: activations vmapped (the weight and state not)
+    are one GEMM over all their rows."""
+
+    def impl(x_data, x_scale, w3, state, sw, sg):
+        return _weight_gemm(spec, x_data, x_scale, w3, state, sw, sg)
+
+    @custom_vmap
+    def fn(x_data, x_scale, w3, state, sw, sg):
+        return impl(x_data, x_scale, w3, state, sw, sg)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        xb, scale_b, *others_b = in_batched
+        if not xb or any(jax.tree_util.tree_leaves(others_b)):
+            return _fallback_vmap(impl, in_batched, args)
+        x_data, x_scale, *others = args
+        x_scale = _merge(x_scale, axis_size) if scale_b else x_scale
+        y, *res = fn(_merge(x_data, axis_size), x_scale, *others)
+        return (_split_rows(y, axis_size), *res), (True,) + (False,) * len(res)
+
+    return fn
 
 
 @functools.lru_cache(maxsize=None)
