@@ -385,16 +385,18 @@ def test_step_breakdown_sorts_kernels_and_counts_idle_time(monkeypatch):
 
 
 def test_distributed_vocab_option(tmp_path):
-    """``--vocab`` sizes the embedding and head (the tokens drawn from all of it)."""
+    """``--vocab`` sizes the embedding and head (the tokens drawn from all of it); the FP8
+    head and attention (split over fsdp x tensor) run and are recorded."""
     from benchmarks import distributed
 
     args = ["--quick", "--mesh", "fsdp=2,tensor=4", "--no-baseline", "--vocab", "1000",
-            "--fp8-head", "--out", str(tmp_path / "d.jsonl")]
+            "--fp8-head", "--fp8-attention", "--out", str(tmp_path / "d.jsonl")]
     rows = distributed.main(args)
     assert [r["variant"] for r in rows] == ["bf16", "fp8"]
     for r in rows:
         assert r.get("error") is None, r.get("error")
         assert r["params"]["vocab"] == 1000 and r["params"]["fp8_head"]
+        assert r["params"]["fp8_attention"]
 
 
 def test_distributed_max_batch_finds_each_variants_largest_batch(tmp_path):
