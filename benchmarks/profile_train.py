@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from benchmarks import comm_profile
+from fp8jax import _jax_compat
 from fp8jax.train import _cli as cli
 from fp8jax.train._memory import saved_cell
 
@@ -269,6 +270,19 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
+
+
+def command_buffers_off() -> None:
+    """Add `COMMAND_BUFFERS_OFF` to ``XLA_FLAGS``; refused once JAX's backend has started
+    (the flag would silently not apply)."""
+    if _jax_compat.backend_started():
+        raise SystemExit("--op-names: JAX's backend already started; its flags are fixed")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if COMMAND_BUFFERS_OFF not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFERS_OFF}".strip()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.profile_train", description=__doc__.split("\n\n")[0]
@@ -286,10 +300,18 @@ def main(argv=None):
         default=None,
         help="directory for each variant's compiled HLO text and kernel times",
     )
+    p.add_argument(
+        "--op-names",
+        action="store_true",
+        help="GPU: XLA's command buffers off, so each kernel is named by its HLO op (with them "
+        "a whole step is one 'command_buffer'); the steps then run without them as well",
+    )
     p.add_argument("--quick", action="store_true", help="tiny preset, 2 steps (CPU smoke run)")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.steps, args.profile_steps = "tiny", 2, 1
+    if args.op_names:
+        command_buffers_off()
     print(
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, preset {args.preset}", flush=True
     )

@@ -1,6 +1,7 @@
 """Smoke test of the benchmark harness (CPU-sized ``--quick`` run)."""
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -230,6 +231,22 @@ def test_profile_train_quick_runs_and_parses_variants():
     assert "| saved MiB | " in profile_train.table(results)
     line = '  %c = (bf16[4]{0}, s8[8]{0}) custom-call(f8e4m3fn[4]{0} %a), custom_call_target="__cublas$lt$matmul$f8"'
     assert profile_train.categorize(line, "") == "gemm-fp8"
+
+
+def test_profile_train_op_names_turns_command_buffers_off_before_the_backend(monkeypatch):
+    """``--op-names`` adds XLA's command-buffer flag while JAX's backend has not started, and
+    refuses (never silently ignored) once it has, as in this test process."""
+    from benchmarks import profile_train as pt
+    from fp8jax import _jax_compat
+
+    jax.devices()
+    with pytest.raises(SystemExit, match="backend already started"):
+        pt.command_buffers_off()
+    monkeypatch.setattr(_jax_compat, "backend_started", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+    pt.command_buffers_off()
+    pt.command_buffers_off()  # once only
+    assert os.environ["XLA_FLAGS"] == f"--xla_foo=1 {pt.COMMAND_BUFFERS_OFF}"
 
 
 def test_big_writes_lists_activation_sized_passes_with_their_dtypes():
