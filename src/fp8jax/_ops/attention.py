@@ -143,12 +143,13 @@ def _reference_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
 BTNH, HEADS_FIRST, ROWS, WHOLE, MAX = "btnh", "bn", "b", "whole", "max"
 
 
-def _split_spec(split: AttnSplit, kind: str, ndim: int) -> P:
+def _split_spec(split: AttnSplit, kind: str) -> P:
+    """The ``shard_map`` spec of an array of ``kind`` (dims it leaves out are not split)."""
     batch = split.batch_axes or None
     if kind == BTNH:
-        return P(batch, None, split.head_axis, None)
+        return P(batch, None, split.head_axis)
     if kind == HEADS_FIRST:  # softmax statistics [B, N, T, ...]
-        return P(batch, split.head_axis, *(None,) * (ndim - 2))
+        return P(batch, split.head_axis)
     if kind == ROWS:
         return P(batch)
     return P()
@@ -180,15 +181,11 @@ def _on_shards(split: AttnSplit | None, fn, args: tuple, in_kinds: tuple, out_ki
             for o, k in zip(outs, out_kinds)
         )
 
-    outs_shape = jax.eval_shape(fn, *args)
-    out_specs = tuple(
-        None if o is None else _split_spec(split, k, o.ndim) for o, k in zip(outs_shape, out_kinds)
-    )
     return jax.shard_map(
         local,
         mesh=split.mesh,
-        in_specs=tuple(_split_spec(split, in_kinds[i], args[i].ndim) for i in present),
-        out_specs=out_specs,
+        in_specs=tuple(_split_spec(split, in_kinds[i]) for i in present),
+        out_specs=tuple(_split_spec(split, k) for k in out_kinds),
         check_vma=False,
     )(*(args[i] for i in present))
 
