@@ -2,8 +2,9 @@
 runs on a GPU and no compute kernel runs beside it on any of that GPU's streams.
 
 A step whose all-gathers and reduce-scatters run under GEMMs has ~0 exposed communication;
-one that waits for them has their whole duration exposed. `profile_exposed_comm` traces a
-few steps with `jax.profiler` and reads the device planes of the trace (``*.xplane.pb``).
+one that waits for them has their whole duration exposed. `profile_step` traces a few
+steps with `jax.profiler` and reads the device planes of the trace (``*.xplane.pb``) into
+`breakdown_ms`: that, and where the rest of the step's time goes.
 """
 
 from __future__ import annotations
@@ -83,20 +84,6 @@ def device_kernels(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:
     return out
 
 
-def exposed_comm_ms(trace_dir: str, steps: int) -> tuple[float, float] | None:
-    """(exposed, total) collective ms per step, the mean over the trace's GPUs; None without
-    GPU planes (a CPU run)."""
-    per_device = []
-    for kernels in device_kernels(trace_dir).values():
-        comm = [(s, e) for name, s, e in kernels if is_collective(name)]
-        compute = [(s, e) for name, s, e in kernels if not is_collective(name)]
-        per_device.append(exposed(comm, compute))
-    if not per_device:
-        return None
-    mean = [sum(v[i] for v in per_device) / len(per_device) / steps / 1e6 for i in (0, 1)]
-    return mean[0], mean[1]
-
-
 KINDS = ("gemm", "attention", "collective", "other")
 
 
@@ -117,8 +104,9 @@ def kernel_kind(kernel: str) -> str:
 def breakdown_ms(trace_dir: str, steps: int) -> dict[str, float] | None:
     """Where a step's time goes on its GPUs (mean over them, ms per step): ``gemm``,
     ``attention``, ``other`` (each the union of its kernels' intervals), ``exposed_comm``
-    (collectives under no compute), ``idle`` (no kernel at all between the trace's first
-    and last kernel) and ``span``. None without GPU planes."""
+    (collectives under no compute), ``comm`` (all collective time), ``idle`` (no kernel at
+    all between the trace's first and last kernel) and ``span``. None without GPU planes
+    (a CPU run)."""
     rows = []
     for kernels in device_kernels(trace_dir).values():
         by = {k: merge((s, e) for n, s, e in kernels if kernel_kind(n) == k) for k in KINDS}
@@ -126,7 +114,7 @@ def breakdown_ms(trace_dir: str, steps: int) -> dict[str, float] | None:
         start, end = min(s for _, s, _ in kernels), max(e for _, _, e in kernels)
         busy = covered(merge(compute + by["collective"]))
         row = {k: covered(by[k]) for k in ("gemm", "attention", "other")}
-        row["exposed_comm"] = exposed(by["collective"], compute)[0]
+        row["exposed_comm"], row["comm"] = exposed(by["collective"], compute)
         row["idle"], row["span"] = end - start - busy, end - start
         rows.append(row)
     if not rows:
@@ -134,17 +122,11 @@ def breakdown_ms(trace_dir: str, steps: int) -> dict[str, float] | None:
     return {k: sum(r[k] for r in rows) / len(rows) / steps / 1e6 for k in rows[0]}
 
 
-def profile_exposed_comm(run_step: Callable[[], object], steps: int = 3):
+def profile_step(run_step: Callable[[], object], steps: int = 3) -> dict[str, float] | None:
     """``run_step()`` ``steps`` times under the profiler (it must block until its step is
-    done); returns `exposed_comm_ms` of the trace."""
-    return profile_step(run_step, steps)[0]
-
-
-def profile_step(run_step: Callable[[], object], steps: int = 3):
-    """As `profile_exposed_comm`, and `breakdown_ms` of the same trace: ``(exposed_comm_ms
-    result, breakdown)``."""
+    done); returns `breakdown_ms` of the trace."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
                 run_step()
-        return exposed_comm_ms(trace_dir, steps), breakdown_ms(trace_dir, steps)
+        return breakdown_ms(trace_dir, steps)

@@ -208,11 +208,10 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
             state[0], state[1], out = compiled(state[0], state[1], batch)
             jax.block_until_ready(out)
 
-        comm, breakdown = comm_profile.profile_step(one_step)
+        breakdown = comm_profile.profile_step(one_step)
         params, opt_state = state
-        if comm is not None:
-            row["exposed_comm_ms"], row["comm_ms"] = comm
         if breakdown is not None:  # where the step's time goes: GEMMs, attention, the rest
+            row["exposed_comm_ms"], row["comm_ms"] = breakdown["exposed_comm"], breakdown["comm"]
             row["time_breakdown_ms"] = breakdown
             print(
                 f"{precision}: time per step (ms) "

@@ -396,7 +396,8 @@ def test_step_breakdown_sorts_kernels_and_counts_idle_time(monkeypatch):
     }
     monkeypatch.setattr(cp, "device_kernels", lambda trace_dir: kernels)
     got = cp.breakdown_ms("unused", steps=1)
-    want = dict(gemm=6.0, attention=2.0, other=1.0, exposed_comm=3.0, idle=1.0, span=13.0)
+    want = dict(gemm=6.0, attention=2.0, other=1.0, exposed_comm=3.0, comm=4.0, idle=1.0,
+                span=13.0)
     assert got == pytest.approx(want)
     assert cp.breakdown_ms("unused", steps=2)["gemm"] == pytest.approx(3.0)
 
