@@ -445,9 +445,7 @@ def cast_fn(spec: Spec, n: int):
     def impl(x3, state):
         return _cast_input(spec, n, x3, state)
 
-    @custom_vmap
-    def fn(x3, state):
-        return impl(x3, state)
+    fn = custom_vmap(impl)
 
     @fn.def_vmap
     def rule(axis_size, in_batched, x3, state):
@@ -479,9 +477,7 @@ def gemm_fn(spec: Spec):
     def impl(x_data, x_scale, w3, state, sw, sg):
         return _weight_gemm(spec, x_data, x_scale, w3, state, sw, sg)
 
-    @custom_vmap
-    def fn(x_data, x_scale, w3, state, sw, sg):
-        return impl(x_data, x_scale, w3, state, sw, sg)
+    fn = custom_vmap(impl)
 
     @fn.def_vmap
     def rule(axis_size, in_batched, *args):
