@@ -115,14 +115,15 @@ def mgpu_step(p: dict, backend: str) -> common.Step:
     """``fp8-mgpu``'s forward: per-tensor e4m3 casts of q, k, v (scale amax / 448) and the
     causal FP8 flash-attention kernel (its plain-JAX reference with ``backend``
     "reference"), output bf16."""
+    from fp8jax import _quant as qt
     from fp8jax._kernels import flash_fp8_mgpu as flash
 
     attend = flash.flash_fp8_reference if backend == "reference" else flash.flash_fp8
     e4m3 = jnp.float8_e4m3fn
 
-    def cast(x):
-        scale = jnp.maximum(jnp.max(jnp.abs(x.astype(F32))), 1e-12) / 448.0
-        return (x.astype(F32) / scale).astype(e4m3), scale
+    def cast(x):  # fp8jax's per-tensor current scaling (amax / 448)
+        scale = qt.scale_from_amax(qt.amax(x), jnp.ones((), F32), e4m3, 0.0)
+        return qt.quantize(x, scale, e4m3), scale
 
     def fn(params, inputs, g):
         (q, qs), (k, ks), (v, vs) = (cast(x) for x in inputs)

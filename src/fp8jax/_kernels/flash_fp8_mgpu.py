@@ -41,12 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _jax_compat
+from .. import _jax_compat, _quant
 from . import grouped_gemm as _gg
 
 pl, plgpu = _gg.pl, _gg.plgpu
 E4M3 = jnp.float8_e4m3fn
-P_SCALE = 448.0  # P in [0, 1] is stored as e4m3 P * 448 (e4m3's largest finite value)
+P_SCALE = _quant.fp8_max(E4M3)  # P in [0, 1] is stored as e4m3 P * 448, e4m3's largest value
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2  # compute warpgroups per CTA (the third one loads)
 
