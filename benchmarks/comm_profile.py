@@ -9,6 +9,7 @@ steps with `jax.profiler` and reads the device planes of the trace (``*.xplane.p
 
 from __future__ import annotations
 
+import collections
 import glob
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -122,11 +123,32 @@ def breakdown_ms(trace_dir: str, steps: int) -> dict[str, float] | None:
     return {k: sum(r[k] for r in rows) / len(rows) / steps / 1e6 for k in rows[0]}
 
 
-def profile_step(run_step: Callable[[], object], steps: int = 3) -> dict[str, float] | None:
+def top_kernels(
+    trace_dir: str, steps: int, kind: str = "other", n: int = 20
+) -> list[tuple[str, float, float]]:
+    """The ``n`` kernels of `kernel_kind` ``kind`` that take the most time, by name:
+    ``(name, ms per step, launches per step)``, the mean over the trace's GPUs."""
+    per_device = device_kernels(trace_dir)
+    ns, calls = collections.Counter(), collections.Counter()
+    for kernels in per_device.values():
+        for name, start, end in kernels:
+            if kernel_kind(name) == kind:
+                ns[name] += end - start
+                calls[name] += 1
+    d = max(len(per_device), 1) * steps
+    return [(name, t / d / 1e6, calls[name] / d) for name, t in ns.most_common(n)]
+
+
+def profile_step(
+    run_step: Callable[[], object], steps: int = 3, top: int = 0
+) -> dict[str, float] | None:
     """``run_step()`` ``steps`` times under the profiler (it must block until its step is
-    done); returns `breakdown_ms` of the trace."""
+    done); returns `breakdown_ms` of the trace, and prints the ``top`` costliest "other"
+    kernels (`top_kernels`) when ``top`` > 0."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
                 run_step()
+        for name, ms, calls in top_kernels(trace_dir, steps, n=top) if top else ():
+            print(f"  other {ms:8.2f} ms/step  x{calls:<6.1f} {name[:110]}", flush=True)
         return breakdown_ms(trace_dir, steps)

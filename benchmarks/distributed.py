@@ -174,9 +174,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(data_axes))
 
 
-def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True) -> dict:
+def measure(
+    run, precision, mesh, batch_size: int, steps: int, hlo: bool = True, top_kernels: int = 0
+) -> dict:
     """Step time, tokens/s, collectives (and their exposed time on GPUs), peak memory and
-    (with ``hlo``) the saved residuals of one variant on ``mesh``."""
+    (with ``hlo``) the saved residuals of one variant on ``mesh``; on GPUs it prints the
+    ``top_kernels`` costliest kernels that are neither GEMMs, attention nor collectives."""
     step, params, opt_state, static = build_step(run, precision, mesh)
     rng = np.random.default_rng(0)
     batch = jax.device_put(
@@ -208,7 +211,7 @@ def measure(run, precision, mesh, batch_size: int, steps: int, hlo: bool = True)
             state[0], state[1], out = compiled(state[0], state[1], batch)
             jax.block_until_ready(out)
 
-        breakdown = comm_profile.profile_step(one_step)
+        breakdown = comm_profile.profile_step(one_step, top=top_kernels)
         params, opt_state = state
         if breakdown is not None:  # where the step's time goes: GEMMs, attention, the rest
             row["exposed_comm_ms"], row["comm_ms"] = breakdown["exposed_comm"], breakdown["comm"]
@@ -323,11 +326,13 @@ def run_params(run, sizes, devices) -> dict:
     return params
 
 
-def run_variant(run, precision, sizes, devices, steps, baseline: bool) -> dict:
+def run_variant(
+    run, precision, sizes, devices, steps, baseline: bool, top_kernels: int = 0
+) -> dict:
     mesh = make_mesh(sizes, devices)
     params = run_params(run, sizes, devices)
     try:
-        row = measure(run, precision, mesh, run.batch, steps)
+        row = measure(run, precision, mesh, run.batch, steps, top_kernels=top_kernels)
         row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
         if baseline and len(devices) > 1:
             per_device = run.batch // (sizes["data"] * sizes["fsdp"])
@@ -439,6 +444,13 @@ def main(argv=None):
         action="store_true",
         help="attention in FP8 too (cuDNN on Hopper; fp8jax-train's option)",
     )
+    p.add_argument(
+        "--top-kernels",
+        type=int,
+        default=0,
+        help="GPU: print this many of the costliest kernels besides GEMMs, attention and "
+        "collectives (by kernel name, from the step's profile)",
+    )
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")
     p.add_argument(
@@ -505,7 +517,9 @@ def main(argv=None):
     bf16_ms = []
 
     def run_one(precision):
-        row = run_variant(run, precision, sizes, devices, steps, not args.no_baseline)
+        row = run_variant(
+            run, precision, sizes, devices, steps, not args.no_baseline, args.top_kernels
+        )
         row["params"] = dict(preset=preset, **row["params"])
         if precision == "bf16":
             bf16_ms.append(row.get("ms"))

@@ -400,6 +400,11 @@ def test_step_breakdown_sorts_kernels_and_counts_idle_time(monkeypatch):
                 span=13.0)
     assert got == pytest.approx(want)
     assert cp.breakdown_ms("unused", steps=2)["gemm"] == pytest.approx(3.0)
+    two = dict(kernels, **{"/device:GPU:1": [("fusion_1", 0, 3 * ms), ("fusion_2", 0, ms)]})
+    monkeypatch.setattr(cp, "device_kernels", lambda trace_dir: two)
+    # "other" kernels by name, mean over the 2 GPUs and 2 steps: fusion_1 (1 + 3 ms) / 4
+    assert cp.top_kernels("unused", steps=2) == [("fusion_1", 1.0, 0.5), ("fusion_2", 0.25, 0.25)]
+    assert cp.top_kernels("unused", steps=1, n=1) == [("fusion_1", 2.0, 1.0)]
 
 
 def test_distributed_vocab_option(tmp_path):

@@ -237,6 +237,6 @@ def test_activation_tuning_is_checked_and_ends_with_its_block():
     with _act.tuning(activation="xla", rows=128) as tuning:
         assert _act.current_tuning() is tuning
         assert _act._rows(256) == 128 and _act._rows(192) == _act.BLOCK
-    assert _act.current_tuning() == _act.Tuning() and _act._rows(256) == 64
+    assert _act.current_tuning() == _act.Tuning() and _act._rows(256) == 32
     with pytest.raises(ValueError, match="activation must be one of"):
         _act.Tuning(activation="fast")

@@ -46,16 +46,18 @@ class Tuning:
     Arguments:
         activation: "auto" (Pallas kernels where Pallas Triton runs, else plain JAX),
             "kernel", "interpret" (the kernels in interpret mode, for CPU tests) or "xla".
-        rows: token rows per kernel tile (64).
-        num_warps: warps per kernel program (4).
+        rows: token rows per kernel tile (32).
+        num_warps: warps per kernel program (8).
     """
 
     # "auto": kernels where `_cast_kernel.supported` says Pallas Triton runs (Hopper), else
     # the plain-JAX activation; "kernel": the kernels (compiled); "interpret": kernels in
     # interpret mode (CPU tests); "xla": the plain-JAX activation.
     activation: str = "auto"
-    rows: int = 64  # token rows per tile
-    num_warps: int = 4
+    # 32 x 8 warps: the fastest of rows 32-256 x warps 2-8 for both kernels at the 1b and 8b
+    # MLP shapes on an H200 (benchmarks/RESULTS.md, twenty-first session)
+    rows: int = 32  # token rows per tile
+    num_warps: int = 8
 
     def __post_init__(self):
         if self.activation not in MODES:
