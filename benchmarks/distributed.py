@@ -148,7 +148,15 @@ def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
         model, opt_state = fp8jax.optax_step(optimizer, model, grads, opt_state)
         return eqx.filter(model, eqx.is_array), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 1)), params, opt_state, static
+    # outputs where the inputs are (as the trainer pins them): the compiled step takes its own
+    # outputs, which XLA may otherwise lay out differently (a bf16 FSDP step did)
+    # (a leaf not placed on the mesh, such as the optimizer's step count: replicated)
+    replicated = NamedSharding(mesh, P())
+    shardings = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else replicated, tree
+    )
+    out = (shardings(params), shardings(opt_state), replicated)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out), params, opt_state, static
 
 
 def collective_summary(collectives) -> tuple[dict[str, int], dict[str, dict[str, int]]]:

@@ -475,15 +475,18 @@ def test_collectives_listed_with_the_compilation_cache_on(tmp_path):
 
 
 def test_fsdp_shards_the_dim_the_axis_divides():
-    """FSDP splits a weight's larger dim where the axis divides it, else the other one (a
-    head of 50,257 vocabulary rows splits its 4,096 columns); where neither divides it
-    refuses, naming the layer."""
+    """FSDP splits a weight's out dim (the major one: contiguous shards, gathers and
+    reduce-scatters) where the axis divides it, else the in dim (a head of 50,257
+    vocabulary rows splits its 4,096 columns), also where in is the larger (an MLP's fc2);
+    where neither divides it refuses, naming the layer."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 8, 1), BLOCK_MESH)
     model = eqx.nn.Linear(16, 20, key=jax.random.PRNGKey(0))  # weight [20, 16]: 20 % 8 != 0
     placed = fp8jax.shard_model(model, mesh)
     assert placed.weight.sharding.spec == P(None, "fsdp")
     wide = fp8jax.shard_model(eqx.nn.Linear(16, 24, key=jax.random.PRNGKey(0)), mesh)
-    assert wide.weight.sharding.spec == P("fsdp", None)  # both divide: the larger
+    assert wide.weight.sharding.spec == P("fsdp", None)  # both divide: out
+    fc2 = fp8jax.shard_model(eqx.nn.Linear(64, 16, key=jax.random.PRNGKey(0)), mesh)
+    assert fc2.weight.sharding.spec == P("fsdp", None)  # out, though in is the larger
     with pytest.raises(ValueError, match=r"out_features=20 .* not divisible by mesh axis 'fsdp'"):
         fp8jax.shard_model(eqx.nn.Linear(12, 20, key=jax.random.PRNGKey(0)), mesh)
 

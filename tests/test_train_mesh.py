@@ -65,7 +65,7 @@ def test_mesh_run_matches_one_device_and_checkpoint_moves_mesh(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert b.sharding.mesh.shape == {"data": 2, "fsdp": 4, "tensor": 1}
     assert any(not np.array_equal(a, b) for a, b in zip(fresh, leaves[1], strict=False))
-    fc1 = new.params.blocks.mlp.fc1.weight  # [layers, out, in], FSDP along the larger dim
+    fc1 = new.params.blocks.mlp.fc1.weight  # [layers, out, in], FSDP along out
     assert fc1.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
     assert fc1.addressable_shards[0].data.shape == (2, 128 // 4, 64)
     # Step 3 on data=2,fsdp=4: all three losses as on one device.

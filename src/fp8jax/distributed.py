@@ -71,11 +71,16 @@ def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel, block=None
     elif parallel == "row":
         spec[1] = tensor_axis
     if _axis_size(mesh, fsdp_axis) > 1:
-        # the larger free dim that the axis divides (a vocabulary of 50,257 rows leaves the
-        # head's other dim to FSDP); where neither divides, the larger, refused below
+        # out, the major dim of the row-major weight, where the axis divides it: its shards
+        # and gathers are contiguous, and so are the gradient's reduce-scatter and the
+        # optimizer's update of the shard (split along in, XLA transposed the stacked fc2
+        # weight and both Adam moments of every step to the gradient's layout and back:
+        # benchmarks/RESULTS.md, twenty-first session); else in where the axis divides it (a
+        # vocabulary of 50,257 rows leaves the head's in dim to FSDP); where neither
+        # divides, the larger, refused below
         free = [i for i in (0, 1) if spec[i] is None]
         n = _axis_size(mesh, fsdp_axis)
-        spec[max(free, key=lambda i: (shape[-2:][i] % n == 0, shape[-2:][i], -i))] = fsdp_axis
+        spec[max(free, key=lambda i: (shape[-2:][i] % n == 0, -i, shape[-2:][i]))] = fsdp_axis
     names = ("out_features", "in_features")
     for i, axis in enumerate(spec):
         n = _axis_size(mesh, axis)
@@ -115,7 +120,7 @@ def shard_model(
     tp_overlap: str = "none",
 ) -> Any:
     """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
-    ``fsdp_axis`` along its larger dim (FSDP) and, for layers whose dotted path matches
+    ``fsdp_axis`` along ``out`` where the axis divides it, else ``in`` (FSDP) and, for layers whose dotted path matches
     ``column_parallel`` / ``row_parallel`` (names or fnmatch patterns), over
     ``tensor_axis`` along out / in (Megatron; a column-parallel bias too); everything
     else, the FP8 state included, replicated. ``expert_axis``: shard every
