@@ -120,7 +120,8 @@ def shard_model(
     tp_overlap: str = "none",
 ) -> Any:
     """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
-    ``fsdp_axis`` along ``out`` where the axis divides it, else ``in`` (FSDP) and, for layers whose dotted path matches
+    ``fsdp_axis`` along ``out`` where the axis divides it, else ``in`` (FSDP) and, for
+    layers whose dotted path matches
     ``column_parallel`` / ``row_parallel`` (names or fnmatch patterns), over
     ``tensor_axis`` along out / in (Megatron; a column-parallel bias too); everything
     else, the FP8 state included, replicated. ``expert_axis``: shard every
