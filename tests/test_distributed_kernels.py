@@ -11,8 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from fp8jax import distributed
-from helpers import LOSS_RTOL, assert_grads_match
+from fp8jax import distributed, tuning
+from helpers import LOSS_RTOL, assert_grads_match, take_state
 from helpers import eight_device_mesh as _mesh
 
 CFG = fp8jax.Fp8Config(selective=False)
@@ -74,12 +74,16 @@ def test_fused_mlp_core_runs_per_device_on_its_rows(fc1_out_fp8):
         assert mlp_module._row_split(model).axes == ("data", "fsdp")
         assert mlp_module._gated_core_runs(model, xs)
         collectives = distributed.hlo_collectives(step.lower(model, xs, cs))
-        if not fc1_out_fp8:  # one scalar pmax per amax (fc1's output's adds its own)
-            assert [c.shape for c in collectives if c.op_name == "pmax"] == ["[]", "[]"]
+        if not fc1_out_fp8:  # one scalar pmax per amax: x's and g's casts, the activation
+            # kernels' (fc1's output's adds its own)
+            assert [c.shape for c in collectives if c.op_name == "pmax"] == ["[]"] * 4
         assert not [c for c in collectives if "512" in c.shape], collectives  # no token gather
         loss, grads = step(model, xs, cs)
         if fc1_out_fp8:
             assert float(loss) == float(step(model.with_fc1_out_fp8(False), xs, cs)[0])
+        with tuning.gemm(per_device_cast=False):  # x and g cast by XLA's partitioner
+            whole = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, c: jnp.sum(m(x) * c)))
+            _assert_same_bits((loss, grads), whole(model, xs, cs))
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     assert_grads_match(grads, ref_grads)
 
@@ -131,3 +135,103 @@ def test_blockwise_weight_shards_of_partial_blocks_warn():
     model = fp8jax.fp8_linear_layers([eqx.nn.Linear(256, 384, key=jax.random.PRNGKey(0))], cfg)
     with pytest.warns(UserWarning, match=r"'0': out_features=384 over mesh axis 'fsdp' of "):
         fp8jax.shard_model(model, _mesh(2, 4, 1))
+
+
+def _assert_same_bits(got, want):
+    """Every leaf of ``got`` (losses, gradients, FP8 state proposals) equals ``want``'s bits."""
+    pairs = zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True)
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _manual_regions(lowered) -> int:
+    """How many shard_map bodies (manual-sharding regions) a lowered step holds."""
+    text = lowered.as_text()
+    return text.count("sdy.manual_computation") + text.count("SPMDFullToShardShape")
+
+
+def _per_tensor_mlp():
+    """Two linears, per-tensor delayed scaling (the default recipe), and their loss."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(8))
+    model = [eqx.nn.Linear(64, 256, key=k1), eqx.nn.Linear(256, 64, key=k2)]
+
+    def loss(m, x, c):  # positive terms: summed in another order, it moves by rounding only
+        return jnp.mean((jax.vmap(m[1])(jax.nn.gelu(jax.vmap(m[0])(x))) - c) ** 2)
+
+    return fp8jax.fp8_linear_layers(model, CFG), loss
+
+
+def _two_steps(model, loss, x, c):
+    """Two steps' losses and gradients (the FP8 state's proposals written back between them:
+    the second casts with scales from the first's amaxes), and the step lowered. A new
+    function each call: traced under the `tuning` in force, not served an earlier trace."""
+    step = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, c: loss(m, x, c)))
+    first = step(model, x, c)
+    return [first, step(take_state(model, first[1]), x, c)], step.lower(model, x, c)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1), (2, 4, 1)], ids=["fsdp=4", "data=2,fsdp=4"])
+def test_per_tensor_casts_run_per_device_on_their_rows(shape):
+    """Delayed per-tensor scaling on a data x FSDP mesh: the activations' and output
+    gradients' casts run under shard_map on each device's tokens (where the Pallas cast
+    kernel can run: XLA cannot partition it), their amaxes one scalar pmax each; the GEMMs
+    stay XLA's. The cast is elementwise with a scale known before it, so the losses,
+    gradients and FP8 state proposals are the bits of XLA's partitioned cast
+    (`Tuning.per_device_cast` off), and match one device."""
+    model, loss = _per_tensor_mlp()
+    kx, kc = jax.random.split(jax.random.PRNGKey(9))
+    x, c = jax.random.normal(kx, (256, 64)) * 3.0, jax.random.normal(kc, (256, 64))
+    ref, _ = _two_steps(model, loss, x, c)
+    devices = np.array(jax.devices()[: np.prod(shape)]).reshape(shape)
+    mesh = Mesh(devices, ("data", "fsdp", "tensor"))
+    sharded = fp8jax.shard_model(model, mesh)
+    assert sharded[0].dot_general.weight_sharding.gather == ("fsdp",)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+    got, lowered = _two_steps(sharded, loss, xs, cs)
+    with tuning.gemm(per_device_cast=False):
+        whole, whole_lowered = _two_steps(sharded, loss, xs, cs)
+    # shard_map's manual-sharding boundary (Shardy's or GSPMD's): around the casts only
+    assert _manual_regions(lowered) and not _manual_regions(whole_lowered)
+    pmax = [c.shape for c in distributed.hlo_collectives(lowered) if c.op_name == "pmax"]
+    assert pmax == ["[]"] * 4  # x and g of each layer
+    _assert_same_bits(got, whole)
+    for (loss_value, grads), (ref_loss, ref_grads) in zip(got, ref, strict=True):
+        np.testing.assert_allclose(loss_value, ref_loss, rtol=LOSS_RTOL)
+        assert_grads_match(grads, ref_grads)
+
+
+def test_per_tensor_cast_kernel_runs_inside_the_split(monkeypatch):
+    """The Pallas cast kernel (interpret mode, let run on CPU) on a data x FSDP mesh: it runs
+    inside the shard_map, where no mesh axis is left to partition, on each device's 32 token
+    rows; without the split (`Tuning.per_device_cast` off) XLA's partitioned cast runs
+    instead. The kernel's bits are XLA's cast's: the two steps agree bit for bit."""
+    from fp8jax._kernels import cast as cast_kernel
+    from fp8jax._kernels import dispatch
+
+    kernel, calls = cast_kernel.cast_transpose, []
+
+    def interpreted(t, scale, dtype, **kw):
+        calls.append((t.shape, dispatch.unpartitioned_reason()))
+        return kernel(t, scale, dtype, interpret=True, **kw)
+
+    def no_gpu_needed(device=None, local=False):
+        return None if local else dispatch.unpartitioned_reason()
+
+    monkeypatch.setattr(cast_kernel, "device_reason", no_gpu_needed)
+    monkeypatch.setattr(cast_kernel, "cast_transpose", interpreted)
+    model, loss = _per_tensor_mlp()
+    kx, kc = jax.random.split(jax.random.PRNGKey(10))
+    x, c = jax.random.normal(kx, (256, 64)), jax.random.normal(kc, (256, 64))
+    mesh = _mesh(2, 4, 1)
+    sharded = fp8jax.shard_model(model, mesh)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    xs, cs = jax.device_put(x, rows), jax.device_put(c, rows)
+    got, _ = _two_steps(sharded, loss, xs, cs)
+    # x and g of each layer, each device's 256 / 8 tokens
+    assert sorted(calls) == sorted(((1, 32, k), None) for k in (64, 64, 256, 256)), calls
+    calls.clear()
+    with tuning.gemm(per_device_cast=False):
+        whole, _ = _two_steps(sharded, loss, xs, cs)
+    assert not calls
+    _assert_same_bits(got, whole)

@@ -127,8 +127,18 @@ def test_recipe_provides_what_the_ops_ask(key, recipe):
         y_rows = recipe.gemm_rows(_identity_rows, xc.data, xc.scale, wc.data, wc.scale, F32,
                                  False, wgrad=False)  # fmt: skip
         np.testing.assert_array_equal(y_rows, y)
-    else:
+    else:  # per tensor: not without a scale chosen before the cast
         _raises_named(recipe.quantize_rows, _identity_rows, x, E4M3)
+    if recipe.per_device_casts and not recipe.per_device_rows:  # delayed per-tensor casts
+        known = recipe.gemm_scales((history,) * 3, (old,) * 3, (E4M3,) * 3)[:1]
+        rows = recipe.quantize_rows(_identity_rows, x, E4M3, known)
+        whole = recipe.quantize_both(x, old, history, E4M3, scale=known)
+        for got, want in zip(rows, whole._replace(amax=jnp.max(whole.amax)), strict=True):
+            np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+    assert recipe.per_device_casts == (
+        recipe.per_device_rows
+        or (recipe.scale_known_before_cast and getattr(recipe, "cast_kernel", False))
+    )
     assert isinstance(recipe.row_tile, int) and recipe.row_tile > 0
     assert recipe.weight_block is None or isinstance(recipe.weight_block, int)
     assert recipe.grouped_kernel_reason() is None or "recipe" in recipe.grouped_kernel_reason()

@@ -185,6 +185,37 @@ class PerTensor(Recipe):
         )
         return Cast(data, data_t, scale, cast_amax if self.delayed else amax, scale)
 
+    @property
+    def per_device_casts(self) -> bool:
+        """Delayed scaling with the cast kernel (and `fp8jax._kernels.gemm.Tuning.
+        per_device_cast`): on a mesh each device casts its own tokens with the scale known
+        before the cast, where the Pallas kernel can run (XLA cannot partition it). The cast
+        is elementwise, so its bits are the whole tensor's; XLA partitions the GEMMs."""
+        return self.delayed and self.cast_kernel and _gemm.current_tuning().per_device_cast
+
+    @property
+    def row_tile(self) -> int:
+        """Any token split: the cast is elementwise (the kernel runs where it fits a shard)."""
+        return 1
+
+    def quantize_rows(self, on_rows: OnRows, t: Array, dtype, scale: Array | None = None) -> Cast:
+        """`quantize_both` with a ``scale`` chosen before the cast (delayed scaling), per
+        device on its tokens: each device casts its rows (the Pallas kernel where the shard
+        fits it), its amax one scalar pmax. Without ``scale`` (current scaling) it raises:
+        the scale would need the amax of every device's tokens first."""
+        if scale is None:
+            raise UnsupportedByRecipe(
+                f"the {self.kind!r} recipe casts per device only with a scale chosen before "
+                "the cast (delayed scaling)."
+            )
+
+        def cast(t: Array, scale: Array) -> tuple[Array, Array, Array]:
+            c = self.quantize_both(t, None, None, dtype, scale=scale)
+            return c.data, c.data_t, jnp.max(c.amax)  # the kernel's tile maxima: one scalar
+
+        data, data_t, amax = on_rows(cast, (t, scale), (1, None), (1, 2, "max"))
+        return Cast(data, data_t, scale, amax, scale)
+
     def quantize(self, t: Array, scale: Array, dtype) -> Array:
         return q.quantize(t, scale, dtype)
 
@@ -259,9 +290,10 @@ class _Tiled(Recipe):
     def _tile(self, shape, scale) -> tuple[int, int]:
         """The ``(rows, cols)`` tile of ``scale``, the scales of a tensor of ``shape``."""
 
-    def quantize_rows(self, on_rows: OnRows, t: Array, dtype) -> Cast:
+    def quantize_rows(self, on_rows: OnRows, t: Array, dtype, scale: None = None) -> Cast:
         """Per device on its tokens: data ``[B, M, K]`` with its tile scales along K, the
         transposed copy ``[B, K, M]`` with its own, all local; the amax by pmax."""
+        del scale  # tiles are scaled by their own amax
         cast = lambda t: self.quantize_both(t, None, None, dtype)  # noqa: E731
         dims = Cast(data=1, data_t=2, scale=1, amax="max", scale_t=2)
         return on_rows(cast, (t,), (1,), dims)
@@ -319,10 +351,11 @@ class RowWise(_Tiled):
         data, data_t = self.cast_with(t, scale, scale_t, dtype)
         return Cast(data, data_t, scale, jnp.max(row_amax), scale_t)
 
-    def quantize_rows(self, on_rows: OnRows, t: Array, dtype) -> Cast:
+    def quantize_rows(self, on_rows: OnRows, t: Array, dtype, scale: None = None) -> Cast:
         """Per device on its tokens; the transposed copy's scale per column of ``t`` spans
         every device's tokens, so the column amaxes are one ``[B, K]`` pmax before the
         cast."""
+        del scale  # rows are scaled by their own amax
         row_amax, col_amax = on_rows(self.amaxes, (t,), (1,), (1, "max"))
         scale, scale_t = self.scales(row_amax, col_amax, dtype)
         amax = jnp.max(col_amax)  # the whole tensor's: no further collective

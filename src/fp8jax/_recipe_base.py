@@ -207,13 +207,19 @@ class Recipe(abc.ABC):
         return False
 
     @property
+    def per_device_casts(self) -> bool:
+        """Whether on a mesh the activations' and output gradients' casts run per device on
+        its token rows (`quantize_rows`), the GEMMs too where `per_device_rows`."""
+        return self.per_device_rows
+
+    @property
     def row_tile(self) -> int:
         """Token rows each device's share must be a multiple of, for `quantize_rows`."""
         return 128
 
-    def quantize_rows(self, on_rows: OnRows, t: Array, dtype) -> Cast:
+    def quantize_rows(self, on_rows: OnRows, t: Array, dtype, scale: Array | None = None) -> Cast:
         """`quantize_both` of an activation or output gradient ``[B, M, K]``, per device on
-        its tokens (``on_rows``)."""
+        its tokens (``on_rows``); ``scale``: one chosen before the cast (`gemm_scales`)."""
         raise self._unsupported("per-device cast over a token split")
 
     def gemm_rows(

@@ -39,6 +39,10 @@ class Tuning:
             high-precision tensor rather than transposed from the FP8 copy (False).
         scaled_gemm: cuBLASLt takes the scales where both operands come from the cast
             kernel (True).
+        per_device_cast: on a mesh that splits a layer's tokens (data parallel, FSDP), each
+            device casts its own tokens of the activations and output gradients (delayed
+            per-tensor scaling: `fp8jax._recipe.PerTensor.quantize_rows`), so that the cast
+            kernel can run; False: XLA partitions its own cast (True).
     """
 
     # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
@@ -54,6 +58,9 @@ class Tuning:
     # the pattern at some shapes (some GEMMs fell back to bf16), so those keep the multiply
     # (benchmarks/RESULTS.md, "Scales into cuBLASLt, by default", 2026-11-26 twelfth session).
     scaled_gemm: bool = True
+    # Activation and output-gradient casts per device on its tokens under shard_map, where
+    # the Pallas kernel can run (XLA cannot partition its custom call): `fp8jax._ops.rows`.
+    per_device_cast: bool = True
 
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gemm", default=Tuning())

@@ -60,7 +60,8 @@ class Spec(NamedTuple):
     # sharding with nothing to gather; None when nothing is recorded (found when compiling).
     w_shardings: tuple | None = None
     sequence: _sp.SequenceParallel | None = None  # Megatron sequence parallelism
-    # Row- or block-wise recipe over several devices: the kernels' token split (`ops.rows`)
+    # Over several devices, the token split the casts (and the row- or block-wise recipes'
+    # GEMMs) run per device under (`ops.rows`, `row_split`)
     rows: _split.RowSplit | None = None
 
 
@@ -158,30 +159,32 @@ def scale_inputs(config: Fp8Config, state) -> tuple[tuple, tuple, tuple]:
 
 
 def row_split(cfg: Fp8Config, ws) -> _split.RowSplit | None:
-    """The token split a row- or block-wise layer's kernels run under on a mesh
-    (`fp8jax._ops.rows`)."""
-    return _split.of_weight(ws) if cfg.recipe.per_device_rows else None
+    """The token split a layer's casts run under on a mesh (`fp8jax._ops.rows`): those of a
+    row- or block-wise layer, its GEMMs too (`Recipe.per_device_rows`); a delayed per-tensor
+    layer's activation and output-gradient casts (`Recipe.per_device_casts`)."""
+    return _split.of_weight(ws) if cfg.recipe.per_device_casts else None
 
 
 def _rows(spec: Spec, m: int) -> _split.RowSplit | None:
     """``spec.rows`` where each device's share of ``m`` token rows holds whole tiles (of
-    the block-wise recipe, or the row-wise cast kernel's 128-row squares)."""
+    the block-wise recipe, or the row-wise cast kernel's 128-row squares; per-tensor: any)."""
     rows, tile = spec.rows, spec.config.recipe.row_tile
     return rows if rows and m % (rows.count * tile) == 0 else None
 
 
-def _cast_rows(rows, recipe: Recipe, t3, dtype) -> Cast:
+def _cast_rows(rows, recipe: Recipe, t3, dtype, scale=None) -> Cast:
     """An activation or output gradient ``[B, M, K]`` in both layouts, per device on its
-    tokens (``rows``): `fp8jax._recipe_base.Recipe.quantize_rows`."""
-    return recipe.quantize_rows(functools.partial(_split.on_rows, rows), t3, dtype)
+    tokens (``rows``): `fp8jax._recipe_base.Recipe.quantize_rows` (``scale``: delayed)."""
+    return recipe.quantize_rows(functools.partial(_split.on_rows, rows), t3, dtype, scale)
 
 
 def _gemm_rows(rows, recipe: Recipe, a, sa, b, sb, out_dtype, fast: bool, wgrad: bool = False):
-    """``recipe.gemm``; with ``rows``, per device on its tokens: the rows of ``a`` (forward,
-    dgrad: ``b`` whole on every device) or, for the wgrad (``wgrad``), the contracted
-    tokens of both, summed over the devices in the gradient's dtype (under FSDP XLA makes
-    the sum and the layer's shard constraint a reduce-scatter)."""
-    if rows is None:
+    """``recipe.gemm``; with ``rows`` and `Recipe.per_device_rows`, per device on its tokens:
+    the rows of ``a`` (forward, dgrad: ``b`` whole on every device) or, for the wgrad
+    (``wgrad``), the contracted tokens of both, summed over the devices in the gradient's
+    dtype (under FSDP XLA makes the sum and the layer's shard constraint a reduce-scatter).
+    Per-tensor GEMMs are XLA's, which partitions them."""
+    if rows is None or not recipe.per_device_rows:
         return recipe.gemm(a, sa, b, sb, out_dtype, fast)
     on_rows = functools.partial(_split.on_rows, rows)
     return recipe.gemm_rows(on_rows, a, sa, b, sb, out_dtype, fast, wgrad)
@@ -213,7 +216,7 @@ def _cast_input(spec: Spec, n: int, x3, state):
     if rows is None:
         x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
     else:
-        x = _cast_rows(rows, recipe, x3, cfg.input_dtype)
+        x = _cast_rows(rows, recipe, x3, cfg.input_dtype, sx)
     # Sequence parallel: a column-parallel layer's transposed copy stays split until the
     # backward (`_weight_gemm` gathers the GEMM's copy).
     col, _ = _sp.sides(spec.sequence)
@@ -300,7 +303,7 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     if rows is None:
         g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype, scale=known)
     else:
-        g = _cast_rows(rows, recipe, g3, cfg.grad_dtype)
+        g = _cast_rows(rows, recipe, g3, cfg.grad_dtype, known)
     # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
     # row gathers the FP8 output gradient's tokens: one layout where one scale covers the
     # tensor (wgrad's copy is the gathered one transposed on each device), else both.

@@ -138,6 +138,20 @@ def _local_amax(rows, fn, index: int):
     return call
 
 
+def _cast(rows, t, scale, dtype, cast_kernel: bool):
+    """`fp8jax._kernels.gemm.quantize_both` of an activation or output gradient ``t [M, C]``
+    as ``[1, M, C]``: on a token split (``rows``, unless `fp8jax._kernels.gemm.Tuning.
+    per_device_cast` is off) per device on its rows, where the Pallas cast can run, its amax
+    one scalar pmax. The cast is elementwise with a known scale: the same bits either way."""
+    rows = rows if _gemm.current_tuning().per_device_cast else None
+
+    def cast(t, scale):
+        return _gemm.quantize_both(t, scale, dtype, cast_kernel)
+
+    cast = _local_amax(rows, cast, 2)
+    return _split.on_rows(rows, cast, (t[None], scale), (1, None), (1, 2, "max"))
+
+
 def _scaled_gemm(a, sa, b, sb, out_dtype, fast: bool, config: Fp8Config):
     """`fp8jax._kernels.gemm.scaled_fp8_gemm` of the core's operands: cuBLASLt takes the
     scales where every operand came from a Pallas kernel (the casts and the activation
@@ -150,7 +164,7 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
     c1, c2 = spec.config1, spec.config2
     chosen = _scales(spec, state1, state2)  # what the states record
     sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)  # what casts and GEMMs take
-    xq, xTq, ax = _gemm.quantize_both(x[None], sx, c1.input_dtype, c1.cast_kernel)
+    xq, xTq, ax = _cast(spec.rows, x, sx, c1.input_dtype, c1.cast_kernel)
     w1c = relayout_rows(w1, 0, spec.gate_block, BLOCK)[None]  # the core's layout
     w1q, w1Tq, aw1 = _gemm.quantize_both(w1c, sw1, c1.kernel_dtype, c1.cast_kernel)
     h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[
@@ -220,7 +234,7 @@ def _bwd(spec, saved, g):
     (xTq, w1Tq, h, w2Tq, *chosen, ax, aw1, aa, aw2), state1, state2 = saved
     c1, c2 = spec.config1, spec.config2
     sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)
-    gq, gTq, ag = _gemm.quantize_both(g[None], sg, c2.grad_dtype, c2.cast_kernel)
+    gq, gTq, ag = _cast(spec.rows, g, sg, c2.grad_dtype, c2.cast_kernel)
     da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[
         0
     ]  # [M, F], not dequantized

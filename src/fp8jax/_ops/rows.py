@@ -4,7 +4,8 @@ The Pallas and Mosaic GPU kernels are custom calls that XLA cannot partition: in
 over several devices it would all-gather their operands and run them on whole arrays on
 every device (`fp8jax._kernels.dispatch.unpartitioned_reason` keeps them out of such
 programs). Most of what they do is local to a token row, though: casting an activation's
-``1 x 128`` tiles, a GEMM whose token dim is free, an elementwise activation. Where a layer
+``1 x 128`` tiles or, with a scale known before it, the whole tensor (delayed per-tensor
+scaling), a GEMM whose token dim is free, an elementwise activation. Where a layer
 knows its mesh (placed by `fp8jax.shard_model`: data parallel, FSDP), `on_rows` runs such a
 call under ``shard_map`` over the token split, and reduces what is not local: an amax by
 ``pmax`` (every device then scales alike; the row-wise recipe's column amaxes, one per
