@@ -13,6 +13,11 @@ if shutil.which("nvidia-smi") is None:
     # One thread per test worker for XLA's CPU ops: xdist's workers already fill the cores
     # (tests/test_grouped, test_mlp, test_attention on 2 cores: 99 -> 90 s).
     _XLA_FLAGS += " --xla_cpu_multi_thread_eigen=false"
+    # The fused loops through XLA's older CPU emitters: its newer (MLIR) fusion emitters took
+    # most of each tiny program's compile time (tests/test_benchmarks.py on 1 core: 207 -> 117
+    # CPU s). A test about what XLA's default CPU code computes compiles with
+    # `DEFAULT_CPU_CODEGEN` (they round differently: tests/test_train_remat.py).
+    _XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("XLA_FLAGS", _XLA_FLAGS)
 # On a GPU, JAX preallocates 75% of its memory per process: the tests that start fresh
 # processes (compile time, compile cache) found too little left and failed to start cuBLAS.
@@ -24,17 +29,41 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 ON_GPU = jax.devices()[0].platform == "gpu"
+# Compiler options for `Lowered.compile`: XLA's default CPU code generation where the flags
+# above changed it (none on a GPU host).
+DEFAULT_CPU_CODEGEN = {} if ON_GPU else {"xla_cpu_use_fusion_emitters": True}
 
 # On a host without a GPU (CI): JAX's persistent compilation cache, shared by the xdist
 # workers, so the many tests that build the same small programs compile each once (the
 # optimizer-loop, misuse, outlier and report tests: 65 -> 44 s on 2 cores). A GPU host keeps
 # JAX's default, so its tests compile as users' programs do.
+_CACHE = {
+    "jax_compilation_cache_dir": os.path.join(tempfile.gettempdir(), "fp8jax-tests-jax-cache"),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
+def _use_the_suites_cache():
+    for name, value in _CACHE.items():
+        if getattr(jax.config, name) != value:
+            jax.config.update(name, value)
+
+
 if not ON_GPU:
-    jax.config.update(
-        "jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "fp8jax-tests-jax-cache")
-    )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _use_the_suites_cache()
+    # JAX opens the cache in the directory set at its first compile: this one, even where a
+    # worker's first test is a trainer run (`fp8jax.enable_compilation_cache`).
+    jax.jit(lambda x: x + 1)(np.float32(1)).block_until_ready()
+
+
+@pytest.fixture(autouse=True)
+def _suite_compilation_cache():
+    """After a test that turned on fp8jax's own cache settings (the trainer does: programs
+    compiled in 0.5 s or more only), the worker caches every program again."""
+    yield
+    if not ON_GPU:
+        _use_the_suites_cache()
 
 
 def sqnr_db(actual, reference) -> float:
