@@ -50,6 +50,12 @@ def _use_the_suites_cache():
             jax.config.update(name, value)
 
 
+def suite_cache_env() -> dict[str, str]:
+    """Environment variables giving a child process (a notebook's kernel) the suite's
+    persistent compilation cache (none on a GPU host)."""
+    return {} if ON_GPU else {name.upper(): str(value) for name, value in _CACHE.items()}
+
+
 if not ON_GPU:
     _use_the_suites_cache()
     # JAX opens the cache in the directory set at its first compile: this one, even where a
