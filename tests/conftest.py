@@ -1,3 +1,4 @@
+import functools
 import os
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ import fp8jax  # noqa: E402, F401  (first: its compile setting acts before JAX's
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from fp8jax import _compilation  # noqa: E402
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 # Compiler options for `Lowered.compile`: XLA's default CPU code generation where the flags
@@ -56,17 +58,34 @@ def suite_cache_env() -> dict[str, str]:
     return {} if ON_GPU else {name.upper(): str(value) for name, value in _CACHE.items()}
 
 
+def _then_the_suites_cache(enable):
+    """``fp8jax._compilation.enable_compilation_cache`` as the trainer calls it (its checks,
+    its directory made), then the suite's settings again: a trainer run in a test would
+    otherwise leave programs compiled in under 0.5 s uncached, the next run's too."""
+
+    @functools.wraps(enable)
+    def enable_then_suite(*args, **kwargs):
+        directory = enable(*args, **kwargs)
+        _use_the_suites_cache()
+        return directory
+
+    return enable_then_suite
+
+
 if not ON_GPU:
     _use_the_suites_cache()
     # JAX opens the cache in the directory set at its first compile: this one, even where a
-    # worker's first test is a trainer run (`fp8jax.enable_compilation_cache`).
+    # worker's first test is a trainer run.
     jax.jit(lambda x: x + 1)(np.float32(1)).block_until_ready()
+    _compilation.enable_compilation_cache = _then_the_suites_cache(
+        _compilation.enable_compilation_cache
+    )
 
 
 @pytest.fixture(autouse=True)
 def _suite_compilation_cache():
-    """After a test that turned on fp8jax's own cache settings (the trainer does: programs
-    compiled in 0.5 s or more only), the worker caches every program again."""
+    """After a test that turned on its own cache settings (`fp8jax.enable_compilation_cache`),
+    the worker caches every program in the suite's cache again."""
     yield
     if not ON_GPU:
         _use_the_suites_cache()
