@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import suite_cache_env
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -42,7 +43,7 @@ def test_valid_without_warnings(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path, tmp_path):
+def test_notebook_executes(path, tmp_path, monkeypatch):
     if path.stem in GPU_ONLY and shutil.which("nvidia-smi") is None:
         pytest.skip(GPU_ONLY[path.stem])
     nbformat = pytest.importorskip("nbformat")
@@ -51,6 +52,9 @@ def test_notebook_executes(path, tmp_path):
     env_src = str(ROOT / "src")
     os.environ["PYTHONPATH"] = os.pathsep.join([env_src, os.environ.get("PYTHONPATH", "")])
     os.environ.setdefault("STEPS", "6")
+    # The kernel compiles into the suite's persistent cache, as the tests' own process does.
+    for name, value in suite_cache_env().items():
+        monkeypatch.setenv(name, value)
     # Run in a scratch copy of the repository root's layout: cwd is tmp_path, but the
     # benchmarks notebook finds the repository through its parents, so run it from ROOT.
     cwd = ROOT if "benchmarks" in path.stem else tmp_path

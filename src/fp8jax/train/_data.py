@@ -6,6 +6,7 @@ tokenizer's."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sysconfig
 from pathlib import Path
 
@@ -26,17 +27,27 @@ def _files(root: Path) -> list[Path]:
         return [root]
     default = root == stdlib_dir()
     files = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).parts
-        if default and (
-            rel[0] in ("site-packages", "dist-packages", "test", "idlelib") or "tests" in rel
-        ):
-            continue
-        if path.is_file() and path.suffix in ((".py",) if default else TEXT_SUFFIXES):
-            files.append(path)
+    # os.walk without descending into what the default corpus skips: the stdlib directory
+    # also holds site-packages, often many times the stdlib's own files.
+    for dirpath, dirnames, filenames in os.walk(root):
+        top = Path(dirpath) == root
+        if default:
+            dirnames[:] = [d for d in dirnames if not _skipped(d, top)]
+        for name in filenames:
+            path = Path(dirpath, name)
+            if path.suffix in ((".py",) if default else TEXT_SUFFIXES) and path.is_file():
+                files.append(path)
     if not files:
         raise ValueError(f"--data {root}: no text files ({', '.join(TEXT_SUFFIXES)}) found")
-    return files
+    return sorted(files)
+
+
+def _skipped(directory: str, top: bool) -> bool:
+    """Whether the default corpus leaves out a directory of the stdlib: installed packages,
+    the stdlib's tests and IDLE at the top, any ``tests`` directory below."""
+    return directory == "tests" or (
+        top and directory in ("site-packages", "dist-packages", "test", "idlelib")
+    )
 
 
 @dataclasses.dataclass
