@@ -70,6 +70,7 @@ from fp8jax.train import _cli as cli
 from fp8jax.train._memory import compiled_bytes, saved_cell, saved_residuals
 from fp8jax.train._mesh import check_sequence_parallel, place_model
 from fp8jax.train._model import ModelConfig, cast_for_compute
+from fp8jax.train._trainer import _init_sharded, _shardings
 
 VARIANTS = ("bf16", "fp8")
 AXES = ("data", "fsdp", "tensor")
@@ -140,7 +141,7 @@ def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
     model = place_model(cli.build_model(run, precision), mesh, sequence_parallel, run.tp_overlap)
     optimizer = cli.make_optimizer(run)
     params, static = eqx.partition(model, eqx.is_array)
-    opt_state = optimizer.init(fp8jax.trainable(model))
+    opt_state = _init_sharded(optimizer, fp8jax.trainable(model), mesh)  # as the trainer
 
     def step(params, opt_state, batch):
         model = eqx.combine(params, static)
@@ -150,12 +151,7 @@ def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
 
     # outputs where the inputs are (as the trainer pins them): the compiled step takes its own
     # outputs, which XLA may otherwise lay out differently (a bf16 FSDP step did)
-    # (a leaf not placed on the mesh, such as the optimizer's step count: replicated)
-    replicated = NamedSharding(mesh, P())
-    shardings = lambda tree: jax.tree.map(  # noqa: E731
-        lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else replicated, tree
-    )
-    out = (shardings(params), shardings(opt_state), replicated)
+    out = (_shardings(params), _shardings(opt_state), NamedSharding(mesh, P()))
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=out), params, opt_state, static
 
 
