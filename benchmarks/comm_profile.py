@@ -102,14 +102,14 @@ def kernel_kind(kernel: str) -> str:
     return "other"
 
 
-def breakdown_ms(trace_dir: str, steps: int) -> dict[str, float] | None:
+def breakdown_ms(kernels_by_gpu: dict, steps: int) -> dict[str, float] | None:
     """Where a step's time goes on its GPUs (mean over them, ms per step): ``gemm``,
     ``attention``, ``other`` (each the union of its kernels' intervals), ``exposed_comm``
     (collectives under no compute), ``comm`` (all collective time), ``idle`` (no kernel at
-    all between the trace's first and last kernel) and ``span``. None without GPU planes
-    (a CPU run)."""
+    all between the trace's first and last kernel) and ``span``, from `device_kernels`'
+    ``kernels_by_gpu``. None without GPU planes (a CPU run)."""
     rows = []
-    for kernels in device_kernels(trace_dir).values():
+    for kernels in kernels_by_gpu.values():
         by = {k: merge((s, e) for n, s, e in kernels if kernel_kind(n) == k) for k in KINDS}
         compute = merge(iv for k in ("gemm", "attention", "other") for iv in by[k])
         start, end = min(s for _, s, _ in kernels), max(e for _, _, e in kernels)
@@ -124,11 +124,12 @@ def breakdown_ms(trace_dir: str, steps: int) -> dict[str, float] | None:
 
 
 def top_kernels(
-    trace_dir: str, steps: int, kind: str = "other", n: int = 20
+    kernels_by_gpu: dict, steps: int, kind: str = "other", n: int = 20
 ) -> list[tuple[str, float, float]]:
     """The ``n`` kernels of `kernel_kind` ``kind`` that take the most time, by name:
-    ``(name, ms per step, launches per step)``, the mean over the trace's GPUs."""
-    per_device = device_kernels(trace_dir)
+    ``(name, ms per step, launches per step)``, the mean over `device_kernels`'
+    ``kernels_by_gpu``."""
+    per_device = kernels_by_gpu
     ns, calls = collections.Counter(), collections.Counter()
     for kernels in per_device.values():
         for name, start, end in kernels:
@@ -149,6 +150,7 @@ def profile_step(
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
                 run_step()
-        for name, ms, calls in top_kernels(trace_dir, steps, n=top) if top else ():
-            print(f"  other {ms:8.2f} ms/step  x{calls:<6.1f} {name[:110]}", flush=True)
-        return breakdown_ms(trace_dir, steps)
+        kernels = device_kernels(trace_dir)  # the trace read once for both
+    for name, ms, calls in top_kernels(kernels, steps, n=top) if top else ():
+        print(f"  other {ms:8.2f} ms/step  x{calls:<6.1f} {name[:110]}", flush=True)
+    return breakdown_ms(kernels, steps)

@@ -374,7 +374,7 @@ def test_exposed_communication_is_the_collective_time_no_compute_covers():
     assert not cp.is_collective("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128")
 
 
-def test_step_breakdown_sorts_kernels_and_counts_idle_time(monkeypatch):
+def test_step_breakdown_sorts_kernels_and_counts_idle_time():
     """`breakdown_ms`: GEMM, attention and other kernels each as the union of their
     intervals, collectives only where no compute covers them, idle where nothing runs."""
     from benchmarks import comm_profile as cp
@@ -394,17 +394,15 @@ def test_step_breakdown_sorts_kernels_and_counts_idle_time(monkeypatch):
             ("fusion_1", 12 * ms, 13 * ms),  # idle 11..12
         ]
     }
-    monkeypatch.setattr(cp, "device_kernels", lambda trace_dir: kernels)
-    got = cp.breakdown_ms("unused", steps=1)
+    got = cp.breakdown_ms(kernels, steps=1)
     want = dict(gemm=6.0, attention=2.0, other=1.0, exposed_comm=3.0, comm=4.0, idle=1.0,
                 span=13.0)
     assert got == pytest.approx(want)
-    assert cp.breakdown_ms("unused", steps=2)["gemm"] == pytest.approx(3.0)
+    assert cp.breakdown_ms(kernels, steps=2)["gemm"] == pytest.approx(3.0)
     two = dict(kernels, **{"/device:GPU:1": [("fusion_1", 0, 3 * ms), ("fusion_2", 0, ms)]})
-    monkeypatch.setattr(cp, "device_kernels", lambda trace_dir: two)
     # "other" kernels by name, mean over the 2 GPUs and 2 steps: fusion_1 (1 + 3 ms) / 4
-    assert cp.top_kernels("unused", steps=2) == [("fusion_1", 1.0, 0.5), ("fusion_2", 0.25, 0.25)]
-    assert cp.top_kernels("unused", steps=1, n=1) == [("fusion_1", 2.0, 1.0)]
+    assert cp.top_kernels(two, steps=2) == [("fusion_1", 1.0, 0.5), ("fusion_2", 0.25, 0.25)]
+    assert cp.top_kernels(two, steps=1, n=1) == [("fusion_1", 2.0, 1.0)]
 
 
 def test_distributed_vocab_option(tmp_path):
