@@ -119,11 +119,21 @@ def _needs_mosaic_gpu():
         pytest.skip("Pallas Mosaic GPU does not import")
 
 
+# The `Config` variants (schedules, softmax forms) each checked once besides the default.
+VARIANTS = [
+    dict(schedule="pingpong"),
+    dict(schedule="none"),
+    dict(fold_scale=True),
+    dict(schedule="pingpong", fold_scale=True),
+]
+_DEFAULT_CASES = [(False, 64, 64, 2, 1, {}), (True, 64, 64, 2, 1, {}), (True, 128, 128, 1, 1, {})]
+
+
 @pytest.mark.parametrize(
-    "causal,d,block_kv,hq,hkv",
-    [(False, 64, 64, 2, 1), (True, 64, 64, 2, 1), (True, 128, 128, 1, 1)],
+    "causal,d,block_kv,hq,hkv,variant",
+    _DEFAULT_CASES + [(True, 64, 64, 2, 1, v) for v in VARIANTS],
 )
-def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq, hkv):
+def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq, hkv, variant):
     """The kernel's warp-specialized pipeline (three threads, TMA ring, barriers, causal
     skip and mask, P through SMEM, lse) in Pallas' GPU interpret mode on CPU, dots standing
     in for the ``wgmma`` (the interpreter has no transposed-B ``wgmma``): the reference's
@@ -137,7 +147,7 @@ def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq
         pytest.skip("no Pallas GPU interpret mode in this jax")
     s = 512 if d == 128 else 256
     args = _fp8(*_inputs(key, 1, s, hq, hkv, d))
-    config = fk.Config(block_q=64, block_kv=block_kv)
+    config = fk.Config(block_q=64, block_kv=block_kv, **variant)
     out, lse = fk.flash_fp8(*args, causal=causal, config=config, interpret=True)
     want, want_lse = fk.flash_fp8_reference(*args, causal=causal, config=config)
     assert out.dtype == jnp.bfloat16 and out.shape == want.shape
@@ -145,8 +155,11 @@ def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)])
-def test_kernel_lowers_to_fp8_wgmma(causal, d):
+@pytest.mark.parametrize(
+    "causal,d,variant",
+    [(False, 128, {}), (True, 128, {}), (True, 64, {})] + [(True, 128, v) for v in VARIANTS],
+)
+def test_kernel_lowers_to_fp8_wgmma(causal, d, variant):
     """The kernel lowers through Mosaic GPU for CUDA (on any host: shapes, layouts, SMEM
     transforms and the e4m3 register-to-SMEM store of P are checked there) to e4m3
     ``wgmma`` and e4m3 conversions."""
@@ -157,7 +170,7 @@ def test_kernel_lowers_to_fp8_wgmma(causal, d):
 
     def forward(q, k, v, qs, ks, vs):
         vt, scales = jnp.transpose(v, (0, 2, 3, 1)), jnp.stack([qs * ks, vs])
-        return fk._forward(q, k, vt, scales, causal, fk.Config(), False)
+        return fk._forward(q, k, vt, scales, causal, fk.Config(**variant), False)
 
     lowered = jax.jit(forward).trace(q, kv, kv, sc, sc, sc).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()

@@ -49,6 +49,7 @@ E4M3 = jnp.float8_e4m3fn
 P_SCALE = _quant.fp8_max(E4M3)  # P in [0, 1] is stored as e4m3 P * 448, e4m3's largest value
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2  # compute warpgroups per CTA (the third one loads)
+SCHEDULES = ("rendezvous", "pingpong", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,14 @@ class Config:
     block_q: int = 64
     block_kv: int = 128
     max_concurrent_steps: int = 4
+    # How the two compute warpgroups take turns on the tensor cores: "rendezvous" (both
+    # meet after the Q K^T issue and before P V, as ``attention_mgpu``), "pingpong" (FA3's
+    # hand-off: a warpgroup waits its turn only before its P V, and signals the other once
+    # its next Q K^T is issued) or "none".
+    schedule: str = "rendezvous"
+    # The softmax as ``exp2(s * c - m)`` (one FFMA a logit; the max taken on raw logits)
+    # instead of scaling the logits first.
+    fold_scale: bool = False
 
 
 def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
@@ -88,6 +97,8 @@ def _shape_reason(q_shape, k_shape, dtype, causal, config: Config):
     bq, bkv = config.block_q, config.block_kv
     if bq % 64 or bkv % 64 or bkv > 256 or config.max_concurrent_steps < 2:
         return f"{config}: block_q, block_kv multiples of 64 (block_kv <= 256), 2+ steps"
+    if config.schedule not in SCHEDULES:
+        return f"schedule {config.schedule!r} (one of {SCHEDULES})"
     if sq % (COMPUTE_WGS * bq) or sk % bkv:
         return f"Sq={sq}, Sk={sk} are not multiples of {COMPUTE_WGS * bq}, {bkv}"
     if causal and sq != sk:
@@ -257,6 +268,22 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
+        def qk_issued():  # right after a Q K^T wgmma is issued
+            if config.schedule == "rendezvous":
+                schedule_barrier()
+            elif config.schedule == "pingpong":  # the other warpgroup's turn
+                plgpu.barrier_arrive(schedule.at[1 - wg])
+
+        def before_pv(slot=None):  # after the softmax: wait for V and the tensor cores
+            if config.schedule == "rendezvous":
+                plgpu.barrier_arrive(schedule)  # done with the softmax
+            if slot is not None:
+                plgpu.barrier_wait(v_barriers.at[slot])
+            if config.schedule == "rendezvous":
+                plgpu.barrier_wait(schedule)  # the tensor cores are free
+            elif config.schedule == "pingpong":
+                plgpu.barrier_wait(schedule.at[wg])  # this warpgroup's turn
+
         if causal:  # the CTA's last row decides how far the loader goes
             cta_end = (lax.axis_index("q_seq") + 1) * (COMPUTE_WGS * bq)
             cta_kv_steps = pl.cdiv(cta_end, jnp.array(bk, jnp.int32))
@@ -287,31 +314,40 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             def _():
                 plgpu.barrier_wait(k_barriers.at[0])
 
-            pl.when(wg == 1)(schedule_barrier)
+            if config.schedule == "rendezvous":
+                pl.when(wg == 1)(schedule_barrier)
+            elif config.schedule == "pingpong":  # warpgroup 0 issues the first Q K^T
+
+                @pl.when(wg == 1)
+                def _():
+                    plgpu.barrier_wait(schedule.at[1])
 
             def kv_step(step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
                 slot = lax.rem(step, jnp.array(steps, step.dtype))
-                s = _mma_qk(q_smem, k_smem.at[slot], (bq, bk), interpret, schedule_barrier)
+                s = _mma_qk(q_smem, k_smem.at[slot], (bq, bk), interpret, qk_issued)
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                s = s * qk_scale  # base-2 logits
+                if not config.fold_scale:
+                    s = s * qk_scale  # base-2 logits
                 if masked:
                     q_ids = _iota((bq, bk), 0, interpret) + q_base
                     kv_ids = _iota((bq, bk), 1, interpret) + step * bk
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
                 # Online softmax in base 2 (float32).
-                m_ij = jnp.maximum(m_i, s.max(axis=1))
+                if config.fold_scale:  # qk_scale > 0: max(s * c) = max(s) * c
+                    m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+                    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ij, s.shape, [0]))
+                else:
+                    m_ij = jnp.maximum(m_i, s.max(axis=1))
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_ij, s.shape, [0]))
                 alpha = jnp.exp2(m_i - m_ij)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_ij, s.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha + p.sum(axis=1)
                 # P as e4m3 P * 448 in SMEM: the PV wgmma's K-major A operand.
                 p_smem[...] = (p * P_SCALE).astype(E4M3)
                 plgpu.commit_smem()
                 acc, l_i, m_ij = lax.optimization_barrier((acc, l_i, m_ij))
-                plgpu.barrier_arrive(schedule)  # done with the softmax
-                plgpu.barrier_wait(v_barriers.at[slot])
-                plgpu.barrier_wait(schedule)  # the tensor cores are free
+                before_pv(slot)
 
                 def wait_next_k():  # while the PV wgmma runs
                     nxt = step + 1
@@ -332,22 +368,28 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
 
                 def flush(step, _):
                     # Release the slots this warpgroup does not need (the other one may),
-                    # and keep the schedule barrier's count in step with it.
+                    # and keep the schedule barriers' counts in step with it.
                     slot = lax.rem(step, jnp.array(steps, step.dtype))
                     if interpret:  # the interpreter wants every phase waited for
                         plgpu.barrier_wait(k_barriers.at[slot])
                         plgpu.barrier_wait(v_barriers.at[slot])
                     plgpu.barrier_arrive(k_consumed.at[slot])
                     plgpu.barrier_arrive(v_consumed.at[slot])
-                    schedule_barrier()
-                    schedule_barrier()
+                    qk_issued()
+                    before_pv()
 
                 unmasked = lax.div(q_base, jnp.array(bk, jnp.int32))
                 carry = lax.fori_loop(0, unmasked, kv_step, carry)
                 masked = functools.partial(kv_step, masked=True)
                 acc, m_i, l_i = lax.fori_loop(unmasked, kv_steps, masked, carry)
                 lax.fori_loop(kv_steps, cta_kv_steps, flush, None)
-            pl.when(wg == 0)(schedule_barrier)
+            if config.schedule == "rendezvous":
+                pl.when(wg == 0)(schedule_barrier)
+            elif config.schedule == "pingpong":  # warpgroup 1's last turn
+
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.barrier_arrive(schedule.at[1])
 
             inv_l = out_scale / l_i
             o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(jnp.bfloat16)
@@ -409,7 +451,9 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
             consumed,
             consumed,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+            if config.schedule != "pingpong"
+            else plgpu.Barrier(num_barriers=COMPUTE_WGS),  # a warpgroup's turn each
         )
         pl.run_scoped(
             lambda smem, barriers: kernel(
