@@ -125,13 +125,19 @@ VARIANTS = [
     dict(schedule="none"),
     dict(fold_scale=True),
     dict(schedule="pingpong", fold_scale=True),
+    dict(overlap_qk=True),
+    dict(overlap_qk=True, schedule="pingpong", fold_scale=True),
+    dict(overlap_qk=True, schedule="none"),
+    dict(overlap_qk=True, schedule="pingpong", max_concurrent_steps=2),  # the ring wraps
 ]
 _DEFAULT_CASES = [(False, 64, 64, 2, 1, {}), (True, 64, 64, 2, 1, {}), (True, 128, 128, 1, 1, {})]
 
 
 @pytest.mark.parametrize(
     "causal,d,block_kv,hq,hkv,variant",
-    _DEFAULT_CASES + [(True, 64, 64, 2, 1, v) for v in VARIANTS],
+    _DEFAULT_CASES
+    + [(True, 64, 64, 2, 1, v) for v in VARIANTS]
+    + [(False, 64, 64, 2, 1, v) for v in VARIANTS[-2:]],
 )
 def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq, hkv, variant):
     """The kernel's warp-specialized pipeline (three threads, TMA ring, barriers, causal

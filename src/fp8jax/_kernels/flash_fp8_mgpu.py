@@ -70,6 +70,10 @@ class Config:
     # The softmax as ``exp2(s * c - m)`` (one FFMA a logit; the max taken on raw logits)
     # instead of scaling the logits first.
     fold_scale: bool = False
+    # FA3's intra-warpgroup overlap: each step issues ``S_j = Q K_j^T`` and then the
+    # previous step's ``P V`` as one turn on the tensor cores, and runs S_j's softmax while
+    # that ``P V`` is in flight (a second float32 accumulator live).
+    overlap_qk: bool = False
 
 
 def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
@@ -322,18 +326,19 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 def _():
                     plgpu.barrier_wait(schedule.at[1])
 
-            def kv_step(step, carry, masked: bool = False):
-                acc, m_i, l_i = carry
-                slot = lax.rem(step, jnp.array(steps, step.dtype))
-                s = _mma_qk(q_smem, k_smem.at[slot], (bq, bk), interpret, qk_issued)
-                plgpu.barrier_arrive(k_consumed.at[slot])
+            def ring(step):
+                return lax.rem(step, jnp.array(steps, jnp.int32))
+
+            def softmax(s, m_i, l_i, step, masked: bool):
+                """The online softmax (base 2, float32) of the raw logits ``s``: P as e4m3
+                ``P * 448`` (the PV wgmma's A operand), the new row max, the accumulator's
+                rescale factor and the new row sum."""
                 if not config.fold_scale:
                     s = s * qk_scale  # base-2 logits
                 if masked:
                     q_ids = _iota((bq, bk), 0, interpret) + q_base
                     kv_ids = _iota((bq, bk), 1, interpret) + step * bk
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
-                # Online softmax in base 2 (float32).
                 if config.fold_scale:  # qk_scale > 0: max(s * c) = max(s) * c
                     m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
                     p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ij, s.shape, [0]))
@@ -341,30 +346,108 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                     m_ij = jnp.maximum(m_i, s.max(axis=1))
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_ij, s.shape, [0]))
                 alpha = jnp.exp2(m_i - m_ij)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                # P as e4m3 P * 448 in SMEM: the PV wgmma's K-major A operand.
-                p_smem[...] = (p * P_SCALE).astype(E4M3)
+                return (p * P_SCALE).astype(E4M3), m_ij, alpha, l_i * alpha + p.sum(axis=1)
+
+            def rescale(acc, alpha):
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def wait_k(step):  # K of ``step`` (when there is one) has landed
+                @pl.when(step < kv_steps)
+                def _wait():
+                    plgpu.barrier_wait(k_barriers.at[ring(step)])
+
+            def kv_step(step, carry, masked: bool = False):
+                acc, m_i, l_i = carry
+                slot = ring(step)
+                s = _mma_qk(q_smem, k_smem.at[slot], (bq, bk), interpret, qk_issued)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                p8, m_ij, alpha, l_i = softmax(s, m_i, l_i, step, masked)
+                acc = rescale(acc, alpha)
+                p_smem[...] = p8
                 plgpu.commit_smem()
                 acc, l_i, m_ij = lax.optimization_barrier((acc, l_i, m_ij))
                 before_pv(slot)
 
-                def wait_next_k():  # while the PV wgmma runs
-                    nxt = step + 1
-                    nxt_slot = lax.rem(nxt, jnp.array(steps, step.dtype))
-
-                    @pl.when(nxt < kv_steps)
-                    def _wait():
-                        plgpu.barrier_wait(k_barriers.at[nxt_slot])
-
+                wait_next_k = functools.partial(wait_k, step + 1)  # while P V runs
                 acc = _mma_pv(acc, p_smem, vt_smem.at[slot], interpret, wait_next_k)
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_ij, l_i
 
+            def ov_step(step, carry, o_ref, masked: bool = False):
+                # ``overlap_qk``: S_j and P_{j-1} V_{j-1} issued as one turn (the barrier
+                # protocol unchanged: the turn starts where P V did), S_j's softmax while
+                # P V runs. On the GPU the accumulator stays in ``o_ref``.
+                acc, m_i, l_i = carry
+                slot, prev = ring(step), ring(step - 1)
+                before_pv(prev)
+                if interpret:
+                    s = _mma_qk(q_smem, k_smem.at[slot], (bq, bk), True)
+                    acc = _mma_pv(acc, p_smem, vt_smem.at[prev], True, qk_issued)
+                else:
+
+                    def scope(s_ref):
+                        plgpu.wgmma(s_ref, q_smem, _gg._transposed(k_smem.at[slot]))
+                        plgpu.wgmma(o_ref, p_smem, _gg._transposed(vt_smem.at[prev]))
+                        qk_issued()
+                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j only
+
+                    s = pl.run_scoped(scope, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                p8, m_ij, alpha, l_i = softmax(s, m_i, l_i, step, masked)
+                if not interpret:
+                    acc = o_ref[...]  # waits for P V
+                plgpu.barrier_arrive(v_consumed.at[prev])
+                acc = rescale(acc, alpha)
+                p_smem[...] = p8  # P V has read the previous P
+                plgpu.commit_smem()
+                if not interpret:
+                    o_ref[...] = acc
+                    acc = None
+                l_i, m_ij = lax.optimization_barrier((l_i, m_ij))
+                wait_k(step + 1)
+                return acc, m_ij, l_i
+
+            def overlapped(o_ref, m_i, l_i):
+                # Step 0's Q K^T and softmax alone, steps 1.. overlapped, the last P V.
+                s = _mma_qk(q_smem, k_smem.at[0], (bq, bk), interpret, qk_issued)
+                plgpu.barrier_arrive(k_consumed.at[0])
+                p_smem[...], m_i, _, l_i = softmax(s, m_i, l_i, 0, causal)
+                plgpu.commit_smem()
+                wait_k(1)
+                carry = (acc if interpret else None, m_i, l_i)
+                body = lambda masked: lambda j, c: ov_step(j, c, o_ref, masked)  # noqa: E731
+                if causal:
+                    first_masked = jnp.maximum(lax.div(q_base, jnp.array(bk, jnp.int32)), 1)
+                    carry = lax.fori_loop(1, first_masked, body(False), carry)
+                    carry = lax.fori_loop(first_masked, kv_steps, body(True), carry)
+                else:
+                    carry = lax.fori_loop(1, max_kv_steps, body(False), carry)
+                acc_, m_i, l_i = carry
+                last = ring(kv_steps - 1)
+                before_pv(last)
+                if interpret:
+                    acc_ = _mma_pv(acc_, p_smem, vt_smem.at[last], True)
+                else:
+                    plgpu.wgmma(o_ref, p_smem, _gg._transposed(vt_smem.at[last]))
+                    acc_ = o_ref[...]
+                plgpu.barrier_arrive(v_consumed.at[last])
+                return acc_, m_i, l_i
+
             carry = (acc, m_i, l_i)
-            if not causal:
+            if config.overlap_qk:
+                if interpret:
+                    acc, m_i, l_i = overlapped(None, m_i, l_i)
+                else:
+                    acc_t = plgpu.ACC((bq, d), jnp.float32)
+                    acc, m_i, l_i = pl.run_scoped(lambda o: overlapped(o, m_i, l_i), acc_t)
+            elif not causal:
                 acc, m_i, l_i = lax.fori_loop(0, max_kv_steps, kv_step, carry)
             else:
+                unmasked = lax.div(q_base, jnp.array(bk, jnp.int32))
+                carry = lax.fori_loop(0, unmasked, kv_step, carry)
+                masked = functools.partial(kv_step, masked=True)
+                acc, m_i, l_i = lax.fori_loop(unmasked, kv_steps, masked, carry)
+            if causal:
 
                 def flush(step, _):
                     # Release the slots this warpgroup does not need (the other one may),
@@ -378,10 +461,6 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                     qk_issued()
                     before_pv()
 
-                unmasked = lax.div(q_base, jnp.array(bk, jnp.int32))
-                carry = lax.fori_loop(0, unmasked, kv_step, carry)
-                masked = functools.partial(kv_step, masked=True)
-                acc, m_i, l_i = lax.fori_loop(unmasked, kv_steps, masked, carry)
                 lax.fori_loop(kv_steps, cta_kv_steps, flush, None)
             if config.schedule == "rendezvous":
                 pl.when(wg == 0)(schedule_barrier)
