@@ -24,19 +24,25 @@ from fp8jax._kernels import flash_fp8_mgpu as fa
 E4M3 = jnp.float8_e4m3fn
 C = fa.Config
 PP, OV = dict(schedule="pingpong"), dict(overlap_qk=True)
-FOLD = dict(fold_scale=True)
-VARIANTS = {
+FOLD, REGS = dict(fold_scale=True), dict(p_in_registers=True)
+VARIANTS = {  # the likeliest first (a sweep past BUDGET_S skips the rest)
     "base": C(),
     "pingpong": C(**PP),
-    "none": C(schedule="none"),
     "fold": C(**FOLD),
     "pingpong+fold": C(**PP, **FOLD),
-    "none+fold": C(schedule="none", **FOLD),
+    "pingpong+fold+overlap": C(**PP, **FOLD, **OV),
+    "pingpong+fold+regs": C(**PP, **FOLD, **REGS),
+    "pingpong+fold+overlap+regs": C(**PP, **FOLD, **OV, **REGS),
+    "overlap+fold+regs": C(**OV, **FOLD, **REGS),
+    "none+fold+overlap+regs": C(schedule="none", **FOLD, **OV, **REGS),
+    "regs": C(**REGS),
     "overlap": C(**OV),
     "overlap+fold": C(**OV, **FOLD),
     "pingpong+overlap": C(**PP, **OV),
-    "pingpong+fold+overlap": C(**PP, **FOLD, **OV),
+    "none": C(schedule="none"),
+    "none+fold": C(schedule="none", **FOLD),
     "none+fold+overlap": C(schedule="none", **FOLD, **OV),
+    "pingpong+fold+overlap+regs steps3": C(**PP, **FOLD, **OV, **REGS, max_concurrent_steps=3),
     "pingpong+fold+overlap steps3": C(**PP, **FOLD, **OV, max_concurrent_steps=3),
     "pingpong+fold+overlap kv64 steps8": C(**PP, **FOLD, **OV, block_kv=64, max_concurrent_steps=8),
     "pingpong+fold kv256 steps2": C(**PP, **FOLD, block_kv=256, max_concurrent_steps=2),

@@ -129,6 +129,8 @@ VARIANTS = [
     dict(overlap_qk=True, schedule="pingpong", fold_scale=True),
     dict(overlap_qk=True, schedule="none"),
     dict(overlap_qk=True, schedule="pingpong", max_concurrent_steps=2),  # the ring wraps
+    dict(p_in_registers=True),
+    dict(p_in_registers=True, overlap_qk=True, schedule="pingpong", fold_scale=True),
 ]
 _DEFAULT_CASES = [(False, 64, 64, 2, 1, {}), (True, 64, 64, 2, 1, {}), (True, 128, 128, 1, 1, {})]
 
@@ -137,7 +139,7 @@ _DEFAULT_CASES = [(False, 64, 64, 2, 1, {}), (True, 64, 64, 2, 1, {}), (True, 12
     "causal,d,block_kv,hq,hkv,variant",
     _DEFAULT_CASES
     + [(True, 64, 64, 2, 1, v) for v in VARIANTS]
-    + [(False, 64, 64, 2, 1, v) for v in VARIANTS[-2:]],
+    + [(False, 64, 64, 2, 1, v) for v in VARIANTS[-3:]],
 )
 def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq, hkv, variant):
     """The kernel's warp-specialized pipeline (three threads, TMA ring, barriers, causal
@@ -182,6 +184,18 @@ def test_kernel_lowers_to_fp8_wgmma(causal, d, variant):
     text = lowered.as_text()
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", text)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text
+
+
+def test_p_in_registers_reorders_vt_keys_as_p():
+    """With ``p_in_registers`` vT's keys are reordered within each 16 as the P registers
+    are read: the wgmma's key position ``4t + 2a + b`` holds key ``8a + 2t + b``."""
+    v = jax.random.normal(jax.random.PRNGKey(3), (1, 32, 2, 8), jnp.float32)
+    plain, perm = np.asarray(fk._vt(v, False)), np.asarray(fk._vt(v, True))
+    np.testing.assert_array_equal(plain, np.transpose(np.asarray(v), (0, 2, 3, 1)))
+    for c, t, a, b in np.ndindex(2, 4, 2, 2):
+        np.testing.assert_array_equal(
+            perm[..., 16 * c + 4 * t + 2 * a + b], plain[..., 16 * c + 8 * a + 2 * t + b]
+        )
 
 
 def _hopper_or_skip(q_shape, k_shape, causal):

@@ -39,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import _jax_compat, _quant
@@ -74,6 +75,10 @@ class Config:
     # previous step's ``P V`` as one turn on the tensor cores, and runs S_j's softmax while
     # that ``P V`` is in flight (a second float32 accumulator live).
     overlap_qk: bool = False
+    # P stays in registers as the P V wgmma's A operand (its e4m3 registers regrouped into
+    # Mosaic's 8-bit wgmma layout, which reorders each 16 keys: `flash_fp8` permutes vT's
+    # keys to match) instead of going through shared memory.
+    p_in_registers: bool = False
 
 
 def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
@@ -200,9 +205,49 @@ def flash_fp8(
     if why is not None:
         raise ValueError(f"FP8 flash-attention kernel: {why}")
     qk_scale, out_scale = _scales(q_scale, k_scale, v_scale, q.shape[-1], softmax_scale)
-    vt = jnp.transpose(v, (0, 2, 3, 1))  # [B, Hkv, D, Sk]: the PV operand K-major
+    vt = _vt(v, config.p_in_registers and not interpret)
     scales = jnp.stack([qk_scale, out_scale])
     return _forward(q, k, vt, scales, causal, config, interpret)
+
+
+def _vt(v, p_in_registers: bool):
+    """``v [B, Sk, Hkv, D]`` as ``vT [B, Hkv, D, Sk]`` (the PV operand K-major); with
+    ``p_in_registers`` each 16 keys reordered as `_p_operand` presents P's: the register
+    position ``4t + 2a + b`` holds key ``8a + 2t + b``."""
+    vt = jnp.transpose(v, (0, 2, 3, 1))
+    if not p_in_registers:
+        return vt
+    b, h, d, sk = vt.shape
+    vt = jnp.swapaxes(vt.reshape(b, h, d, sk // 16, 2, 4, 2), -3, -2)
+    return vt.reshape(b, h, d, sk)
+
+
+def _p_operand(p8, interpret: bool):
+    """The e4m3 P tile ``[64, bk]`` (``WGMMA`` layout: a thread's pairs of keys ``2t, 2t + 1``
+    of each 8) as the 8-bit wgmma A operand: each 16 keys' two pairs, ``2t, 2t + 1`` and
+    ``8 + 2t, 9 + 2t``, read as one register of keys ``4t .. 4t + 3`` (`_vt` reorders V's
+    keys to match), no data moved."""
+    if interpret:
+        return p8
+    from jax.experimental.mosaic.gpu import fragmented_array as mfa
+    from jax.experimental.mosaic.gpu import utils as mutils
+
+    out_type = plgpu.ShapeDtypeStruct(p8.shape, E4M3, plgpu.Layout.WGMMA_8BIT)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out_type)
+    def regroup(_, p):
+        regs = p.registers
+        shape = mfa.WGMMA_LAYOUT_8BIT.registers_shape(p.shape)
+        assert regs.shape == (shape[0], 2 * shape[1], *shape[2:]), (regs.shape, shape)
+        new = np.empty(shape, dtype=object)
+        for idx in np.ndindex(shape):
+            pair = [regs[(idx[0], 2 * idx[1] + i, *idx[2:])] for i in range(2)]
+            new[idx] = mutils.vector_concat(pair)
+        return mfa.FragmentedArray(
+            _registers=new, _layout=mfa.WGMMA_LAYOUT_8BIT, _is_signed=p.is_signed
+        )
+
+    return regroup(p8)
 
 
 def _mma_qk(q_smem, k_smem, shape, interpret: bool, between=None):
@@ -224,18 +269,20 @@ def _mma_qk(q_smem, k_smem, shape, interpret: bool, between=None):
     return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
 
-def _mma_pv(acc, p_smem, vt_smem, interpret: bool, between=None):
-    """``acc + P V`` of an e4m3 P tile ``[bq, bk]`` and a vT tile ``[D, bk]`` (both
-    K-major), ``between`` called while the ``wgmma`` runs."""
+def _mma_pv(acc, p, vt_smem, interpret: bool, between=None, p_is_ref: bool = True):
+    """``acc + P V`` of an e4m3 P tile ``[bq, bk]`` (in SMEM, or registers from
+    `_p_operand`) and a vT tile ``[D, bk]`` (K-major), ``between`` called while the
+    ``wgmma`` runs."""
     if interpret:
         dims = (((1,), (1,)), ((), ()))
-        pv = lax.dot_general(p_smem[...], vt_smem[...], dims, preferred_element_type=jnp.float32)
+        p = p[...] if p_is_ref else p
+        pv = lax.dot_general(p, vt_smem[...], dims, preferred_element_type=jnp.float32)
         if between is not None:
             between()
         return acc + pv
 
     def compute(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, _gg._transposed(vt_smem))
+        plgpu.wgmma(acc_ref, p, _gg._transposed(vt_smem))
         if between is not None:
             between()
 
@@ -356,6 +403,16 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 def _wait():
                     plgpu.barrier_wait(k_barriers.at[ring(step)])
 
+            regs = config.p_in_registers
+
+            def stage_p(p8):
+                """P as the P V wgmma's A operand: in registers, or stored to SMEM."""
+                if regs:
+                    return _p_operand(p8, interpret)
+                p_smem[...] = p8
+                plgpu.commit_smem()
+                return p_smem
+
             def kv_step(step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
                 slot = ring(step)
@@ -363,13 +420,16 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 p8, m_ij, alpha, l_i = softmax(s, m_i, l_i, step, masked)
                 acc = rescale(acc, alpha)
-                p_smem[...] = p8
-                plgpu.commit_smem()
-                acc, l_i, m_ij = lax.optimization_barrier((acc, l_i, m_ij))
+                p_op = stage_p(p8)
+                if regs:
+                    acc, l_i, m_ij, p_op = lax.optimization_barrier((acc, l_i, m_ij, p_op))
+                else:
+                    acc, l_i, m_ij = lax.optimization_barrier((acc, l_i, m_ij))
                 before_pv(slot)
 
                 wait_next_k = functools.partial(wait_k, step + 1)  # while P V runs
-                acc = _mma_pv(acc, p_smem, vt_smem.at[slot], interpret, wait_next_k)
+                pv = functools.partial(_mma_pv, p_is_ref=not regs)
+                acc = pv(acc, p_op, vt_smem.at[slot], interpret, wait_next_k)
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_ij, l_i
 
@@ -377,17 +437,18 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 # ``overlap_qk``: S_j and P_{j-1} V_{j-1} issued as one turn (the barrier
                 # protocol unchanged: the turn starts where P V did), S_j's softmax while
                 # P V runs. On the GPU the accumulator stays in ``o_ref``.
-                acc, m_i, l_i = carry
+                acc, m_i, l_i, p_prev = carry
+                p_op = p_prev if regs else p_smem
                 slot, prev = ring(step), ring(step - 1)
                 before_pv(prev)
                 if interpret:
                     s = _mma_qk(q_smem, k_smem.at[slot], (bq, bk), True)
-                    acc = _mma_pv(acc, p_smem, vt_smem.at[prev], True, qk_issued)
+                    acc = _mma_pv(acc, p_op, vt_smem.at[prev], True, qk_issued, not regs)
                 else:
 
                     def scope(s_ref):
                         plgpu.wgmma(s_ref, q_smem, _gg._transposed(k_smem.at[slot]))
-                        plgpu.wgmma(o_ref, p_smem, _gg._transposed(vt_smem.at[prev]))
+                        plgpu.wgmma(o_ref, p_op, _gg._transposed(vt_smem.at[prev]))
                         qk_issued()
                         return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j only
 
@@ -398,23 +459,22 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                     acc = o_ref[...]  # waits for P V
                 plgpu.barrier_arrive(v_consumed.at[prev])
                 acc = rescale(acc, alpha)
-                p_smem[...] = p8  # P V has read the previous P
-                plgpu.commit_smem()
+                p_op = stage_p(p8)  # P V has read the previous P
                 if not interpret:
                     o_ref[...] = acc
                     acc = None
                 l_i, m_ij = lax.optimization_barrier((l_i, m_ij))
                 wait_k(step + 1)
-                return acc, m_ij, l_i
+                return acc, m_ij, l_i, p_op if regs else None
 
             def overlapped(o_ref, m_i, l_i):
                 # Step 0's Q K^T and softmax alone, steps 1.. overlapped, the last P V.
                 s = _mma_qk(q_smem, k_smem.at[0], (bq, bk), interpret, qk_issued)
                 plgpu.barrier_arrive(k_consumed.at[0])
-                p_smem[...], m_i, _, l_i = softmax(s, m_i, l_i, 0, causal)
-                plgpu.commit_smem()
+                p8, m_i, _, l_i = softmax(s, m_i, l_i, 0, causal)
+                p_op = stage_p(p8)
                 wait_k(1)
-                carry = (acc if interpret else None, m_i, l_i)
+                carry = (acc if interpret else None, m_i, l_i, p_op if regs else None)
                 body = lambda masked: lambda j, c: ov_step(j, c, o_ref, masked)  # noqa: E731
                 if causal:
                     first_masked = jnp.maximum(lax.div(q_base, jnp.array(bk, jnp.int32)), 1)
@@ -422,13 +482,14 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                     carry = lax.fori_loop(first_masked, kv_steps, body(True), carry)
                 else:
                     carry = lax.fori_loop(1, max_kv_steps, body(False), carry)
-                acc_, m_i, l_i = carry
+                acc_, m_i, l_i, p_last = carry
+                p_op = p_last if regs else p_smem
                 last = ring(kv_steps - 1)
                 before_pv(last)
                 if interpret:
-                    acc_ = _mma_pv(acc_, p_smem, vt_smem.at[last], True)
+                    acc_ = _mma_pv(acc_, p_op, vt_smem.at[last], True, None, not regs)
                 else:
-                    plgpu.wgmma(o_ref, p_smem, _gg._transposed(vt_smem.at[last]))
+                    plgpu.wgmma(o_ref, p_op, _gg._transposed(vt_smem.at[last]))
                     acc_ = o_ref[...]
                 plgpu.barrier_arrive(v_consumed.at[last])
                 return acc_, m_i, l_i
