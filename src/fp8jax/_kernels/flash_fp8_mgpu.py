@@ -19,7 +19,8 @@ barrier that alternates the two compute warpgroups' tensor-core phases. Per KV b
   stored as e4m3 ``P * 448`` (`P_SCALE`) to shared memory and V comes pre-transposed
   (``vT [B, Hkv, D, Sk]``, one XLA transpose in `flash_fp8`) so its ``[D, block_kv]`` tile
   is K-major. (Mosaic GPU takes an 8-bit A operand from registers only in its own 8-bit
-  layout, which the float32 accumulator's layout does not convert to in jax 0.10.)
+  layout, which the float32 accumulator's layout does not convert to in jax 0.10;
+  ``Config.p_in_registers`` reads P's registers as that layout with V's keys reordered.)
 
 The output is ``acc * v_scale / 448 / l``. Causal (``Sq == Sk``, top-left aligned): KV
 blocks past the diagonal are skipped, the blocks the diagonal crosses masked.
@@ -58,7 +59,8 @@ class Config:
     """Tiles of `flash_fp8`: each compute warpgroup owns ``block_q`` query rows (a CTA
     ``2 * block_q``); K/V stream in ``block_kv``-row tiles through ``max_concurrent_steps``
     shared-memory slots. The fastest of a sweep at seq 8192, 32 heads x 128, causal
-    (`benchmarks/RESULTS.md`, "FP8 flash attention, first attempt")."""
+    (`benchmarks/RESULTS.md`, "FP8 flash attention, first attempt"). The other fields
+    are the issue-50 variants (FA3's schedule, softmax and overlap), off by default."""
 
     block_q: int = 64
     block_kv: int = 128
