@@ -43,6 +43,7 @@ VARIANTS = {  # the likeliest first (a sweep past BUDGET_S skips the rest)
     "none+fold": C(schedule="none", **FOLD),
     "none+fold+overlap": C(schedule="none", **FOLD, **OV),
     "pingpong+fold+overlap+regs steps3": C(**PP, **FOLD, **OV, **REGS, max_concurrent_steps=3),
+    "pingpong+fold+overlap+regs steps5": C(**PP, **FOLD, **OV, **REGS, max_concurrent_steps=5),
     "pingpong+fold+overlap steps3": C(**PP, **FOLD, **OV, max_concurrent_steps=3),
     "pingpong+fold+overlap kv64 steps8": C(**PP, **FOLD, **OV, block_kv=64, max_concurrent_steps=8),
     "pingpong+fold kv256 steps2": C(**PP, **FOLD, block_kv=256, max_concurrent_steps=2),

@@ -346,7 +346,8 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(232, action="increase")
-            q_smem, p_smem, o_smem = q_smem2.at[wg], p_smem2.at[wg], o_smem2.at[wg]
+            q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+            p_smem = None if p_smem2 is None else p_smem2.at[wg]  # None: P in registers
             lse_smem = lse_smem2.at[wg]
             q_base = lax.axis_index("q_seq") * (COMPUTE_WGS * bq) + wg * bq
             if causal:
@@ -580,7 +581,9 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             plgpu.SMEM((COMPUTE_WGS, bq, d), E4M3, transforms=qk_t),
             plgpu.SMEM((steps, bk, d), E4M3, transforms=qk_t),
             plgpu.SMEM((steps, d, bk), E4M3, transforms=pv_t),
-            plgpu.SMEM((COMPUTE_WGS, bq, bk), E4M3, transforms=pv_t),
+            None
+            if config.p_in_registers
+            else plgpu.SMEM((COMPUTE_WGS, bq, bk), E4M3, transforms=pv_t),
             plgpu.SMEM(
                 (COMPUTE_WGS, bq, d), jnp.bfloat16, transforms=_gg._smem_transforms(d, jnp.bfloat16)
             ),
