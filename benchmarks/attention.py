@@ -6,7 +6,8 @@ Two levels, each timed in one process and one run:
   cuDNN) vs ``fp8jax-fp8_dpa`` (`fp8jax.nn.dot_product_attention`, cuDNN FP8 with
   bf16 in/out, the casts included) and ``fp8-mgpu``, forward only (fp8jax's own Pallas
   Mosaic GPU kernel, `fp8jax._kernels.flash_fp8_mgpu`, after per-tensor e4m3 casts of
-  q, k, v from their amax; its "FP8 attention" cell reads "mgpu (fwd only)");
+  q, k, v with scales from their amax taken before timing, as delayed scaling has them;
+  its "FP8 attention" cell reads "mgpu (fwd only)");
 * ``mha`` (the `fp8jax.nn.MultiHeadAttention` block: QKV projection, rotary,
   attention, output projection on ``x: [batch, seq, dim]``): ``cudnn-bf16`` (mode
   bf16), ``fp8jax-fp8_dpa`` (FP8 core, bf16 projections) and ``fp8jax-fp8_mha``
@@ -111,25 +112,32 @@ def build(level: str, variant: str, p: dict, key, backend: str):
     return module, [(p["batch"], p["seq"], dim)]
 
 
-def mgpu_step(p: dict, backend: str) -> common.Step:
-    """``fp8-mgpu``'s forward: per-tensor e4m3 casts of q, k, v (scale amax / 448) and the
-    causal FP8 flash-attention kernel (its plain-JAX reference with ``backend``
-    "reference"), output bf16."""
+def mgpu_step(p: dict, backend: str, scales) -> common.Step:
+    """``fp8-mgpu``'s forward: per-tensor e4m3 casts of q, k, v with the given ``scales``
+    and the causal FP8 flash-attention kernel (its plain-JAX reference with ``backend``
+    "reference"), output bf16. The scales come from outside the step, as delayed scaling's
+    come from its history (``fp8jax-fp8_dpa``'s forward casts with its state's scales, no
+    amax pass before the cast either)."""
     from fp8jax import _quant as qt
     from fp8jax._kernels import flash_fp8_mgpu as flash
 
     attend = flash.flash_fp8_reference if backend == "reference" else flash.flash_fp8
     e4m3 = jnp.float8_e4m3fn
 
-    def cast(x):  # fp8jax's per-tensor current scaling (amax / 448)
-        scale = qt.scale_from_amax(qt.amax(x), jnp.ones((), F32), e4m3, 0.0)
-        return qt.quantize(x, scale, e4m3), scale
-
     def fn(params, inputs, g):
-        (q, qs), (k, ks), (v, vs) = (cast(x) for x in inputs)
-        return attend(q, k, v, qs, ks, vs, causal=True)[0]
+        q, k, v = (qt.quantize(x, s, e4m3) for x, s in zip(inputs, scales))
+        return attend(q, k, v, *scales, causal=True)[0]
 
     return common.Step(fn, None)
+
+
+def mgpu_scales(inputs) -> tuple:
+    """Per-tensor e4m3 scales (amax / 448) of q, k, v: fp8jax's current scaling, computed
+    once before timing."""
+    from fp8jax import _quant as qt
+
+    one, e4m3 = jnp.ones((), F32), jnp.float8_e4m3fn
+    return tuple(qt.scale_from_amax(qt.amax(x), one, e4m3, 0.0) for x in inputs)
 
 
 def make_step(module, direction: str, inputs, g) -> common.Step:
@@ -205,7 +213,7 @@ def _time_mgpu(p: dict, key, backend: str, iters: int, reps: int) -> dict:
         ]
         for i in range(3)
     ]
-    step = mgpu_step(p, backend)
+    step = mgpu_step(p, backend, mgpu_scales(input_sets[0]))
     ms = common.time_step(step, input_sets, None, iters, reps, warmup=1)
     hlo = step.hlo_text(input_sets[0], None)
     kernel = "mosaic_gpu" in hlo
