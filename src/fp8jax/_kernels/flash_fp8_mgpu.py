@@ -8,19 +8,22 @@ fp8 * scale), ``D`` 64 or 128; bf16 output and the natural-log log-sum-exp
 Structured as JAX's Hopper attention (``jax.experimental.pallas.ops.gpu.attention_mgpu``,
 its forward): a CTA owns ``2 * block_q`` query rows of one head; two compute warpgroups
 (``block_q`` rows each) and a third warpgroup that only issues the TMA loads of the K and
-V tiles into a ring of ``max_concurrent_steps`` slots (manual barriers), with a schedule
-barrier that alternates the two compute warpgroups' tensor-core phases. Per KV block:
+V tiles into a ring of ``max_concurrent_steps`` slots (manual barriers). The two compute
+warpgroups take turns on the tensor cores as in FA3 (ping-pong): a warpgroup waits for its
+turn before its ``P V`` and hands the turn over once its next ``Q K^T`` is issued, so one
+warpgroup's softmax runs while the other's matmuls do. Per KV block:
 
 * ``S = Q K^T`` on ``wgmma`` with both e4m3 operands K-major (Q's ``[block_q, D]`` tile, K's
   ``[block_kv, D]`` tile as the transposed B operand), float32 accumulate, times
-  ``q_scale * k_scale * softmax_scale * log2(e)`` (the softmax runs in base 2, ``exp2``);
+  ``q_scale * k_scale * softmax_scale * log2(e)`` folded into the softmax's exponent
+  (``exp2(s * c - m)``, one FFMA a logit; the softmax runs in base 2);
 * the online softmax in float32 (running row max ``m``, row sum ``l``);
-* ``acc += P V``: FP8 ``wgmma`` needs both operands K-major, so P (float32 in [0, 1]) is
-  stored as e4m3 ``P * 448`` (`P_SCALE`) to shared memory and V comes pre-transposed
-  (``vT [B, Hkv, D, Sk]``, one XLA transpose in `flash_fp8`) so its ``[D, block_kv]`` tile
-  is K-major. (Mosaic GPU takes an 8-bit A operand from registers only in its own 8-bit
-  layout, which the float32 accumulator's layout does not convert to in jax 0.10;
-  ``Config.p_in_registers`` reads P's registers as that layout with V's keys reordered.)
+* ``acc += P V``: P (float32 in [0, 1]) is rounded to e4m3 ``P * 448`` (`P_SCALE`) and
+  stays in registers as the ``wgmma``'s A operand: `_p_operand` reads its registers as
+  Mosaic GPU's 8-bit ``wgmma`` layout, which reorders each 16 keys, and V comes
+  pre-transposed with its keys reordered to match (``vT [B, Hkv, D, Sk]``, `_vt`, one XLA
+  op in `flash_fp8`) so its ``[D, block_kv]`` tile is the K-major B operand FP8 ``wgmma``
+  needs.
 
 The output is ``acc * v_scale / 448 / l``. Causal (``Sq == Sk``, top-left aligned): KV
 blocks past the diagonal are skipped, the blocks the diagonal crosses masked.
@@ -29,7 +32,8 @@ blocks past the diagonal are skipped, the blocks the diagonal crosses masked.
 ``block_kv`` and the same P quantization); `reason` says why the kernel cannot run.
 Written against the Pallas Mosaic GPU API of jax 0.10-0.11 (the calls ``attention_mgpu``
 uses). ``interpret=True`` runs the kernel in Pallas' GPU interpret mode (CPU, tests), with
-a dot standing in for each ``wgmma`` (the interpreter has no transposed-B ``wgmma``).
+a dot standing in for each ``wgmma`` (the interpreter has no transposed-B ``wgmma``) on
+P and V in their natural key order (no register regrouping there, so no key reordering).
 """
 
 from __future__ import annotations
@@ -51,37 +55,18 @@ E4M3 = jnp.float8_e4m3fn
 P_SCALE = _quant.fp8_max(E4M3)  # P in [0, 1] is stored as e4m3 P * 448, e4m3's largest value
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2  # compute warpgroups per CTA (the third one loads)
-SCHEDULES = ("rendezvous", "pingpong", "none")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Tiles of `flash_fp8`: each compute warpgroup owns ``block_q`` query rows (a CTA
-    ``2 * block_q``); K/V stream in ``block_kv``-row tiles through ``max_concurrent_steps``
-    shared-memory slots. The defaults are the fastest of two sweeps at seq 8192, 32 heads
-    x 128, causal (`benchmarks/RESULTS.md`, "FP8 flash attention, first attempt" and
-    "second attempt"): FA3's ping-pong schedule, the folded softmax scale and P kept in
-    registers; the intra-warpgroup overlap is off (no faster with the other three)."""
+    ``2 * block_q``); K/V stream in ``block_kv``-row tiles through a ring of
+    ``max_concurrent_steps`` shared-memory slots. The defaults are the fastest measured
+    (`benchmarks/RESULTS.md`, "FP8 flash attention")."""
 
     block_q: int = 64
     block_kv: int = 128
     max_concurrent_steps: int = 4
-    # How the two compute warpgroups take turns on the tensor cores: "rendezvous" (both
-    # meet after the Q K^T issue and before P V, as ``attention_mgpu``), "pingpong" (FA3's
-    # hand-off: a warpgroup waits its turn only before its P V, and signals the other once
-    # its next Q K^T is issued) or "none".
-    schedule: str = "pingpong"
-    # The softmax as ``exp2(s * c - m)`` (one FFMA a logit; the max taken on raw logits)
-    # instead of scaling the logits first.
-    fold_scale: bool = True
-    # FA3's intra-warpgroup overlap: each step issues ``S_j = Q K_j^T`` and then the
-    # previous step's ``P V`` as one turn on the tensor cores, and runs S_j's softmax while
-    # that ``P V`` is in flight (a second float32 accumulator live).
-    overlap_qk: bool = False
-    # P stays in registers as the P V wgmma's A operand (its e4m3 registers regrouped into
-    # Mosaic's 8-bit wgmma layout, which reorders each 16 keys: `flash_fp8` permutes vT's
-    # keys to match) instead of going through shared memory.
-    p_in_registers: bool = True
 
 
 def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
@@ -109,8 +94,6 @@ def _shape_reason(q_shape, k_shape, dtype, causal, config: Config):
     bq, bkv = config.block_q, config.block_kv
     if bq % 64 or bkv % 64 or bkv > 256 or config.max_concurrent_steps < 2:
         return f"{config}: block_q, block_kv multiples of 64 (block_kv <= 256), 2+ steps"
-    if config.schedule not in SCHEDULES:
-        return f"schedule {config.schedule!r} (one of {SCHEDULES})"
     if sq % (COMPUTE_WGS * bq) or sk % bkv:
         return f"Sq={sq}, Sk={sk} are not multiples of {COMPUTE_WGS * bq}, {bkv}"
     if causal and sq != sk:
@@ -208,17 +191,17 @@ def flash_fp8(
     if why is not None:
         raise ValueError(f"FP8 flash-attention kernel: {why}")
     qk_scale, out_scale = _scales(q_scale, k_scale, v_scale, q.shape[-1], softmax_scale)
-    vt = _vt(v, config.p_in_registers and not interpret)
+    vt = _vt(v, permute_keys=not interpret)
     scales = jnp.stack([qk_scale, out_scale])
     return _forward(q, k, vt, scales, causal, config, interpret)
 
 
-def _vt(v, p_in_registers: bool):
+def _vt(v, permute_keys: bool):
     """``v [B, Sk, Hkv, D]`` as ``vT [B, Hkv, D, Sk]`` (the PV operand K-major); with
-    ``p_in_registers`` each 16 keys reordered as `_p_operand` presents P's: the register
-    position ``4t + 2a + b`` holds key ``8a + 2t + b``."""
+    ``permute_keys`` (the GPU) each 16 keys reordered as `_p_operand` presents P's: the
+    register position ``4t + 2a + b`` holds key ``8a + 2t + b``."""
     vt = jnp.transpose(v, (0, 2, 3, 1))
-    if not p_in_registers:
+    if not permute_keys:
         return vt
     b, h, d, sk = vt.shape
     vt = jnp.swapaxes(vt.reshape(b, h, d, sk // 16, 2, 4, 2), -3, -2)
@@ -272,13 +255,11 @@ def _mma_qk(q_smem, k_smem, shape, interpret: bool, between=None):
     return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
 
-def _mma_pv(acc, p, vt_smem, interpret: bool, between=None, p_is_ref: bool = True):
-    """``acc + P V`` of an e4m3 P tile ``[bq, bk]`` (in SMEM, or registers from
-    `_p_operand`) and a vT tile ``[D, bk]`` (K-major), ``between`` called while the
-    ``wgmma`` runs."""
+def _mma_pv(acc, p, vt_smem, interpret: bool, between=None):
+    """``acc + P V`` of an e4m3 P tile ``[bq, bk]`` (registers, from `_p_operand`) and a
+    vT tile ``[D, bk]`` (K-major), ``between`` called while the ``wgmma`` runs."""
     if interpret:
         dims = (((1,), (1,)), ((), ()))
-        p = p[...] if p_is_ref else p
         pv = lax.dot_general(p, vt_smem[...], dims, preferred_element_type=jnp.float32)
         if between is not None:
             between()
@@ -315,28 +296,16 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
 
     def kernel(q_ref, k_ref, vt_ref, s_ref, out_ref, lse_ref, smem, barriers):
         batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        q_smem2, k_smem, vt_smem, p_smem2, o_smem2, lse_smem2 = smem
+        q_smem2, k_smem, vt_smem, o_smem2, lse_smem2 = smem
         k_barriers, v_barriers, q_barriers, k_consumed, v_consumed, schedule = barriers
 
-        def schedule_barrier():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
-
-        def qk_issued():  # right after a Q K^T wgmma is issued
-            if config.schedule == "rendezvous":
-                schedule_barrier()
-            elif config.schedule == "pingpong":  # the other warpgroup's turn
-                plgpu.barrier_arrive(schedule.at[1 - wg])
+        def qk_issued():  # right after a Q K^T wgmma is issued: the other warpgroup's turn
+            plgpu.barrier_arrive(schedule.at[1 - wg])
 
         def before_pv(slot=None):  # after the softmax: wait for V and the tensor cores
-            if config.schedule == "rendezvous":
-                plgpu.barrier_arrive(schedule)  # done with the softmax
             if slot is not None:
                 plgpu.barrier_wait(v_barriers.at[slot])
-            if config.schedule == "rendezvous":
-                plgpu.barrier_wait(schedule)  # the tensor cores are free
-            elif config.schedule == "pingpong":
-                plgpu.barrier_wait(schedule.at[wg])  # this warpgroup's turn
+            plgpu.barrier_wait(schedule.at[wg])  # this warpgroup's turn
 
         if causal:  # the CTA's last row decides how far the loader goes
             cta_end = (lax.axis_index("q_seq") + 1) * (COMPUTE_WGS * bq)
@@ -348,7 +317,6 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
         def _compute_wg():
             plgpu.set_max_registers(232, action="increase")
             q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
-            p_smem = None if p_smem2 is None else p_smem2.at[wg]  # None: P in registers
             lse_smem = lse_smem2.at[wg]
             q_base = lax.axis_index("q_seq") * (COMPUTE_WGS * bq) + wg * bq
             if causal:
@@ -369,13 +337,9 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             def _():
                 plgpu.barrier_wait(k_barriers.at[0])
 
-            if config.schedule == "rendezvous":
-                pl.when(wg == 1)(schedule_barrier)
-            elif config.schedule == "pingpong":  # warpgroup 0 issues the first Q K^T
-
-                @pl.when(wg == 1)
-                def _():
-                    plgpu.barrier_wait(schedule.at[1])
+            @pl.when(wg == 1)  # warpgroup 0 issues the first Q K^T
+            def _():
+                plgpu.barrier_wait(schedule.at[1])
 
             def ring(step):
                 return lax.rem(step, jnp.array(steps, jnp.int32))
@@ -384,18 +348,13 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 """The online softmax (base 2, float32) of the raw logits ``s``: P as e4m3
                 ``P * 448`` (the PV wgmma's A operand), the new row max, the accumulator's
                 rescale factor and the new row sum."""
-                if not config.fold_scale:
-                    s = s * qk_scale  # base-2 logits
                 if masked:
                     q_ids = _iota((bq, bk), 0, interpret) + q_base
                     kv_ids = _iota((bq, bk), 1, interpret) + step * bk
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
-                if config.fold_scale:  # qk_scale > 0: max(s * c) = max(s) * c
-                    m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-                    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ij, s.shape, [0]))
-                else:
-                    m_ij = jnp.maximum(m_i, s.max(axis=1))
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_ij, s.shape, [0]))
+                # qk_scale > 0: max(s * c) = max(s) * c
+                m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ij, s.shape, [0]))
                 alpha = jnp.exp2(m_i - m_ij)
                 return (p * P_SCALE).astype(E4M3), m_ij, alpha, l_i * alpha + p.sum(axis=1)
 
@@ -407,16 +366,6 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 def _wait():
                     plgpu.barrier_wait(k_barriers.at[ring(step)])
 
-            regs = config.p_in_registers
-
-            def stage_p(p8):
-                """P as the P V wgmma's A operand: in registers, or stored to SMEM."""
-                if regs:
-                    return _p_operand(p8, interpret)
-                p_smem[...] = p8
-                plgpu.commit_smem()
-                return p_smem
-
             def kv_step(step, carry, masked: bool = False):
                 acc, m_i, l_i = carry
                 slot = ring(step)
@@ -424,88 +373,17 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 p8, m_ij, alpha, l_i = softmax(s, m_i, l_i, step, masked)
                 acc = rescale(acc, alpha)
-                p_op = stage_p(p8)
-                if regs:
-                    acc, l_i, m_ij, p_op = lax.optimization_barrier((acc, l_i, m_ij, p_op))
-                else:
-                    acc, l_i, m_ij = lax.optimization_barrier((acc, l_i, m_ij))
+                p_op = _p_operand(p8, interpret)
+                acc, l_i, m_ij, p_op = lax.optimization_barrier((acc, l_i, m_ij, p_op))
                 before_pv(slot)
 
                 wait_next_k = functools.partial(wait_k, step + 1)  # while P V runs
-                pv = functools.partial(_mma_pv, p_is_ref=not regs)
-                acc = pv(acc, p_op, vt_smem.at[slot], interpret, wait_next_k)
+                acc = _mma_pv(acc, p_op, vt_smem.at[slot], interpret, wait_next_k)
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_ij, l_i
 
-            def ov_step(step, carry, o_ref, masked: bool = False):
-                # ``overlap_qk``: S_j and P_{j-1} V_{j-1} issued as one turn (the barrier
-                # protocol unchanged: the turn starts where P V did), S_j's softmax while
-                # P V runs. On the GPU the accumulator stays in ``o_ref``.
-                acc, m_i, l_i, p_prev = carry
-                p_op = p_prev if regs else p_smem
-                slot, prev = ring(step), ring(step - 1)
-                before_pv(prev)
-                if interpret:
-                    s = _mma_qk(q_smem, k_smem.at[slot], (bq, bk), True)
-                    acc = _mma_pv(acc, p_op, vt_smem.at[prev], True, qk_issued, not regs)
-                else:
-
-                    def scope(s_ref):
-                        plgpu.wgmma(s_ref, q_smem, _gg._transposed(k_smem.at[slot]))
-                        plgpu.wgmma(o_ref, p_op, _gg._transposed(vt_smem.at[prev]))
-                        qk_issued()
-                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j only
-
-                    s = pl.run_scoped(scope, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                p8, m_ij, alpha, l_i = softmax(s, m_i, l_i, step, masked)
-                if not interpret:
-                    acc = o_ref[...]  # waits for P V
-                plgpu.barrier_arrive(v_consumed.at[prev])
-                acc = rescale(acc, alpha)
-                p_op = stage_p(p8)  # P V has read the previous P
-                if not interpret:
-                    o_ref[...] = acc
-                    acc = None
-                l_i, m_ij = lax.optimization_barrier((l_i, m_ij))
-                wait_k(step + 1)
-                return acc, m_ij, l_i, p_op if regs else None
-
-            def overlapped(o_ref, m_i, l_i):
-                # Step 0's Q K^T and softmax alone, steps 1.. overlapped, the last P V.
-                s = _mma_qk(q_smem, k_smem.at[0], (bq, bk), interpret, qk_issued)
-                plgpu.barrier_arrive(k_consumed.at[0])
-                p8, m_i, _, l_i = softmax(s, m_i, l_i, 0, causal)
-                p_op = stage_p(p8)
-                wait_k(1)
-                carry = (acc if interpret else None, m_i, l_i, p_op if regs else None)
-                body = lambda masked: lambda j, c: ov_step(j, c, o_ref, masked)  # noqa: E731
-                if causal:
-                    first_masked = jnp.maximum(lax.div(q_base, jnp.array(bk, jnp.int32)), 1)
-                    carry = lax.fori_loop(1, first_masked, body(False), carry)
-                    carry = lax.fori_loop(first_masked, kv_steps, body(True), carry)
-                else:
-                    carry = lax.fori_loop(1, max_kv_steps, body(False), carry)
-                acc_, m_i, l_i, p_last = carry
-                p_op = p_last if regs else p_smem
-                last = ring(kv_steps - 1)
-                before_pv(last)
-                if interpret:
-                    acc_ = _mma_pv(acc_, p_op, vt_smem.at[last], True, None, not regs)
-                else:
-                    plgpu.wgmma(o_ref, p_op, _gg._transposed(vt_smem.at[last]))
-                    acc_ = o_ref[...]
-                plgpu.barrier_arrive(v_consumed.at[last])
-                return acc_, m_i, l_i
-
             carry = (acc, m_i, l_i)
-            if config.overlap_qk:
-                if interpret:
-                    acc, m_i, l_i = overlapped(None, m_i, l_i)
-                else:
-                    acc_t = plgpu.ACC((bq, d), jnp.float32)
-                    acc, m_i, l_i = pl.run_scoped(lambda o: overlapped(o, m_i, l_i), acc_t)
-            elif not causal:
+            if not causal:
                 acc, m_i, l_i = lax.fori_loop(0, max_kv_steps, kv_step, carry)
             else:
                 unmasked = lax.div(q_base, jnp.array(bk, jnp.int32))
@@ -527,13 +405,10 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                     before_pv()
 
                 lax.fori_loop(kv_steps, cta_kv_steps, flush, None)
-            if config.schedule == "rendezvous":
-                pl.when(wg == 0)(schedule_barrier)
-            elif config.schedule == "pingpong":  # warpgroup 1's last turn
 
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.barrier_arrive(schedule.at[1])
+            @pl.when(wg == 0)  # warpgroup 1's last turn
+            def _():
+                plgpu.barrier_arrive(schedule.at[1])
 
             inv_l = out_scale / l_i
             o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(jnp.bfloat16)
@@ -577,14 +452,11 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
 
     def entry(q_ref, k_ref, vt_ref, s_ref, out_ref, lse_ref):
         qk_t = _gg._smem_transforms(d, E4M3)  # Q, K tiles: D minor
-        pv_t = _gg._smem_transforms(bk, E4M3)  # P, vT tiles: block_kv minor
+        pv_t = _gg._smem_transforms(bk, E4M3)  # vT tiles: block_kv minor
         smem = (
             plgpu.SMEM((COMPUTE_WGS, bq, d), E4M3, transforms=qk_t),
             plgpu.SMEM((steps, bk, d), E4M3, transforms=qk_t),
             plgpu.SMEM((steps, d, bk), E4M3, transforms=pv_t),
-            None
-            if config.p_in_registers
-            else plgpu.SMEM((COMPUTE_WGS, bq, bk), E4M3, transforms=pv_t),
             plgpu.SMEM(
                 (COMPUTE_WGS, bq, d), jnp.bfloat16, transforms=_gg._smem_transforms(d, jnp.bfloat16)
             ),
@@ -597,9 +469,7 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
             consumed,
             consumed,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS)
-            if config.schedule != "pingpong"
-            else plgpu.Barrier(num_barriers=COMPUTE_WGS),  # a warpgroup's turn each
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # a warpgroup's turn each
         )
         pl.run_scoped(
             lambda smem, barriers: kernel(
