@@ -69,7 +69,7 @@ from fp8jax.nn import cross_entropy
 from fp8jax.train import _cli as cli
 from fp8jax.train._memory import compiled_bytes, saved_cell, saved_residuals
 from fp8jax.train._mesh import check_sequence_parallel, place_model
-from fp8jax.train._model import ModelConfig, cast_for_compute
+from fp8jax.train._model import REMAT, ModelConfig, cast_for_compute
 from fp8jax.train._trainer import _init_sharded, _shardings
 
 VARIANTS = ("bf16", "fp8")
@@ -324,6 +324,8 @@ def run_params(run, sizes, devices) -> dict:
         params["fp8_head"] = True
     if run.fp8_attention:
         params["fp8_attention"] = True
+    if run.remat not in ("none", "auto"):
+        params["remat"] = run.remat
     flags = os.environ.get("XLA_FLAGS", "").replace(compilation.TRITON_GEMM_OFF, "").strip()
     if flags:  # the user's XLA flags change what is measured: they go with the record
         params["xla_flags"] = flags
@@ -444,6 +446,12 @@ def main(argv=None):
     )
     p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
     p.add_argument(
+        "--remat",
+        choices=REMAT,
+        default="none",
+        help="what the backward keeps of each block (fp8jax-train's --remat; default none)",
+    )
+    p.add_argument(
         "--fp8-attention",
         action="store_true",
         help="attention in FP8 too (cuDNN on Hopper; fp8jax-train's option)",
@@ -491,6 +499,7 @@ def main(argv=None):
         tp_overlap=args.tp_overlap,
         fp8_head=args.fp8_head,
         fp8_attention=args.fp8_attention,
+        remat=args.remat,
     )
     if args.tp_overlap != "none" and not args.sequence_parallel:
         p.error(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")

@@ -545,3 +545,21 @@ def test_memory_quick_remat_lowers_memory_and_a_case_runs_in_its_own_process(tmp
     assert probe["max_batch"] == 0 and probe["compiles"] == 1, probe
     assert probe["next_mem_mb"] > 0.0001 * 1024, probe
     assert not out.exists()
+
+
+def test_distributed_records_the_remat_choice():
+    """``benchmarks.distributed --remat`` reaches the run and its records' params (only
+    when it is not ``none``, so older records keep their keys)."""
+    import dataclasses
+
+    import jax
+
+    from benchmarks import distributed
+    from fp8jax.train import _cli as cli
+
+    run = dataclasses.replace(cli.RunConfig(**cli.PRESETS["tiny"]), remat="fc1-fp8")
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    assert distributed.run_params(run, sizes, jax.devices()[:1])["remat"] == "fc1-fp8"
+    plain = dataclasses.replace(run, remat="none")
+    assert "remat" not in distributed.run_params(plain, sizes, jax.devices()[:1])
+    assert cli.build_model(run, "fp8").remat == "fc1-fp8"

@@ -102,9 +102,10 @@ class RunConfig:
         tokenizer, tokenizer_vocab, tokenizer_sha256: the data's tokens (``--tokenizer``):
             ``"bytes"``, ``"bpe"`` or ``"file"`` (a user's tokenizer.json), its vocabulary
             and its tokenizer.json's hash (None: bytes, or a BPE not trained yet).
-        remat: what the backward keeps of each block, ``"none"``, ``"fp8"``, ``"fp8-store"``,
-            ``"fp8-min"`` or ``"full"`` (`fp8jax.train._model.remat_block`; the same values and,
-            but for ``"fp8-store"``'s FP8 copy of fc1's output, gradients),
+        remat: what the backward keeps of each block, ``"none"``, ``"fc1-fp8"``, ``"fp8"``,
+            ``"fp8-store"``, ``"fp8-min"`` or ``"full"`` (`fp8jax.train._model.remat_block`;
+            the same values and, but for the FP8 copy of fc1's output that ``"fc1-fp8"`` and
+            ``"fp8-store"`` keep, gradients),
             or ``"auto"`` (``fp8jax-train``'s default): the first of them whose step fits the
             device's memory (`fp8jax.train._memory.choose_remat`; `TrainRun` chooses).
     """

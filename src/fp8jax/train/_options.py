@@ -166,14 +166,16 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         help="what the backward keeps of each block (jax.checkpoint): auto (the default: the "
         "first of none, fp8, fp8-min, full whose compiled step fits the "
         "GPU's memory limit less 5%%, said in one line with each try's bytes; none where no "
-        "limit is known, as on a CPU); none (all it reads: the fastest where it fits); fp8 "
+        "limit is known, as on a CPU); none (all it reads: the fastest where it fits); fc1-fp8 "
+        "(none, but the MLP's fc1 output kept as e4m3 + one scale in the fp8 run: half its "
+        "bytes for a cast in the forward, nothing run again; the backward reads it rounded); fp8 "
         "(fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run and bf16 in the bf16 "
         "run, and the MLP's fc1 output; norms, attention, activations and the "
         "qkv and o GEMMs run again in the backward); fp8-store (fp8 with fc1's output kept as "
         "e4m3 + one scale in the fp8 run, bf16 in the bf16 run: half its bytes for a cast in the "
         "forward, no GEMM run again; the backward reads it rounded); fp8-min (fp8 without fc1's "
         "output: its GEMM runs again too); full (only the block's input). Same math but "
-        "fp8-store's rounding of what the activation's backward reads",
+        "fc1-fp8's and fp8-store's rounding of what the activation's backward reads",
     )
     add(
         "--fp8-everywhere",
