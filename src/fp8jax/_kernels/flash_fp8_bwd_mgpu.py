@@ -29,6 +29,7 @@ kernels in Pallas' GPU interpret mode (CPU, tests), a dot standing in for each `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -36,7 +37,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import _jax_compat
+from . import flash_fp8_mgpu as _fk
+from . import grouped_gemm as _gg
+from .flash_fp8_mgpu import _iota, _wgmma_layout
+
+pl, plgpu = _gg.pl, _gg.plgpu
 F32 = jnp.float32
+LOG2E = _fk.LOG2E
+COMPUTE_WGS = 2  # compute warpgroups per CTA (the third one loads)
 
 
 def _softmax_scale(head_dim: int, softmax_scale) -> float:
@@ -83,3 +92,376 @@ def flash_fp8_bwd_reference(
     dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qf, precision=hi) * sm
     dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kf, precision=hi).reshape(b, sq, hq, d) * sm
     return tuple(x.astype(jnp.bfloat16) for x in (dq, dk, dv))
+
+
+# ----------------------------------------------------------------------------- kernels
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiles of `flash_fp8_bwd`: the dQ kernel's warpgroups own ``block_q_dq`` query rows
+    each and stream ``block_kv_dq``-key K/V blocks; the dK/dV kernel's own ``block_kv_dkv``
+    keys each and stream ``block_q_dkv``-row Q/dO blocks; rings of ``max_concurrent_steps``
+    shared-memory slots."""
+
+    block_q_dq: int = 64
+    block_kv_dq: int = 64
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 64
+    max_concurrent_steps: int = 2
+
+
+def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
+    """Why the kernels cannot run ``q [B, Sq, Hq, D]``, ``k/v [B, Sk, Hkv, D]`` of ``dtype``
+    (``None`` when they can)."""
+    ok, why = _gg.available(device)
+    return why if not ok else _shape_reason(q_shape, k_shape, dtype, causal, config)
+
+
+def _shape_reason(q_shape, k_shape, dtype, causal, config: Config):
+    """`reason` without the device check (the interpreter runs any shape that fits)."""
+    c = config
+    for bq, bk in ((c.block_q_dq, c.block_kv_dq), (c.block_q_dkv, c.block_kv_dkv)):
+        if bq % 64 or bk % 64 or bq > 128 or bk > 128 or c.max_concurrent_steps < 2:
+            return f"{c}: blocks of 64 or 128, 2+ steps"
+    fwd = _fk.Config(block_q=c.block_q_dq, block_kv=c.block_kv_dq)
+    why = _fk._shape_reason(q_shape, k_shape, dtype, causal, fwd)  # dQ's tiling, shapes
+    if why is None and len(q_shape) == 4:
+        sq, sk = q_shape[1], k_shape[1]
+        if sk % (COMPUTE_WGS * c.block_kv_dkv) or sq % c.block_q_dkv:
+            why = f"Sk={sk}, Sq={sq} are not multiples of {2 * c.block_kv_dkv}, {c.block_q_dkv}"
+    return why
+
+
+def _mma(acc, a, b_smem, transpose_b: bool, interpret: bool):
+    """``acc + a @ B`` in float32 on ``wgmma``, ``B`` the ``b_smem`` tile or its transpose;
+    ``acc`` a shape for a zero accumulator, ``a`` a shared-memory tile or bf16 registers."""
+    if interpret:  # a dot stands in for the wgmma
+        dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+        r = lax.dot_general(a[...], b_smem[...], dims, preferred_element_type=F32)
+        return r if isinstance(acc, tuple) else acc + r
+    b_op = _gg._transposed(b_smem) if transpose_b else b_smem
+    if isinstance(acc, tuple):
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_op)
+            return acc_ref[...]
+
+        return pl.run_scoped(scope, plgpu.ACC(acc, F32))
+
+    def compute(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_op)
+
+    return pl.run_state(compute)(plgpu.ACC.init(acc))
+
+
+def _load_row(ref, dim: int, interpret: bool):
+    """A ``[n]`` float32 vector from shared memory, laid out to broadcast along ``dim`` of
+    a ``wgmma`` tile."""
+    return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(dim))
+
+
+def _ring(step, steps: int):
+    return lax.rem(step, jnp.array(steps, jnp.int32))
+
+
+def _wait_all(barriers, slot):
+    for bar in barriers:
+        plgpu.barrier_wait(bar.at[slot])
+
+
+def _loader(n_steps, steps: int, loads, consumed, interpret: bool):
+    """The memory warpgroup: stream ``n_steps`` blocks into a ring of ``steps`` slots,
+    ``loads`` ``(src(step) -> gmem view, smem ring, barriers)``, a slot refilled once both
+    compute warpgroups arrived on its ``consumed`` barrier."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(step, slot):
+        for src, smem, bar in loads:
+            plgpu.copy_gmem_to_smem(src(step), smem.at[slot], bar.at[slot])
+
+    for i in range(steps):
+
+        @pl.when(i < n_steps)
+        def _():
+            load(i, i)
+
+    @pl.loop(0, n_steps - steps)
+    def _refill(step):
+        slot = _ring(step, steps)
+        plgpu.barrier_wait(consumed.at[slot])
+        load(step + steps, slot)
+
+    if interpret:  # the interpreter wants every phase of a barrier waited for
+
+        @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)
+        def _drain(step):
+            plgpu.barrier_wait(consumed.at[_ring(step, steps)])
+
+
+def _release(first, last, steps: int, barriers, consumed):
+    """Stream steps ``[first, last)`` this warpgroup does not need (the other may): wait
+    for their loads, hand the slots back."""
+
+    @pl.loop(first, last)
+    def _(step):
+        slot = _ring(step, steps)
+        _wait_all(barriers, slot)
+        plgpu.barrier_arrive(consumed.at[slot])
+
+
+def _call(entry, smem, barriers, out_type, grid, grid_names, interpret, args):
+    def run(*refs):
+        pl.run_scoped(lambda s, b: entry(*refs, s, b), smem, barriers, collective_axes="wg")
+
+    extra = dict(interpret=_jax_compat.interpret_gpu_params()()) if interpret else {}
+    return plgpu.kernel(
+        run,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **extra,
+    )(*args)
+
+
+def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpret: bool):
+    """dQ ``[B, Sq, Hq, D]`` bf16 from bf16 ``q, do [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv,
+    D]``, float32 ``lse2`` (base 2), ``delta [B, Hq, Sq]`` and ``scales`` (`_scales`)."""
+    (batch_size, sq, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
+    bq, bk = config.block_q_dq, config.block_kv_dq
+    max_kv_steps = sk // bk
+    steps = min(config.max_concurrent_steps, max_kv_steps)
+    bf16 = jnp.bfloat16
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, s_ref, dq_ref, smem, barriers):
+        batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+        own_barriers, (k_barriers, v_barriers, consumed) = barriers[:4], barriers[4:]
+        cta_base = lax.axis_index("q_seq") * (COMPUTE_WGS * bq)
+        if causal:  # the CTA's last row decides how far the loader goes
+            cta_kv_steps = pl.cdiv(cta_base + COMPUTE_WGS * bq, jnp.array(bk, jnp.int32))
+        else:
+            cta_kv_steps = max_kv_steps
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            q_base = cta_base + wg * bq
+            rows = (batch, pl.ds(q_base, bq), q_head)
+            row_ids = (batch, q_head, pl.ds(q_base, bq))
+            srcs = (q_ref.at[rows], do_ref.at[rows], lse_ref.at[row_ids], delta_ref.at[row_ids])
+            dsts = (q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
+            for src, dst, bar in zip(srcs, dsts, own_barriers):
+                plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+            _wait_all(own_barriers, wg)
+            qk_scale, v_scale, dq_scale = s_ref[0], s_ref[1], s_ref[2]
+            lse = _load_row(lse_smem2.at[wg], 1, interpret)
+            delta = _load_row(delta_smem2.at[wg], 1, interpret)
+            dq = _wgmma_layout(jnp.full((bq, d), 0, F32), plgpu.Layout.WGMMA, interpret)
+            kv_steps = pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)) if causal else max_kv_steps
+
+            def kv_step(step, dq, masked: bool = False):
+                slot = _ring(step, steps)
+                _wait_all((k_barriers, v_barriers), slot)
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                s = _mma((bq, bk), q_smem, k_tile, True, interpret)
+                if masked:
+                    q_ids = _iota((bq, bk), 0, interpret) + q_base
+                    kv_ids = _iota((bq, bk), 1, interpret) + step * bk
+                    s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+                dp = _mma((bq, bk), do_smem, v_tile, True, interpret)
+                ds = p * (dp * v_scale - lax.broadcast_in_dim(delta, s.shape, [0]))
+                dq = _mma(dq, ds.astype(bf16), k_tile, False, interpret)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dq
+
+            if not causal:
+                dq = lax.fori_loop(0, max_kv_steps, kv_step, dq)
+            else:
+                unmasked = lax.div(q_base, jnp.array(bk, jnp.int32))
+                dq = lax.fori_loop(0, unmasked, kv_step, dq)
+                masked = functools.partial(kv_step, masked=True)
+                dq = lax.fori_loop(unmasked, kv_steps, masked, dq)
+                _release(kv_steps, cta_kv_steps, steps, (k_barriers, v_barriers), consumed)
+            q_smem[...] = (dq * dq_scale).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory_wg():
+            kv_head = lax.div(q_head, jnp.array(hq // hkv, q_head.dtype))
+
+            def src(ref):
+                return lambda step: ref.at[batch, pl.ds(step * bk, bk), kv_head]
+
+            loads = ((src(k_ref), k_smem, k_barriers), (src(v_ref), v_smem, v_barriers))
+            _loader(cta_kv_steps, steps, loads, consumed, interpret)
+
+    t = _gg._smem_transforms(d, bf16)
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, bq, d), bf16, transforms=t),
+        plgpu.SMEM((COMPUTE_WGS, bq, d), bf16, transforms=t),
+        plgpu.SMEM((COMPUTE_WGS, bq), F32),
+        plgpu.SMEM((COMPUTE_WGS, bq), F32),
+        plgpu.SMEM((steps, bk, d), bf16, transforms=t),
+        plgpu.SMEM((steps, bk, d), bf16, transforms=t),
+    )
+    barriers = (
+        *(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(4)),
+        plgpu.Barrier(num_barriers=steps),
+        plgpu.Barrier(num_barriers=steps),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),
+    )
+    grid = (hq, sq // (COMPUTE_WGS * bq), batch_size)
+    out_type = jax.ShapeDtypeStruct(q.shape, bf16)
+    args = (q, k, v, do, lse2, delta, scales)
+    return _call(
+        entry, smem, barriers, out_type, grid, ("heads", "q_seq", "batch"), interpret, args
+    )
+
+
+def _dkv(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpret: bool):
+    """dK, dV ``[B, Sk, Hq, D]`` bf16 (one per query head) from the inputs of `_dq`."""
+    (batch_size, sq, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
+    bq, bk = config.block_q_dkv, config.block_kv_dkv
+    n_q = sq // bq
+    steps = min(config.max_concurrent_steps, n_q)
+    bf16 = jnp.bfloat16
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, s_ref, dk_ref, dv_ref, smem, bars):
+        batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem
+        own_barriers, stream_barriers, consumed = bars[:2], bars[2:6], bars[6]
+        kv_head = lax.div(q_head, jnp.array(hq // hkv, q_head.dtype))
+        cta_base = lax.axis_index("kv_seq") * (COMPUTE_WGS * bk)
+        # the stream starts at the first Q block the CTA's first key sees (causal)
+        first = lax.div(cta_base, jnp.array(bq, jnp.int32)) if causal else 0
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            kv_base = cta_base + wg * bk
+            rows = (batch, pl.ds(kv_base, bk), kv_head)
+            for src, dst, bar in zip((k_ref, v_ref), (k_smem, v_smem), own_barriers):
+                plgpu.copy_gmem_to_smem(src.at[rows], dst, bar.at[wg])
+            _wait_all(own_barriers, wg)
+            qk_scale, v_scale, dk_scale, dv_scale = s_ref[0], s_ref[1], s_ref[3], s_ref[4]
+            zeros = jnp.full((bk, d), 0, F32)
+            acc = tuple(_wgmma_layout(zeros, plgpu.Layout.WGMMA, interpret) for _ in range(2))
+
+            def q_step(i, carry, masked: bool = False):
+                dk, dv = carry
+                slot = _ring(i - first, steps)
+                _wait_all(stream_barriers, slot)
+                q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+                lse = _load_row(lse_smem.at[slot], 0, interpret)
+                delta = _load_row(delta_smem.at[slot], 0, interpret)
+                st = _mma((bk, bq), k_smem, q_tile, True, interpret)
+                if masked:
+                    kv_ids = _iota((bk, bq), 0, interpret) + kv_base
+                    q_ids = _iota((bk, bq), 1, interpret) + i * bq
+                    st = jnp.where(q_ids >= kv_ids, st, -jnp.inf)
+                pt = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
+                dv = _mma(dv, pt.astype(bf16), do_tile, False, interpret)
+                dpt = _mma((bk, bq), v_smem, do_tile, True, interpret)
+                dst = pt * (dpt * v_scale - lax.broadcast_in_dim(delta, st.shape, [1]))
+                dk = _mma(dk, dst.astype(bf16), q_tile, False, interpret)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            if not causal:
+                dk, dv = lax.fori_loop(0, n_q, q_step, acc)
+            else:
+                own_first = lax.div(kv_base, jnp.array(bq, jnp.int32))
+                _release(0, own_first - first, steps, stream_barriers, consumed)
+                unmasked = jnp.minimum(pl.cdiv(kv_base + bk, jnp.array(bq, jnp.int32)), n_q)
+                masked = functools.partial(q_step, masked=True)
+                acc = lax.fori_loop(own_first, unmasked, masked, acc)
+                dk, dv = lax.fori_loop(unmasked, n_q, q_step, acc)
+            k_smem[...] = (dk * dk_scale).astype(bf16)
+            v_smem[...] = (dv * dv_scale).astype(bf16)
+            plgpu.commit_smem()
+            out_rows = (batch, pl.ds(kv_base, bk), q_head)
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory_wg():
+            def src(ref, rows: bool):
+                def at(step):
+                    block = pl.ds((first + step) * bq, bq)
+                    return ref.at[batch, block, q_head] if rows else ref.at[batch, q_head, block]
+
+                return at
+
+            rings = (q_smem, do_smem, lse_smem, delta_smem)
+            srcs = (src(q_ref, True), src(do_ref, True), src(lse_ref, False), src(delta_ref, False))
+            loads = tuple(zip(srcs, rings, stream_barriers))
+            _loader(n_q - first, steps, loads, consumed, interpret)
+
+    t = _gg._smem_transforms(d, bf16)
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, bk, d), bf16, transforms=t),
+        plgpu.SMEM((COMPUTE_WGS, bk, d), bf16, transforms=t),
+        plgpu.SMEM((steps, bq, d), bf16, transforms=t),
+        plgpu.SMEM((steps, bq, d), bf16, transforms=t),
+        plgpu.SMEM((steps, bq), F32),
+        plgpu.SMEM((steps, bq), F32),
+    )
+    barriers = (
+        *(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(2)),
+        *(plgpu.Barrier(num_barriers=steps) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),
+    )
+    grid = (hq, sk // (COMPUTE_WGS * bk), batch_size)
+    out = jax.ShapeDtypeStruct((batch_size, sk, hq, d), bf16)
+    args = (q, k, v, do, lse2, delta, scales)
+    return _call(
+        entry, smem, barriers, (out, out), grid, ("heads", "kv_seq", "batch"), interpret, args
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("causal", "softmax_scale", "config", "interpret", "wrt_fp8")
+)
+def flash_fp8_bwd(
+    q, k, v, q_scale, k_scale, v_scale, out, lse, dout, *, causal=False, softmax_scale=None,
+    config=Config(), interpret=False, wrt_fp8=False,
+):  # fmt: skip
+    """The attention backward on Hopper (see the module docstring); the arguments and
+    results of `flash_fp8_bwd_reference`, plus ``config`` (`Config`), ``interpret`` (Pallas'
+    GPU interpret mode, CPU) and ``wrt_fp8``: the gradients with respect to the e4m3 values
+    themselves (those of the dequantized ones times the scales), as a ``custom_vjp`` needs.
+    """
+    why = _shape_reason(q.shape, k.shape, q.dtype, causal, config)
+    if why is None and not interpret:
+        why = reason(q.shape, k.shape, q.dtype, causal, config)
+    if why is None and (k.dtype != q.dtype or v.dtype != q.dtype or v.shape != k.shape):
+        why = f"k {k.dtype}{k.shape}, v {v.dtype}{v.shape} do not match q's dtype and k"
+    if why is not None:
+        raise ValueError(f"FP8 flash-attention backward kernel: {why}")
+    (b, _, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
+    sm = _softmax_scale(d, softmax_scale)
+    qs, ks, vs = _scalar(q_scale), _scalar(k_scale), _scalar(v_scale)
+    one = jnp.float32(1)
+    scales = jnp.stack(  # logits' base-2 multiplier, dP's, dQ's, dK's, dV's
+        [qs * ks * (sm * LOG2E), vs, sm * ks * (qs if wrt_fp8 else one),
+         sm * qs * (ks if wrt_fp8 else one), vs if wrt_fp8 else one]
+    )  # fmt: skip
+    bf16 = jnp.bfloat16
+    qb, kb, vb, dob = (x.astype(bf16) for x in (q, k, v, dout))  # e4m3 -> bf16 is exact
+    lse2 = lse.astype(F32) * LOG2E
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(F32), dout.astype(F32))
+    args = (qb, kb, vb, dob, lse2, delta, scales, causal, config, interpret)
+    dq = _dq(*args)
+    dk, dv = _dkv(*args)
+    if hq != hkv:  # sum a group's query heads
+        group = lambda x: x.astype(F32).reshape(b, sk, hkv, hq // hkv, d).sum(3)  # noqa: E731
+        dk, dv = group(dk).astype(bf16), group(dv).astype(bf16)
+    return dq, dk, dv
