@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import ON_GPU, gpu, sqnr_db
 from test_flash_fp8 import _dequantized, _f32_attention, _fp8, _inputs
@@ -13,6 +14,7 @@ from test_flash_fp8 import _dequantized, _f32_attention, _fp8, _inputs
 import fp8jax
 from fp8jax._kernels import flash_fp8_bwd_mgpu as fb
 from fp8jax._kernels import flash_fp8_mgpu as fk
+from fp8jax._kernels import flash_fp8_vjp as fv
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -160,3 +162,66 @@ def test_kernels_handle_outlier_channels_on_hopper(key):
     got = fb.flash_fp8_bwd(*args, out, lse, dout, causal=True)
     for name, g, w in zip("qkv", got, want):
         assert sqnr_db(g, w) >= 30.0, (name, sqnr_db(g, w))
+
+
+def _quantize_ste(x):
+    """Per-tensor e4m3 of ``x`` (the scale from amax, no gradient) and its scale."""
+    scale = jax.lax.stop_gradient(jnp.max(jnp.abs(x)) / 448.0)
+    return (x / scale).astype(E4M3), scale
+
+
+def test_custom_vjp_in_interpret_mode(key):
+    """`flash_fp8_attention`'s gradient (the forward kernel, then the backward kernels, both
+    in interpret mode): on the e4m3 inputs, the reference's times the scales; from float32
+    inputs quantized in front of it, the float32 vjp's (straight through the quantization:
+    25-30 dB measured, 2026-11-27, mostly the inputs' e4m3 rounding)."""
+    _needs_interpret()
+    causal = True  # (the kernels' non-causal paths are tested above)
+    kx, kd = jax.random.split(key)
+    x = _inputs(kx, 1, 256, 4, 2, 64)
+    dout = jax.random.normal(kd, x[0].shape, jnp.float32).astype(jnp.bfloat16)
+    args = _fp8(*x)
+    attn = lambda q, k, v: fv.flash_fp8_attention(  # noqa: E731
+        q, k, v, *args[3:], causal=causal, interpret=True
+    )
+    out, vjp = jax.vjp(attn, *args[:3])
+    got = vjp(dout)
+    fwd_out, lse = fk.flash_fp8(*args, causal=causal, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(fwd_out))
+    ref = fb.flash_fp8_bwd_reference(*args, out, lse, dout, causal=causal)
+    for name, g, r, s, a in zip("qkv", got, ref, args[3:], args[:3]):
+        assert g.shape == a.shape, name
+        want = r.astype(jnp.float32) * s
+        assert sqnr_db(g.astype(jnp.float32), want) >= 40.0, (name, sqnr_db(g, want))
+        # (49-51 dB measured, 2026-11-27)
+
+    def quantized(q, k, v):
+        (q8, qs), (k8, ks), (v8, vs) = (_quantize_ste(t) for t in (q, k, v))
+        return fv.flash_fp8_attention(q8, k8, v8, qs, ks, vs, causal=causal, interpret=True)
+
+    _, vjp = jax.vjp(quantized, *x)
+    got = vjp(dout)
+    _, _, want = _f32_vjp(*x, causal, dout.astype(jnp.float32))
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == jnp.float32 and g.shape == w.shape, name
+        assert sqnr_db(g, w) >= 20.0, (name, sqnr_db(g, w))
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_custom_vjp_on_hopper(key, causal):
+    """`flash_fp8_attention`'s gradient from float32 inputs quantized in front of it against
+    the float32 vjp (the issue's bar: 20 dB)."""
+    kx, kd = jax.random.split(key)
+    x = _inputs(kx, 2, 1024, 8, 2, 128)
+    _hopper_or_skip(x[0].shape, x[1].shape, causal)
+    dout = jax.random.normal(kd, x[0].shape, jnp.float32).astype(jnp.bfloat16)
+
+    def quantized(q, k, v):
+        (q8, qs), (k8, ks), (v8, vs) = (_quantize_ste(t) for t in (q, k, v))
+        return fv.flash_fp8_attention(q8, k8, v8, qs, ks, vs, causal=causal)
+
+    _, vjp = jax.vjp(quantized, *x)
+    _, _, want = _f32_vjp(*x, causal, dout.astype(jnp.float32))
+    for name, g, w in zip("qkv", vjp(dout), want):
+        assert sqnr_db(g, w) >= 20.0, (name, sqnr_db(g, w))
