@@ -153,6 +153,21 @@ def _mma(acc, a, b_smem, transpose_b: bool, interpret: bool):
     return pl.run_state(compute)(plgpu.ACC.init(acc))
 
 
+def _mmas(*specs, interpret: bool):
+    """`_mma` of each ``(acc, a, b_smem, transpose_b)``, the ``wgmma`` issued together and
+    waited for once."""
+    if interpret:
+        return tuple(_mma(*spec, interpret) for spec in specs)
+    zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0, F32), plgpu.Layout.WGMMA)  # noqa: E731
+    accs = tuple(plgpu.ACC.init(zeros(acc) if isinstance(acc, tuple) else acc) for acc, *_ in specs)
+
+    def compute(refs):
+        for ref, (_, a, b_smem, transpose_b) in zip(refs, specs):
+            plgpu.wgmma(ref, a, _gg._transposed(b_smem) if transpose_b else b_smem)
+
+    return pl.run_state(compute)(accs)
+
+
 def _load_row(ref, dim: int, interpret: bool):
     """A ``[n]`` float32 vector from shared memory, laid out to broadcast along ``dim`` of
     a ``wgmma`` tile."""
@@ -266,13 +281,16 @@ def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpre
                 slot = _ring(step, steps)
                 _wait_all((k_barriers, v_barriers), slot)
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-                s = _mma((bq, bk), q_smem, k_tile, True, interpret)
+                s, dp = _mmas(
+                    ((bq, bk), q_smem, k_tile, True),
+                    ((bq, bk), do_smem, v_tile, True),
+                    interpret=interpret,
+                )
                 if masked:
                     q_ids = _iota((bq, bk), 0, interpret) + q_base
                     kv_ids = _iota((bq, bk), 1, interpret) + step * bk
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
                 p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-                dp = _mma((bq, bk), do_smem, v_tile, True, interpret)
                 ds = p * (dp * v_scale - lax.broadcast_in_dim(delta, s.shape, [0]))
                 dq = _mma(dq, ds.astype(bf16), k_tile, False, interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -367,8 +385,11 @@ def _dkv(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpr
                     q_ids = _iota((bk, bq), 1, interpret) + i * bq
                     st = jnp.where(q_ids >= kv_ids, st, -jnp.inf)
                 pt = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
-                dv = _mma(dv, pt.astype(bf16), do_tile, False, interpret)
-                dpt = _mma((bk, bq), v_smem, do_tile, True, interpret)
+                dv, dpt = _mmas(
+                    (dv, pt.astype(bf16), do_tile, False),
+                    ((bk, bq), v_smem, do_tile, True),
+                    interpret=interpret,
+                )
                 dst = pt * (dpt * v_scale - lax.broadcast_in_dim(delta, st.shape, [1]))
                 dk = _mma(dk, dst.astype(bf16), q_tile, False, interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
