@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _jax_compat
+from . import flash_fp8_bwd_parts as _p
 from . import flash_fp8_mgpu as _fk
 from . import grouped_gemm as _gg
 from .flash_fp8_mgpu import _iota, _wgmma_layout
@@ -45,7 +45,7 @@ from .flash_fp8_mgpu import _iota, _wgmma_layout
 pl, plgpu = _gg.pl, _gg.plgpu
 F32 = jnp.float32
 LOG2E = _fk.LOG2E
-COMPUTE_WGS = 2  # compute warpgroups per CTA (the third one loads)
+COMPUTE_WGS = _p.COMPUTE_WGS
 
 
 def _softmax_scale(head_dim: int, softmax_scale) -> float:
@@ -131,115 +131,6 @@ def _shape_reason(q_shape, k_shape, dtype, causal, config: Config):
     return why
 
 
-def _mma(acc, a, b_smem, transpose_b: bool, interpret: bool):
-    """``acc + a @ B`` in float32 on ``wgmma``, ``B`` the ``b_smem`` tile or its transpose;
-    ``acc`` a shape for a zero accumulator, ``a`` a shared-memory tile or bf16 registers."""
-    if interpret:  # a dot stands in for the wgmma
-        dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
-        r = lax.dot_general(a[...], b_smem[...], dims, preferred_element_type=F32)
-        return r if isinstance(acc, tuple) else acc + r
-    b_op = _gg._transposed(b_smem) if transpose_b else b_smem
-    if isinstance(acc, tuple):
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, a, b_op)
-            return acc_ref[...]
-
-        return pl.run_scoped(scope, plgpu.ACC(acc, F32))
-
-    def compute(acc_ref):
-        plgpu.wgmma(acc_ref, a, b_op)
-
-    return pl.run_state(compute)(plgpu.ACC.init(acc))
-
-
-def _mmas(*specs, interpret: bool):
-    """`_mma` of each ``(acc, a, b_smem, transpose_b)``, the ``wgmma`` issued together and
-    waited for once."""
-    if interpret:
-        return tuple(_mma(*spec, interpret) for spec in specs)
-    zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0, F32), plgpu.Layout.WGMMA)  # noqa: E731
-    accs = tuple(plgpu.ACC.init(zeros(acc) if isinstance(acc, tuple) else acc) for acc, *_ in specs)
-
-    def compute(refs):
-        for ref, (_, a, b_smem, transpose_b) in zip(refs, specs):
-            plgpu.wgmma(ref, a, _gg._transposed(b_smem) if transpose_b else b_smem)
-
-    return pl.run_state(compute)(accs)
-
-
-def _load_row(ref, dim: int, interpret: bool):
-    """A ``[n]`` float32 vector from shared memory, laid out to broadcast along ``dim`` of
-    a ``wgmma`` tile."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(dim))
-
-
-def _ring(step, steps: int):
-    return lax.rem(step, jnp.array(steps, jnp.int32))
-
-
-def _wait_all(barriers, slot):
-    for bar in barriers:
-        plgpu.barrier_wait(bar.at[slot])
-
-
-def _loader(n_steps, steps: int, loads, consumed, interpret: bool):
-    """The memory warpgroup: stream ``n_steps`` blocks into a ring of ``steps`` slots,
-    ``loads`` ``(src(step) -> gmem view, smem ring, barriers)``, a slot refilled once both
-    compute warpgroups arrived on its ``consumed`` barrier."""
-    plgpu.set_max_registers(40, action="decrease")
-
-    def load(step, slot):
-        for src, smem, bar in loads:
-            plgpu.copy_gmem_to_smem(src(step), smem.at[slot], bar.at[slot])
-
-    for i in range(steps):
-
-        @pl.when(i < n_steps)
-        def _():
-            load(i, i)
-
-    @pl.loop(0, n_steps - steps)
-    def _refill(step):
-        slot = _ring(step, steps)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(step + steps, slot)
-
-    if interpret:  # the interpreter wants every phase of a barrier waited for
-
-        @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)
-        def _drain(step):
-            plgpu.barrier_wait(consumed.at[_ring(step, steps)])
-
-
-def _release(first, last, steps: int, barriers, consumed):
-    """Stream steps ``[first, last)`` this warpgroup does not need (the other may): wait
-    for their loads, hand the slots back."""
-
-    @pl.loop(first, last)
-    def _(step):
-        slot = _ring(step, steps)
-        _wait_all(barriers, slot)
-        plgpu.barrier_arrive(consumed.at[slot])
-
-
-def _call(entry, smem, barriers, out_type, grid, grid_names, interpret, args):
-    def run(*refs):
-        pl.run_scoped(lambda s, b: entry(*refs, s, b), smem, barriers, collective_axes="wg")
-
-    extra = dict(interpret=_jax_compat.interpret_gpu_params()()) if interpret else {}
-    return plgpu.kernel(
-        run,
-        out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        **extra,
-    )(*args)
-
-
 def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpret: bool):
     """dQ ``[B, Sq, Hq, D]`` bf16 from bf16 ``q, do [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv,
     D]``, float32 ``lse2`` (base 2), ``delta [B, Hq, Sq]`` and ``scales`` (`_scales`)."""
@@ -270,18 +161,18 @@ def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpre
             dsts = (q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
             for src, dst, bar in zip(srcs, dsts, own_barriers):
                 plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
-            _wait_all(own_barriers, wg)
+            _p.wait_all(own_barriers, wg)
             qk_scale, v_scale, dq_scale = s_ref[0], s_ref[1], s_ref[2]
-            lse = _load_row(lse_smem2.at[wg], 1, interpret)
-            delta = _load_row(delta_smem2.at[wg], 1, interpret)
+            lse = _p.load_row(lse_smem2.at[wg], 1, interpret)
+            delta = _p.load_row(delta_smem2.at[wg], 1, interpret)
             dq = _wgmma_layout(jnp.full((bq, d), 0, F32), plgpu.Layout.WGMMA, interpret)
             kv_steps = pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)) if causal else max_kv_steps
 
             def kv_step(step, dq, masked: bool = False):
-                slot = _ring(step, steps)
-                _wait_all((k_barriers, v_barriers), slot)
+                slot = _p.ring(step, steps)
+                _p.wait_all((k_barriers, v_barriers), slot)
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-                s, dp = _mmas(
+                s, dp = _p.mmas(
                     ((bq, bk), q_smem, k_tile, True),
                     ((bq, bk), do_smem, v_tile, True),
                     interpret=interpret,
@@ -292,7 +183,7 @@ def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpre
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
                 p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
                 ds = p * (dp * v_scale - lax.broadcast_in_dim(delta, s.shape, [0]))
-                dq = _mma(dq, ds.astype(bf16), k_tile, False, interpret)
+                dq = _p.mma(dq, ds.astype(bf16), k_tile, False, interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dq
 
@@ -303,7 +194,7 @@ def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpre
                 dq = lax.fori_loop(0, unmasked, kv_step, dq)
                 masked = functools.partial(kv_step, masked=True)
                 dq = lax.fori_loop(unmasked, kv_steps, masked, dq)
-                _release(kv_steps, cta_kv_steps, steps, (k_barriers, v_barriers), consumed)
+                _p.release(kv_steps, cta_kv_steps, steps, (k_barriers, v_barriers), consumed)
             q_smem[...] = (dq * dq_scale).astype(bf16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -317,7 +208,7 @@ def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpre
                 return lambda step: ref.at[batch, pl.ds(step * bk, bk), kv_head]
 
             loads = ((src(k_ref), k_smem, k_barriers), (src(v_ref), v_smem, v_barriers))
-            _loader(cta_kv_steps, steps, loads, consumed, interpret)
+            _p.loader(cta_kv_steps, steps, loads, consumed, interpret)
 
     t = _gg._smem_transforms(d, bf16)
     smem = (
@@ -337,7 +228,7 @@ def _dq(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpre
     grid = (hq, sq // (COMPUTE_WGS * bq), batch_size)
     out_type = jax.ShapeDtypeStruct(q.shape, bf16)
     args = (q, k, v, do, lse2, delta, scales)
-    return _call(
+    return _p.call(
         entry, smem, barriers, out_type, grid, ("heads", "q_seq", "batch"), interpret, args
     )
 
@@ -367,31 +258,31 @@ def _dkv(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpr
             rows = (batch, pl.ds(kv_base, bk), kv_head)
             for src, dst, bar in zip((k_ref, v_ref), (k_smem, v_smem), own_barriers):
                 plgpu.copy_gmem_to_smem(src.at[rows], dst, bar.at[wg])
-            _wait_all(own_barriers, wg)
+            _p.wait_all(own_barriers, wg)
             qk_scale, v_scale, dk_scale, dv_scale = s_ref[0], s_ref[1], s_ref[3], s_ref[4]
             zeros = jnp.full((bk, d), 0, F32)
             acc = tuple(_wgmma_layout(zeros, plgpu.Layout.WGMMA, interpret) for _ in range(2))
 
             def q_step(i, carry, masked: bool = False):
                 dk, dv = carry
-                slot = _ring(i - first, steps)
-                _wait_all(stream_barriers, slot)
+                slot = _p.ring(i - first, steps)
+                _p.wait_all(stream_barriers, slot)
                 q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-                lse = _load_row(lse_smem.at[slot], 0, interpret)
-                delta = _load_row(delta_smem.at[slot], 0, interpret)
-                st = _mma((bk, bq), k_smem, q_tile, True, interpret)
+                lse = _p.load_row(lse_smem.at[slot], 0, interpret)
+                delta = _p.load_row(delta_smem.at[slot], 0, interpret)
+                st = _p.mma((bk, bq), k_smem, q_tile, True, interpret)
                 if masked:
                     kv_ids = _iota((bk, bq), 0, interpret) + kv_base
                     q_ids = _iota((bk, bq), 1, interpret) + i * bq
                     st = jnp.where(q_ids >= kv_ids, st, -jnp.inf)
                 pt = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
-                dv, dpt = _mmas(
+                dv, dpt = _p.mmas(
                     (dv, pt.astype(bf16), do_tile, False),
                     ((bk, bq), v_smem, do_tile, True),
                     interpret=interpret,
                 )
                 dst = pt * (dpt * v_scale - lax.broadcast_in_dim(delta, st.shape, [1]))
-                dk = _mma(dk, dst.astype(bf16), q_tile, False, interpret)
+                dk = _p.mma(dk, dst.astype(bf16), q_tile, False, interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk, dv
 
@@ -399,7 +290,7 @@ def _dkv(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpr
                 dk, dv = lax.fori_loop(0, n_q, q_step, acc)
             else:
                 own_first = lax.div(kv_base, jnp.array(bq, jnp.int32))
-                _release(0, own_first - first, steps, stream_barriers, consumed)
+                _p.release(0, own_first - first, steps, stream_barriers, consumed)
                 unmasked = jnp.minimum(pl.cdiv(kv_base + bk, jnp.array(bq, jnp.int32)), n_q)
                 masked = functools.partial(q_step, masked=True)
                 acc = lax.fori_loop(own_first, unmasked, masked, acc)
@@ -424,7 +315,7 @@ def _dkv(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpr
             rings = (q_smem, do_smem, lse_smem, delta_smem)
             srcs = (src(q_ref, True), src(do_ref, True), src(lse_ref, False), src(delta_ref, False))
             loads = tuple(zip(srcs, rings, stream_barriers))
-            _loader(n_q - first, steps, loads, consumed, interpret)
+            _p.loader(n_q - first, steps, loads, consumed, interpret)
 
     t = _gg._smem_transforms(d, bf16)
     smem = (
@@ -443,7 +334,7 @@ def _dkv(q, k, v, do, lse2, delta, scales, causal: bool, config: Config, interpr
     grid = (hq, sk // (COMPUTE_WGS * bk), batch_size)
     out = jax.ShapeDtypeStruct((batch_size, sk, hq, d), bf16)
     args = (q, k, v, do, lse2, delta, scales)
-    return _call(
+    return _p.call(
         entry, smem, barriers, (out, out), grid, ("heads", "kv_seq", "batch"), interpret, args
     )
 
