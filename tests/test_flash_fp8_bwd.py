@@ -122,10 +122,10 @@ def test_kernels_lower_to_bf16_wgmma(causal, d):
     q = jax.ShapeDtypeStruct((1, 512, 4, d), bf16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, d), bf16)
     rows = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
-    scales = jax.ShapeDtypeStruct((5,), jnp.float32)
+    scales = jax.ShapeDtypeStruct((6,), jnp.float32)
 
     def backward(q, k, v, do, lse, delta, scales):
-        args = (q, k, v, do, lse, delta, scales, causal, fb.Config(), False)
+        args = (q, k, v, do, lse, delta, scales, None, causal, fb.Config(), False)
         return fb._dq(*args), fb._dkv(*args)
 
     traced = jax.jit(backward).trace(q, kv, kv, q, rows, rows, scales)
