@@ -267,8 +267,9 @@ def test_custom_vjp_in_interpret_mode(key):
 
 
 @gpu
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_custom_vjp_on_hopper(key, causal):
+def test_custom_vjp_on_hopper(key, causal, fp8):
     """`flash_fp8_attention`'s gradient from float32 inputs quantized in front of it against
     the float32 vjp (the issue's bar: 20 dB)."""
     kx, kd = jax.random.split(key)
@@ -278,7 +279,8 @@ def test_custom_vjp_on_hopper(key, causal):
 
     def quantized(q, k, v):
         (q8, qs), (k8, ks), (v8, vs) = (_quantize_ste(t) for t in (q, k, v))
-        return fv.flash_fp8_attention(q8, k8, v8, qs, ks, vs, causal=causal)
+        config = fb.Config(fp8=fp8)
+        return fv.flash_fp8_attention(q8, k8, v8, qs, ks, vs, causal=causal, bwd_config=config)
 
     _, vjp = jax.vjp(quantized, *x)
     _, _, want = _f32_vjp(*x, causal, dout.astype(jnp.float32))
