@@ -6,7 +6,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from conftest import ON_GPU, gpu, sqnr_db
 from test_flash_fp8 import _dequantized, _f32_attention, _fp8, _inputs
@@ -93,7 +92,7 @@ def _needs_interpret():
     [
         (False, 64, 4, 2, 256, 2),  # GQA; 4 blocks through 2 slots: the rings wrap
         (True, 64, 4, 2, 256, 2),  # causal: skip, mask, release the slots a warpgroup skips
-        (True, 128, 2, 2, 512, 4),
+        # (D 128 and 4 slots: the Hopper tests; interpret mode costs CI a minute a case)
     ],
 )
 def test_kernels_in_interpret_mode_match_reference(key, causal, d, hq, hkv, s, steps):
@@ -137,7 +136,7 @@ def test_kernels_lower_to_bf16_wgmma(causal, d):
 
 @pytest.mark.parametrize(
     "causal,d,hq,hkv,s,outliers",
-    [(False, 64, 4, 2, 256, False), (True, 64, 4, 2, 256, True), (True, 128, 2, 2, 512, False)],
+    [(True, 64, 4, 2, 256, True)],  # the rest on Hopper: interpret mode is slow on CPU
 )
 def test_fp8_kernels_in_interpret_mode(key, causal, d, hq, hkv, s, outliers):
     """``Config(fp8=True)``: e4m3 dO (amax scale), P^T (* 448) and dS (a bound's scale) on
@@ -231,36 +230,24 @@ def _quantize_ste(x):
 
 def test_custom_vjp_in_interpret_mode(key):
     """`flash_fp8_attention`'s gradient (the forward kernel, then the backward kernels, both
-    in interpret mode): on the e4m3 inputs, the reference's times the scales; from float32
-    inputs quantized in front of it, the float32 vjp's (straight through the quantization:
-    25-30 dB measured, 2026-11-27, mostly the inputs' e4m3 rounding)."""
+    in interpret mode) from float32 inputs quantized in front of it: the float32 vjp's
+    (straight through the quantization: 25-30 dB measured at S=256, 2026-11-27, mostly the
+    inputs' e4m3 rounding). One KV block (the kernels' rings and masks are tested above,
+    against the reference; interpret mode is slow on CPU)."""
     _needs_interpret()
-    causal = True  # (the kernels' non-causal paths are tested above)
+    causal = True
     kx, kd = jax.random.split(key)
-    x = _inputs(kx, 1, 256, 4, 2, 64)
+    x = _inputs(kx, 1, 128, 4, 2, 64)
     dout = jax.random.normal(kd, x[0].shape, jnp.float32).astype(jnp.bfloat16)
-    args = _fp8(*x)
-    attn = lambda q, k, v: fv.flash_fp8_attention(  # noqa: E731
-        q, k, v, *args[3:], causal=causal, interpret=True
-    )
-    out, vjp = jax.vjp(attn, *args[:3])
-    got = vjp(dout)
-    fwd_out, lse = fk.flash_fp8(*args, causal=causal, interpret=True)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(fwd_out))
-    ref = fb.flash_fp8_bwd_reference(*args, out, lse, dout, causal=causal)
-    for name, g, r, s, a in zip("qkv", got, ref, args[3:], args[:3]):
-        assert g.shape == a.shape, name
-        want = r.astype(jnp.float32) * s
-        assert sqnr_db(g.astype(jnp.float32), want) >= 40.0, (name, sqnr_db(g, want))
-        # (49-51 dB measured, 2026-11-27)
 
     def quantized(q, k, v):
         (q8, qs), (k8, ks), (v8, vs) = (_quantize_ste(t) for t in (q, k, v))
         return fv.flash_fp8_attention(q8, k8, v8, qs, ks, vs, causal=causal, interpret=True)
 
-    _, vjp = jax.vjp(quantized, *x)
+    out, vjp = jax.vjp(quantized, *x)
     got = vjp(dout)
-    _, _, want = _f32_vjp(*x, causal, dout.astype(jnp.float32))
+    want_out, _, want = _f32_vjp(*x, causal, dout.astype(jnp.float32))
+    assert sqnr_db(out.astype(jnp.float32), want_out) >= 25.0
     for name, g, w in zip("qkv", got, want):
         assert g.dtype == jnp.float32 and g.shape == w.shape, name
         assert sqnr_db(g, w) >= 20.0, (name, sqnr_db(g, w))
