@@ -39,6 +39,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array
 
 from . import _quant as q
@@ -157,12 +158,13 @@ class PerTensor(Recipe):
         scale is this step's own)."""
         if not self.delayed:
             return amaxes, jnp.zeros((), F32)
+        # lax ops, the flags split into [1] pieces: few ops to trace per layer (issue 21).
         factors = np.array([q.outlier_factor(d) for d in dtypes], np.float32)
-        outlier = (amaxes > newest * factors) & (newest > 0)
-        flags = outlier.astype(F32)
-        return jnp.where(outlier, F32(0), amaxes), functools.reduce(
-            jnp.maximum, [flags[i] for i in range(flags.shape[0])]
-        )
+        amaxes, newest = jnp.asarray(amaxes, F32), jnp.asarray(newest, F32)
+        outlier = lax.bitwise_and(lax.gt(amaxes, newest * factors), lax.gt(newest, F32(0)))
+        flags = lax.split(lax.convert_element_type(outlier, F32), (1,) * amaxes.shape[0])
+        rejected = functools.reduce(lax.max, flags).reshape(())
+        return lax.select(outlier, lax.full_like(amaxes, 0), amaxes), rejected
 
     def quantize_both(
         self,

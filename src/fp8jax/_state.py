@@ -317,6 +317,13 @@ def clean_amax(x) -> Array:
     return lax.select(valid_amax(x), x, lax.full_like(x, 0))
 
 
+def checked_amax(x) -> tuple[Array, Array]:
+    """``(valid_amax(x), clean_amax(x))``, the check computed once."""
+    x = jnp.asarray(x, F32)
+    valid = valid_amax(x)
+    return valid, lax.select(valid, x, lax.full_like(x, 0))
+
+
 def needs_repair(scales, histories, count) -> Array:
     """1.0 if any of a state's fields is corrupt, else 0.0: a scale that is not finite and
     positive, a history entry that is not finite and >= 0, a count that is not finite and
