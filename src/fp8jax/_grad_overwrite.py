@@ -8,6 +8,7 @@ The gradient of every array inside an `OverwriteWithGradient` module (such as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -15,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from . import _guard
 from ._state import OverwriteWithGradient
@@ -138,15 +140,24 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
     ran = new.ran_mask()  # [*stack, 1] or None
     guard = _guard.guard_of(old)
     merged = []
+    # One select per leaf, of the conditions above and'ed (lax ops: a jnp.where is a nested
+    # jit to trace per leaf per layer, issue 21).
     for o, n in zip(old_leaves, new_leaves, strict=True):
-        n = jnp.asarray(n).astype(jnp.asarray(o).dtype)
+        o = jnp.asarray(o)
+        n = jnp.asarray(n).astype(o.dtype)
+        keep = []
         if jnp.issubdtype(n.dtype, jnp.inexact):
-            n = jnp.where(jnp.isfinite(n), n, o)
+            keep.append(lax.is_finite(n))
         if guard is not None and o is guard:  # 0: an op ran without entering the guard
-            n = jnp.where(n == 0, o, n)
+            keep.append(lax.ne(n, lax.full_like(n, 0)))
         if ran is not None:
             stack = ran.ndim - 1
-            n = jnp.where(ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack)), n, o)
+            mask = ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack))
+            keep.append(lax.broadcast_in_dim(mask, n.shape, tuple(range(n.ndim))))
+        if keep and n.shape == o.shape:
+            n = lax.select(functools.reduce(lax.bitwise_and, keep), n, o)
+        elif keep:
+            n = jnp.where(functools.reduce(jnp.logical_and, keep), n, o)
         merged.append(n)
     return jax.tree_util.tree_unflatten(treedef, merged)
 
