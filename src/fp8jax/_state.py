@@ -202,7 +202,7 @@ def _to_max_grad_bwd(leaves, combined):
     grads = []
     for leaf, ct in zip(leaves, combined, strict=True):
         ct = lax.convert_element_type(ct, F32)
-        grads.append(lax.select(ct == -jnp.inf, leaf.astype(F32), ct))
+        grads.append(lax.select(lax.eq(ct, F32(-np.inf)), lax.convert_element_type(leaf, F32), ct))
     return (tuple(grads),)
 
 

@@ -530,7 +530,8 @@ def observed_amaxes(ax, aw, ag):
     # XLA (jax 0.11.2) fused it into the loop over the history update and recomputed it per
     # history entry, which cost the flax linen step its whole FP8 gain (issue 47;
     # benchmarks/RESULTS.md, "Front doors (issue 47)").
-    return jax.lax.optimization_barrier(jnp.concatenate([observed, jnp.max(bad).reshape(1)]))
+    flag = lax.reshape(lax.reduce_max(bad, tuple(range(bad.ndim))), (1,))
+    return jax.lax.optimization_barrier(lax.concatenate([observed, flag], 0))
 
 
 def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
