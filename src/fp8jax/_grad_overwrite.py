@@ -204,8 +204,13 @@ def _check_guards(fn: str, model: Any, overwrites: Any, order: str):
     if both:  # all guards in one vector: one comparison each, not one per layer
         m = jnp.concatenate([jnp.ravel(_guard._float(m)) for m, _ in both])
         o = jnp.concatenate([jnp.ravel(jnp.asarray(o, m.dtype)) for _, o in both])
-        same = jnp.any((o == m) & (o != 0))
-        behind = jnp.any((_guard.advance(o) == m) & (o != 0))
+        if m.dtype == jnp.float32:  # lax ops: no nested jit to trace (issue 21)
+            written = lax.ne(o, lax.full_like(o, 0))
+            same = lax.reduce_or(lax.bitwise_and(lax.eq(o, m), written), (0,))
+            behind = lax.reduce_or(lax.bitwise_and(lax.eq(_guard.advance(o), m), written), (0,))
+        else:
+            same = jnp.any((o == m) & (o != 0))
+            behind = jnp.any((_guard.advance(o) == m) & (o != 0))
     index = jnp.where(model_bad, model_index, jnp.where(same, 2, 3))
     bad = model_bad | same | behind
     messages = _guard.step_messages(fn, order)

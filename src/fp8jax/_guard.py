@@ -181,8 +181,10 @@ def verdict(guards) -> tuple[jax.Array, jax.Array]:
     flat = [jnp.ravel(_float(g)) for g in guards]
     if not flat:
         return jnp.asarray(False), jnp.asarray(0, jnp.int32)
-    values = jnp.concatenate(flat)
-    return jnp.any(~valid(values)), jnp.any(values == 0).astype(jnp.int32)
+    values = lax.concatenate(flat, 0) if len(flat) > 1 else flat[0]
+    bad = lax.bitwise_not(lax.reduce_and(valid(values), (0,)))
+    zero = lax.reduce_or(lax.eq(values, lax.full_like(values, 0)), (0,))
+    return bad, lax.convert_element_type(zero, jnp.int32)
 
 
 # ----------------------------------------------------------------------------- the check
@@ -271,7 +273,8 @@ def add_poison(y, poison):
     no reduction for it); ``y`` as it is where ``poison`` is None."""
     if poison is None:
         return y
-    return y + lax.stop_gradient(poison).astype(y.dtype)
+    poison = lax.convert_element_type(lax.stop_gradient(poison), y.dtype)
+    return lax.add(y, poison) if jnp.ndim(poison) == 0 else y + poison
 
 
 @jax.custom_vjp
@@ -414,7 +417,11 @@ def mark(tree, bad, code, keep_from=None):
         if not _is_state(x) or guard_of(x) is None:
             return x
         g = guard_of(x)
-        return eqx.tree_at(lambda s: s.guard, x, jnp.where(bad, code, g).astype(g.dtype))
+        if g.dtype == F32 and jnp.ndim(bad) == 0:  # lax: no nested jit to trace per layer
+            new = lax.select(bad, lax.broadcast_in_dim(code, g.shape, ()), g)
+        else:
+            new = jnp.where(bad, code, g).astype(g.dtype)
+        return eqx.tree_at(lambda s: s.guard, x, new)
 
     return jax.tree_util.tree_map(visit, tree, is_leaf=_is_state)
 

@@ -67,7 +67,9 @@ def tile_amax(x: Array, axis=None) -> Array:
     history) whatever max's NaN convention is on the backend."""
     magnitude = lax.abs(lax.convert_element_type(x, F32))
     nan = lax.ne(magnitude, magnitude)
-    return jnp.max(lax.select(nan, lax.full_like(magnitude, np.inf), magnitude), axis=axis)
+    magnitude = lax.select(nan, lax.full_like(magnitude, np.inf), magnitude)
+    axes = range(x.ndim) if axis is None else np.atleast_1d(axis) % max(x.ndim, 1)
+    return lax.reduce_max(magnitude, tuple(int(a) for a in axes))
 
 
 def combined_max(*amaxes: Array) -> Float[Array, " n"]:

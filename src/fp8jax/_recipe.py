@@ -161,7 +161,8 @@ class PerTensor(Recipe):
         # lax ops, the flags split into [1] pieces: few ops to trace per layer (issue 21).
         factors = np.array([q.outlier_factor(d) for d in dtypes], np.float32)
         amaxes, newest = jnp.asarray(amaxes, F32), jnp.asarray(newest, F32)
-        outlier = lax.bitwise_and(lax.gt(amaxes, newest * factors), lax.gt(newest, F32(0)))
+        limit = lax.mul(newest, factors)
+        outlier = lax.bitwise_and(lax.gt(amaxes, limit), lax.gt(newest, F32(0)))
         flags = lax.split(lax.convert_element_type(outlier, F32), (1,) * amaxes.shape[0])
         rejected = functools.reduce(lax.max, flags).reshape(())
         return lax.select(outlier, lax.full_like(amaxes, 0), amaxes), rejected
