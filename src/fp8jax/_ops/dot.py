@@ -346,19 +346,19 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
 def _merge(a, axis_size):
     """[V, B, M, C] -> [B, V*M, C]: fold a vmapped axis into the GEMM rows."""
     _, b, m, c = a.shape
-    return jnp.swapaxes(a, 0, 1).reshape(b, axis_size * m, c)
+    return lax.transpose(a, (1, 0, 2, 3)).reshape(b, axis_size * m, c)
 
 
 def _split_rows(a, axis_size):
     """[B, V*M, C] -> [V, B, M, C]."""
     b, vm, c = a.shape
-    return jnp.swapaxes(a.reshape(b, axis_size, vm // axis_size, c), 0, 1)
+    return lax.transpose(a.reshape(b, axis_size, vm // axis_size, c), (1, 0, 2, 3))
 
 
 def _split_cols(a, axis_size):
     """[B, C, V*M] -> [V, B, C, M]."""
     b, c, vm = a.shape
-    return jnp.moveaxis(a.reshape(b, c, axis_size, vm // axis_size), 2, 0)
+    return lax.transpose(a.reshape(b, c, axis_size, vm // axis_size), (2, 0, 1, 3))
 
 
 def _fallback_vmap(impl, in_batched, args):
@@ -513,7 +513,11 @@ def bwd_fn(spec: Spec):
             return _fallback_vmap(impl, in_batched, (res, g_scale, g_history, g3))
         xr = res[0]
         fp8 = xr.dtype == spec.config.input_dtype
-        xm = jnp.moveaxis(xr, 0, -2).reshape(*xr.shape[1:-1], -1) if fp8 else _merge(xr, axis_size)
+        if fp8:  # [V, B, K, M] -> [B, K, V*M]
+            perm = (*range(1, xr.ndim - 1), 0, xr.ndim - 1)
+            xm = lax.transpose(xr, perm).reshape(*xr.shape[1:-1], -1)
+        else:
+            xm = _merge(xr, axis_size)
         dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, _merge(g3, axis_size))
         return (_split_rows(dx, axis_size), dw, ag, sg), (True, False, False, False)
 
@@ -583,20 +587,20 @@ def _new_state_stacked(state, sx, sw, sg, observed, config: Fp8Config | None):
         ],
         0,
     )
-    repaired = F32(1) - functools.reduce(lax.min, lax.split(ok, (1,) * 7))
+    repaired = lax.sub(F32(1), functools.reduce(lax.min, lax.split(ok, (1,) * 7)))
     amaxes, rejected = observed[:3], jnp.zeros((), F32)
     if config is not None:
         dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
         newest = lax.squeeze(lax.slice_in_dim(clean, 0, 1, axis=1), (1,))
         amaxes, rejected = config.recipe.screen(amaxes, newest, dtypes)
     recorded = lax.split(_state.record(clean, amaxes, axis=1), (1, 1, 1), 0)
-    count = lax.slice_in_dim(scalars_clean, 3, 4) + lax.slice_in_dim(observed, 3, 4)
+    count = lax.add(lax.slice_in_dim(scalars_clean, 3, 4), lax.slice_in_dim(observed, 3, 4))
     return (
         sx.astype(in_s.dtype),
         sw.astype(k_s.dtype),
         sg.astype(g_s.dtype),
         *(lax.squeeze(h, (0,)) for h in recorded),
-        count + rejected + repaired,
+        lax.add(lax.add(count, rejected), repaired),
     )
 
 
