@@ -139,9 +139,9 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
         raise ValueError("apply_updates: overwrite structure does not match the model's FP8 state.")
     ran = new.ran_mask()  # [*stack, 1] or None
     guard = _guard.guard_of(old)
-    merged = []
+    merged, masks = [], {}
     # One select per leaf, of the conditions above and'ed (lax ops: a jnp.where is a nested
-    # jit to trace per leaf per layer, issue 21).
+    # jit to trace per leaf per layer, issue 21); ``ran`` broadcast once per leaf shape.
     for o, n in zip(old_leaves, new_leaves, strict=True):
         o = jnp.asarray(o)
         n = jnp.asarray(n).astype(o.dtype)
@@ -150,10 +150,12 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
             keep.append(lax.is_finite(n))
         if guard is not None and o is guard:  # 0: an op ran without entering the guard
             keep.append(lax.ne(n, lax.full_like(n, 0)))
-        if ran is not None:
+        if ran is not None and n.shape not in masks:
             stack = ran.ndim - 1
             mask = ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack))
-            keep.append(lax.broadcast_in_dim(mask, n.shape, tuple(range(n.ndim))))
+            masks[n.shape] = lax.broadcast_in_dim(mask, n.shape, tuple(range(n.ndim)))
+        if ran is not None:
+            keep.append(masks[n.shape])
         if keep and n.shape == o.shape:
             n = lax.select(functools.reduce(lax.bitwise_and, keep), n, o)
         elif keep:

@@ -277,22 +277,11 @@ def add_poison(y, poison):
     return lax.add(y, poison) if jnp.ndim(poison) == 0 else y + poison
 
 
-@jax.custom_vjp
 def _poison(guard) -> jax.Array:
-    """`poison_if` of an invalid value in ``guard`` (float32 or `MAX_GRAD`). No cotangent."""
-    ok = valid(guard)
+    """`poison_if` of an invalid value in ``guard`` (float32 or `MAX_GRAD`). No cotangent:
+    the guard is read as float32 behind a ``stop_gradient`` (no custom VJP to trace per op)."""
+    ok = valid(lax.stop_gradient(_float(guard)))
     return poison_if(lax.bitwise_not(lax.reduce_and(ok, tuple(range(ok.ndim)))))
-
-
-def _poison_fwd(guard):
-    return _poison(guard), None
-
-
-def _poison_bwd(_, ct):
-    return (None,)
-
-
-_poison.defvjp(_poison_fwd, _poison_bwd)
 
 
 def _op_poison(entered, guard):
