@@ -47,7 +47,7 @@ from ._kernels import blockwise_gemm as _bgemm
 from ._kernels import gemm as _gemm
 from ._kernels import tile_cast as _tile_kernel
 from ._recipe_base import Cast, OnRows, Recipe, UnsupportedByRecipe
-from ._state import from_history
+from ._state import from_history, history_stats
 
 F32 = jnp.float32
 
@@ -130,7 +130,11 @@ class PerTensor(Recipe):
                 f"the {self.kind!r} recipe with current scaling has no scale before the "
                 "cast: it scales by the tensor's own amax."
             )
-        amax = from_history(jnp.stack(histories), self.algo, axis=-1)[..., 0]  # [3]
+        stacked = jnp.stack(histories)
+        if self.algo == "max":  # the reduction the backward's repair check shares
+            amax = lax.squeeze(lax.slice_in_dim(history_stats(stacked), 0, 1, axis=-1), (1,))
+        else:
+            amax = from_history(stacked, self.algo, axis=-1)[..., 0]  # [3]
         limits = np.array([q.fp8_max(d) for d in dtypes], np.float32)
         return q.scale_from_limit(amax, jnp.concatenate(old_scales), limits, self.margin)
 

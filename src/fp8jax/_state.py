@@ -379,6 +379,24 @@ def from_history(history, algo: str, axis: int = 0):
     return lax.slice_in_dim(history, 0, 1, axis=axis)
 
 
+def history_stats(stacked, with_valid: bool = False):
+    """``[..., L]`` histories -> ``[..., 2]``: the max over the last axis of the finite
+    entries (NaN and Inf as 0: `from_history`'s ``"max"``) and 1.0 where an entry is corrupt
+    (`valid_amax` rejects it; else 0.0). One reduction for both: the forward's delayed
+    scales (`fp8jax._recipe.PerTensor.gemm_scales`) and the backward's repair check
+    (`fp8jax._ops.dot.new_state`) compute this same expression of the same histories, which
+    XLA then computes once. ``with_valid``: ``(stats, valid_amax(stacked))``."""
+    h = jnp.asarray(stacked, F32)
+    below_inf = lax.lt(h, F32(np.inf))  # False for NaN too
+    finite = lax.select(below_inf, h, lax.full_like(h, 0))
+    valid = lax.bitwise_and(lax.ge(h, F32(0)), below_inf)  # `valid_amax`
+    corrupt = lax.convert_element_type(lax.bitwise_not(valid), F32)
+    dims = tuple(range(h.ndim))
+    both = [lax.broadcast_in_dim(x, h.shape + (1,), dims) for x in (finite, corrupt)]
+    stats = lax.reduce_max(lax.concatenate(both, h.ndim), (h.ndim - 1,))
+    return (stats, valid) if with_valid else stats
+
+
 def newest_first(history, axis: int = 0):
     """The history in time order, newest first (index 0, then back from the end)."""
     length = history.shape[axis]

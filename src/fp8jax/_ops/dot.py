@@ -572,28 +572,32 @@ def _new_state_stacked(state, sx, sw, sg, observed, config: Fp8Config | None):
     one vector (the same values as field by field, in about half the ops to trace and
     lower: issue 21)."""
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
-    stacked = jnp.stack((in_h, k_h, g_h)).astype(F32)
-    valid, clean = _state.checked_amax(stacked)
+    stacked = jnp.stack((in_h, k_h, g_h))
+    # Corrupt entries per history: the forward's reduction (`_state.history_stats`, shared).
+    stats, valid = _state.history_stats(stacked, with_valid=True)
+    clean = lax.select(valid, stacked, lax.full_like(stacked, 0))  # `_state.clean_amax`
+    first = lax.slice_in_dim(clean, 0, 1, axis=1)  # the newest entries, [3, 1]
     # The scales must be positive, the count >= 0 (`_state.needs_repair`): ``s != 0`` for the
     # scales, ``s != NaN`` (always true) for the count.
     fields = (in_s, k_s, g_s, nonfinite)
     scalars = lax.concatenate([jnp.asarray(x, F32).reshape(1) for x in fields], 0)
     usable, scalars_clean = _state.checked_amax(scalars)
     nonzero = lax.ne(scalars, np.array([0.0, 0.0, 0.0, np.nan], np.float32))
-    ok = lax.concatenate(
-        [
-            lax.convert_element_type(lax.bitwise_and(usable, nonzero), F32),
-            lax.reduce_min(lax.convert_element_type(valid, F32), (1,)),
-        ],
-        0,
-    )
-    repaired = lax.sub(F32(1), functools.reduce(lax.min, lax.split(ok, (1,) * 7)))
+    corrupt = lax.squeeze(lax.slice_in_dim(stats, 1, 2, axis=1), (1,))
+    bad = lax.convert_element_type(lax.bitwise_not(lax.bitwise_and(usable, nonzero)), F32)
+    bad = lax.concatenate([bad, corrupt], 0)
+    repaired = functools.reduce(lax.max, lax.split(bad, (1,) * 7))
     amaxes, rejected = observed[:3], jnp.zeros((), F32)
     if config is not None:
         dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
-        newest = lax.squeeze(lax.slice_in_dim(clean, 0, 1, axis=1), (1,))
-        amaxes, rejected = config.recipe.screen(amaxes, newest, dtypes)
-    recorded = lax.split(_state.record(clean, amaxes, axis=1), (1, 1, 1), 0)
+        amaxes, rejected = config.recipe.screen(amaxes, lax.squeeze(first, (1,)), dtypes)
+    # `_state.record` along axis 1: [amax, h[2:], h[0]]
+    parts = [lax.broadcast_in_dim(amaxes, (3, 1), (0,))]
+    length = stacked.shape[1]
+    if length > 1:
+        parts += [lax.slice_in_dim(clean, 2, length, axis=1)] if length > 2 else []
+        parts.append(first)
+    recorded = lax.split(lax.concatenate(parts, 1) if len(parts) > 1 else parts[0], (1, 1, 1), 0)
     count = lax.add(lax.slice_in_dim(scalars_clean, 3, 4), lax.slice_in_dim(observed, 3, 4))
     return (
         sx.astype(in_s.dtype),
