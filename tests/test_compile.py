@@ -213,14 +213,14 @@ def _step_equations(model: str, precision: str) -> int:
 def test_fp8_state_bookkeeping_stays_cheap_to_trace():
     """Issue 21's two-block step (quick shapes): the FP8 step's equations beyond the bf16
     step's (four layers' casts, GEMMs, state proposals and write-back, the guards) stay at
-    most 1200 (jax 0.10.2: 1145, from 1280 before the state's checks, screen and record ran
+    most 1245 (jax 0.10.2: 1187, from 1280 before the state's checks, screen and record ran
     on the stacked histories and packed scalars in lax ops). Each equation is traced and
     lowered, per layer where it sits outside the GEMM's jitted functions: a count, not a
     time, so the test is stable."""
     import jax
 
     extra = _step_equations("two-block", "fp8") - _step_equations("two-block", "bf16")
-    bound = 1200 if jax.__version_info__[:2] == (0, 10) else 1350  # other versions trace more
+    bound = 1245 if jax.__version_info__[:2] == (0, 10) else 1400  # other versions differ
     assert extra <= bound, f"the FP8 step has {extra} equations more than the bf16 step's"
 
 
