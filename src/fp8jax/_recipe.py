@@ -132,7 +132,8 @@ class PerTensor(Recipe):
             )
         stacked = jnp.stack(histories)
         if self.algo == "max":  # the reduction the backward's repair check shares
-            amax = lax.squeeze(lax.slice_in_dim(history_stats(stacked), 0, 1, axis=-1), (1,))
+            stats = history_stats(stacked)  # [..., 2]: the max, the corrupt flag
+            amax = lax.index_in_dim(stats, 0, axis=stats.ndim - 1, keepdims=False)
         else:
             amax = from_history(stacked, self.algo, axis=-1)[..., 0]  # [3]
         limits = np.array([q.fp8_max(d) for d in dtypes], np.float32)

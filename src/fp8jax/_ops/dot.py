@@ -572,7 +572,7 @@ def _new_state_stacked(state, sx, sw, sg, observed, config: Fp8Config | None):
     one vector (the same values as field by field, in about half the ops to trace and
     lower: issue 21)."""
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
-    stacked = jnp.stack((in_h, k_h, g_h))
+    stacked = jnp.stack((in_h, k_h, g_h)).astype(F32)
     # Corrupt entries per history: the forward's reduction (`_state.history_stats`, shared).
     stats, valid = _state.history_stats(stacked, with_valid=True)
     clean = lax.select(valid, stacked, lax.full_like(stacked, 0))  # `_state.clean_amax`
