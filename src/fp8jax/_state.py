@@ -391,9 +391,10 @@ def history_stats(stacked, with_valid: bool = False):
     finite = lax.select(below_inf, h, lax.full_like(h, 0))
     valid = lax.bitwise_and(lax.ge(h, F32(0)), below_inf)  # `valid_amax`
     corrupt = lax.convert_element_type(lax.bitwise_not(valid), F32)
-    dims = tuple(range(h.ndim))
-    both = [lax.broadcast_in_dim(x, h.shape + (1,), dims) for x in (finite, corrupt)]
-    stats = lax.reduce_max(lax.concatenate(both, h.ndim), (h.ndim - 1,))
+    # [..., 2, L], reduced along its last axis (a row reduction, as `from_history`'s)
+    shape, dims = h.shape[:-1] + (1, h.shape[-1]), (*range(h.ndim - 1), h.ndim)
+    both = [lax.broadcast_in_dim(x, shape, dims) for x in (finite, corrupt)]
+    stats = lax.reduce_max(lax.concatenate(both, h.ndim - 1), (h.ndim,))
     return (stats, valid) if with_valid else stats
 
 
