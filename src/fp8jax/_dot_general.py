@@ -231,6 +231,34 @@ def fp8_einsum(op: Fp8DotGeneral, eqn: str, lhs, rhs, precision=None, preferred_
     )
 
 
+def _out_shape(lhs, rhs, dimension_numbers, precision, preferred_element_type):
+    """``lax.dot_general``'s output of ``lhs`` and ``rhs`` (shapes), traced once per
+    signature: the layers of a model that share one skip a trace each (issue 21)."""
+    key = (lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    try:
+        hash(key)
+    except TypeError:  # lists in dimension_numbers, say: no cache
+        return _eval_out_shape(*key)
+    return _cached_out_shape(*key)
+
+
+def _eval_out_shape(lhs, rhs, dimension_numbers, precision, preferred_element_type):
+    return jax.eval_shape(
+        lambda a, b: jax.lax.dot_general(
+            a,
+            b,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        ),
+        lhs,
+        rhs,
+    )
+
+
+_cached_out_shape = functools.lru_cache(maxsize=256)(_eval_out_shape)
+
+
 def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type, precision=None):
     """Validate dtypes and shapes early, naming the offending operand; return the output dtype."""
     for name, arr in (("lhs", lhs), ("rhs", rhs)):
@@ -251,16 +279,12 @@ def _check_operands(lhs, rhs, dimension_numbers, preferred_element_type, precisi
             f"is dequantized), got {jnp.dtype(preferred_element_type)}."
         )
     try:
-        out = jax.eval_shape(
-            lambda a, b: jax.lax.dot_general(
-                a,
-                b,
-                dimension_numbers,
-                precision=precision,
-                preferred_element_type=preferred_element_type,
-            ),
+        out = _out_shape(
             jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
             jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+            dimension_numbers,
+            precision,
+            preferred_element_type,
         )
     except ValueError as e:
         if "Precision" not in str(e):

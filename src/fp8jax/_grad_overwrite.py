@@ -8,6 +8,7 @@ The gradient of every array inside an `OverwriteWithGradient` module (such as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -15,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from . import _guard
 from ._state import OverwriteWithGradient
@@ -137,16 +139,27 @@ def _merge_state(old: OverwriteWithGradient, new: OverwriteWithGradient) -> Over
         raise ValueError("apply_updates: overwrite structure does not match the model's FP8 state.")
     ran = new.ran_mask()  # [*stack, 1] or None
     guard = _guard.guard_of(old)
-    merged = []
+    merged, masks = [], {}
+    # One select per leaf, of the conditions above and'ed (lax ops: a jnp.where is a nested
+    # jit to trace per leaf per layer, issue 21); ``ran`` broadcast once per leaf shape.
     for o, n in zip(old_leaves, new_leaves, strict=True):
-        n = jnp.asarray(n).astype(jnp.asarray(o).dtype)
+        o = jnp.asarray(o)
+        n = jnp.asarray(n).astype(o.dtype)
+        keep = []
         if jnp.issubdtype(n.dtype, jnp.inexact):
-            n = jnp.where(jnp.isfinite(n), n, o)
+            keep.append(lax.is_finite(n))
         if guard is not None and o is guard:  # 0: an op ran without entering the guard
-            n = jnp.where(n == 0, o, n)
-        if ran is not None:
+            keep.append(lax.ne(n, lax.full_like(n, 0)))
+        if ran is not None and n.shape not in masks:
             stack = ran.ndim - 1
-            n = jnp.where(ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack)), n, o)
+            mask = ran.reshape(ran.shape[:stack] + (1,) * (n.ndim - stack))
+            masks[n.shape] = lax.broadcast_in_dim(mask, n.shape, tuple(range(n.ndim)))
+        if ran is not None:
+            keep.append(masks[n.shape])
+        if keep and n.shape == o.shape:
+            n = lax.select(functools.reduce(lax.bitwise_and, keep), n, o)
+        elif keep:
+            n = jnp.where(functools.reduce(jnp.logical_and, keep), n, o)
         merged.append(n)
     return jax.tree_util.tree_unflatten(treedef, merged)
 
@@ -193,8 +206,13 @@ def _check_guards(fn: str, model: Any, overwrites: Any, order: str):
     if both:  # all guards in one vector: one comparison each, not one per layer
         m = jnp.concatenate([jnp.ravel(_guard._float(m)) for m, _ in both])
         o = jnp.concatenate([jnp.ravel(jnp.asarray(o, m.dtype)) for _, o in both])
-        same = jnp.any((o == m) & (o != 0))
-        behind = jnp.any((_guard.advance(o) == m) & (o != 0))
+        if m.dtype == jnp.float32:  # lax ops: no nested jit to trace (issue 21)
+            written = lax.ne(o, lax.full_like(o, 0))
+            same = lax.reduce_or(lax.bitwise_and(lax.eq(o, m), written), (0,))
+            behind = lax.reduce_or(lax.bitwise_and(lax.eq(_guard.advance(o), m), written), (0,))
+        else:
+            same = jnp.any((o == m) & (o != 0))
+            behind = jnp.any((_guard.advance(o) == m) & (o != 0))
     index = jnp.where(model_bad, model_index, jnp.where(same, 2, 3))
     bad = model_bad | same | behind
     messages = _guard.step_messages(fn, order)

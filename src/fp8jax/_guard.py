@@ -144,8 +144,13 @@ def init(stack_shape: tuple[int, ...] = ()) -> jax.Array:
 def advance(guard):
     """The guard's next value: the next of `VALUES`, in a cycle (its "gradient"); a negative
     one (a code of `CODES`, or trained below 0) stays."""
-    next_ = jnp.where(guard < 0, guard, guard * 2)
-    return jnp.where(guard == VALUES[-1], jnp.asarray(VALUES[0], F32), next_)
+    guard = jnp.asarray(guard)
+    if guard.dtype != F32:
+        next_ = jnp.where(guard < 0, guard, guard * 2)
+        return jnp.where(guard == VALUES[-1], jnp.asarray(VALUES[0], F32), next_)
+    # lax ops (a jnp.where is a nested jit to trace, per layer: issue 21)
+    next_ = lax.select(lax.lt(guard, F32(0)), guard, lax.mul(guard, F32(2)))
+    return lax.select(lax.eq(guard, F32(VALUES[-1])), lax.full_like(guard, VALUES[0]), next_)
 
 
 def guard_of(module: Any):
@@ -163,7 +168,10 @@ def _float(x):
 def valid(guard):
     """Elementwise: whether ``guard`` is one of `VALUES` (a pure function)."""
     guard = _float(guard)
-    return functools.reduce(jnp.logical_or, [guard == v for v in VALUES])
+    if not jnp.issubdtype(guard.dtype, jnp.floating):
+        guard = guard.astype(F32)
+    values = [np.array(v, guard.dtype) for v in VALUES]
+    return functools.reduce(lax.bitwise_or, [lax.eq(guard, v) for v in values])
 
 
 def verdict(guards) -> tuple[jax.Array, jax.Array]:
@@ -173,8 +181,10 @@ def verdict(guards) -> tuple[jax.Array, jax.Array]:
     flat = [jnp.ravel(_float(g)) for g in guards]
     if not flat:
         return jnp.asarray(False), jnp.asarray(0, jnp.int32)
-    values = jnp.concatenate(flat)
-    return jnp.any(~valid(values)), jnp.any(values == 0).astype(jnp.int32)
+    values = lax.concatenate(flat, 0) if len(flat) > 1 else flat[0]
+    bad = lax.bitwise_not(lax.reduce_and(valid(values), (0,)))
+    zero = lax.reduce_or(lax.eq(values, lax.full_like(values, 0)), (0,))
+    return bad, lax.convert_element_type(zero, jnp.int32)
 
 
 # ----------------------------------------------------------------------------- the check
@@ -204,10 +214,13 @@ def _checked_bwd(sizes, raising, guards, cts):
         # -inf: MAX_GRAD's zero, no use proposed. All the group's leaves in one comparison
         # (a program's size grows with each op per leaf).
         leaves = [_float(ct) for ct in cts[start : start + size]]
-        flat = jnp.concatenate([x.reshape(guard.shape[:stack] + (-1,)) for x in leaves], -1)
-        proposed = jnp.any(flat != -jnp.inf, axis=-1)
+        flat = [x.reshape(guard.shape[:stack] + (-1,)) for x in leaves]
+        flat = lax.concatenate(flat, stack) if len(flat) > 1 else flat[0]
+        proposed = lax.reduce_or(lax.ne(flat, F32(-np.inf)), (stack,))
+        proposed = lax.broadcast_in_dim(proposed, guard.shape, tuple(range(stack)))
         start += size
-        proposals.append(jnp.where(proposed[..., None], advance(guard), 0.0))
+        advanced = advance(guard)
+        proposals.append(lax.select(proposed, advanced, lax.full_like(advanced, 0)))
     return tuple(cts), _state.proposal(tuple(proposals))
 
 
@@ -249,7 +262,10 @@ def check(groups: list[tuple[tuple, Any]]) -> tuple:
 def poison_if(bad) -> jax.Array:
     """A float32 scalar to add to an output: NaN where ``bad``, else ``-0.0`` (``x + -0.0`` is
     ``x``, signed zeros included). A loud result without a device->host sync."""
-    return jnp.where(bad, jnp.asarray(jnp.nan, F32), jnp.asarray(-0.0, F32))
+    bad = jnp.asarray(bad)
+    if bad.shape:
+        return jnp.where(bad, jnp.asarray(jnp.nan, F32), jnp.asarray(-0.0, F32))
+    return lax.select(bad, np.array(np.nan, np.float32), np.array(-0.0, np.float32))
 
 
 def add_poison(y, poison):
@@ -257,24 +273,15 @@ def add_poison(y, poison):
     no reduction for it); ``y`` as it is where ``poison`` is None."""
     if poison is None:
         return y
-    return y + lax.stop_gradient(poison).astype(y.dtype)
+    poison = lax.convert_element_type(lax.stop_gradient(poison), y.dtype)
+    return lax.add(y, poison) if jnp.ndim(poison) == 0 else y + poison
 
 
-@jax.custom_vjp
 def _poison(guard) -> jax.Array:
-    """`poison_if` of an invalid value in ``guard`` (float32 or `MAX_GRAD`). No cotangent."""
-    return poison_if(~jnp.all(valid(guard)))
-
-
-def _poison_fwd(guard):
-    return _poison(guard), None
-
-
-def _poison_bwd(_, ct):
-    return (None,)
-
-
-_poison.defvjp(_poison_fwd, _poison_bwd)
+    """`poison_if` of an invalid value in ``guard`` (float32 or `MAX_GRAD`). No cotangent:
+    the guard is read as float32 behind a ``stop_gradient`` (no custom VJP to trace per op)."""
+    ok = valid(lax.stop_gradient(_float(guard)))
+    return poison_if(lax.bitwise_not(lax.reduce_and(ok, tuple(range(ok.ndim)))))
 
 
 def _op_poison(entered, guard):
@@ -399,7 +406,11 @@ def mark(tree, bad, code, keep_from=None):
         if not _is_state(x) or guard_of(x) is None:
             return x
         g = guard_of(x)
-        return eqx.tree_at(lambda s: s.guard, x, jnp.where(bad, code, g).astype(g.dtype))
+        if g.dtype == F32 and jnp.ndim(bad) == 0:  # lax: no nested jit to trace per layer
+            new = lax.select(bad, lax.broadcast_in_dim(code, g.shape, ()), g)
+        else:
+            new = jnp.where(bad, code, g).astype(g.dtype)
+        return eqx.tree_at(lambda s: s.guard, x, new)
 
     return jax.tree_util.tree_map(visit, tree, is_leaf=_is_state)
 

@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
@@ -64,8 +65,11 @@ def tile_amax(x: Array, axis=None) -> Array:
     """max |x| (over ``axis``, default all) as float32, inf where ``x`` holds a NaN: a
     tile's amax must come out non-finite (`sanitize_amax` then keeps it out of the
     history) whatever max's NaN convention is on the backend."""
-    magnitude = jnp.abs(x.astype(F32))
-    return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), axis=axis)
+    magnitude = lax.abs(lax.convert_element_type(x, F32))
+    nan = lax.ne(magnitude, magnitude)
+    magnitude = lax.select(nan, lax.full_like(magnitude, np.inf), magnitude)
+    axes = range(x.ndim) if axis is None else np.atleast_1d(axis) % max(x.ndim, 1)
+    return lax.reduce_max(magnitude, tuple(int(a) for a in axes))
 
 
 def combined_max(*amaxes: Array) -> Float[Array, " n"]:
@@ -74,18 +78,19 @@ def combined_max(*amaxes: Array) -> Float[Array, " n"]:
     ``tiles=True``), padded with zeros (amaxes are >= 0) to a common length and reduced
     together: one small kernel in the backward's state update where a reduction after each
     cast made three per op. A NaN or Inf stays non-finite."""
+    if all(np.size(a) == 1 for a in amaxes):  # lax ops: few to trace per layer (issue 21)
+        flat = [lax.reshape(lax.convert_element_type(a, F32), (1,)) for a in amaxes]
+        return lax.concatenate(flat, 0)
     flat = [jnp.ravel(a).astype(F32) for a in amaxes]
-    if all(f.size == 1 for f in flat):
-        return jnp.concatenate(flat)
     width = max(f.size for f in flat)
     return jnp.max(jnp.stack([jnp.pad(f, (0, width - f.size)) for f in flat]), axis=1)
 
 
 def sanitize_amax(value: Float[Array, "..."]) -> tuple[Array, Array]:
     """Split an observed amax into (finite amax or 0, 1.0 where it was NaN/Inf)."""
-    value = jnp.asarray(value, F32)
-    finite = jnp.isfinite(value)
-    zeros, ones = jnp.zeros_like(value), jnp.ones_like(value)
+    value = lax.convert_element_type(value, F32)
+    finite = lax.is_finite(value)
+    zeros, ones = lax.full_like(value, 0), lax.full_like(value, 1)
     return lax.select(finite, value, zeros), lax.select(finite, zeros, ones)
 
 

@@ -39,6 +39,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array
 
 from . import _quant as q
@@ -46,7 +47,7 @@ from ._kernels import blockwise_gemm as _bgemm
 from ._kernels import gemm as _gemm
 from ._kernels import tile_cast as _tile_kernel
 from ._recipe_base import Cast, OnRows, Recipe, UnsupportedByRecipe
-from ._state import from_history
+from ._state import from_history, history_stats
 
 F32 = jnp.float32
 
@@ -129,7 +130,12 @@ class PerTensor(Recipe):
                 f"the {self.kind!r} recipe with current scaling has no scale before the "
                 "cast: it scales by the tensor's own amax."
             )
-        amax = from_history(jnp.stack(histories), self.algo, axis=-1)[..., 0]  # [3]
+        stacked = jnp.stack(histories)
+        if self.algo == "max":  # the reduction the backward's repair check shares
+            stats = history_stats(stacked)  # [..., 2]: the max, the corrupt flag
+            amax = lax.index_in_dim(stats, 0, axis=stats.ndim - 1, keepdims=False)
+        else:
+            amax = from_history(stacked, self.algo, axis=-1)[..., 0]  # [3]
         limits = np.array([q.fp8_max(d) for d in dtypes], np.float32)
         return q.scale_from_limit(amax, jnp.concatenate(old_scales), limits, self.margin)
 
@@ -157,12 +163,14 @@ class PerTensor(Recipe):
         scale is this step's own)."""
         if not self.delayed:
             return amaxes, jnp.zeros((), F32)
+        # lax ops, the flags split into [1] pieces: few ops to trace per layer (issue 21).
         factors = np.array([q.outlier_factor(d) for d in dtypes], np.float32)
-        outlier = (amaxes > newest * factors) & (newest > 0)
-        flags = outlier.astype(F32)
-        return jnp.where(outlier, F32(0), amaxes), functools.reduce(
-            jnp.maximum, [flags[i] for i in range(flags.shape[0])]
-        )
+        amaxes, newest = jnp.asarray(amaxes, F32), jnp.asarray(newest, F32)
+        limit = lax.mul(newest, factors)
+        outlier = lax.bitwise_and(lax.gt(amaxes, limit), lax.gt(newest, F32(0)))
+        flags = lax.split(lax.convert_element_type(outlier, F32), (1,) * amaxes.shape[0])
+        rejected = functools.reduce(lax.max, flags).reshape(())
+        return lax.select(outlier, lax.full_like(amaxes, 0), amaxes), rejected
 
     def quantize_both(
         self,

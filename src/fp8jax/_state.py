@@ -202,7 +202,7 @@ def _to_max_grad_bwd(leaves, combined):
     grads = []
     for leaf, ct in zip(leaves, combined, strict=True):
         ct = lax.convert_element_type(ct, F32)
-        grads.append(lax.select(ct == -jnp.inf, leaf.astype(F32), ct))
+        grads.append(lax.select(lax.eq(ct, F32(-np.inf)), lax.convert_element_type(leaf, F32), ct))
     return (tuple(grads),)
 
 
@@ -317,6 +317,13 @@ def clean_amax(x) -> Array:
     return lax.select(valid_amax(x), x, lax.full_like(x, 0))
 
 
+def checked_amax(x) -> tuple[Array, Array]:
+    """``(valid_amax(x), clean_amax(x))``, the check computed once."""
+    x = jnp.asarray(x, F32)
+    valid = valid_amax(x)
+    return valid, lax.select(valid, x, lax.full_like(x, 0))
+
+
 def needs_repair(scales, histories, count) -> Array:
     """1.0 if any of a state's fields is corrupt, else 0.0: a scale that is not finite and
     positive, a history entry that is not finite and >= 0, a count that is not finite and
@@ -370,6 +377,25 @@ def from_history(history, algo: str, axis: int = 0):
     if algo == "max":
         return jnp.max(history, axis=axis, keepdims=True)
     return lax.slice_in_dim(history, 0, 1, axis=axis)
+
+
+def history_stats(stacked, with_valid: bool = False):
+    """``[..., L]`` histories -> ``[..., 2]``: the max over the last axis of the finite
+    entries (NaN and Inf as 0: `from_history`'s ``"max"``) and 1.0 where an entry is corrupt
+    (`valid_amax` rejects it; else 0.0). One reduction for both: the forward's delayed
+    scales (`fp8jax._recipe.PerTensor.gemm_scales`) and the backward's repair check
+    (`fp8jax._ops.dot.new_state`) compute this same expression of the same histories, which
+    XLA then computes once. ``with_valid``: ``(stats, valid_amax(stacked))``."""
+    h = jnp.asarray(stacked, F32)
+    below_inf = lax.lt(h, F32(np.inf))  # False for NaN too
+    finite = lax.select(below_inf, h, lax.full_like(h, 0))
+    valid = lax.bitwise_and(lax.ge(h, F32(0)), below_inf)  # `valid_amax`
+    corrupt = lax.convert_element_type(lax.bitwise_not(valid), F32)
+    # [..., 2, L], reduced along its last axis (a row reduction, as `from_history`'s)
+    shape, dims = h.shape[:-1] + (1, h.shape[-1]), (*range(h.ndim - 1), h.ndim)
+    both = [lax.broadcast_in_dim(x, shape, dims) for x in (finite, corrupt)]
+    stats = lax.reduce_max(lax.concatenate(both, h.ndim - 1), (h.ndim,))
+    return (stats, valid) if with_valid else stats
 
 
 def newest_first(history, axis: int = 0):

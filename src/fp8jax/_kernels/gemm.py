@@ -187,5 +187,5 @@ def quantize_both(t, scale, dtype, cast_kernel: bool = False):
         return _cast_kernel.cast_transpose(t, scale, dtype, tiles=True)
     tq = q.quantize(t, scale, dtype)
     if current_tuning().cast_transposed:
-        return tq, q.quantize(jnp.swapaxes(t, 1, 2), scale, dtype), q.amax(t)
-    return tq, jnp.swapaxes(tq, 1, 2), q.amax(t)
+        return tq, q.quantize(jax.lax.transpose(t, (0, 2, 1)), scale, dtype), q.amax(t)
+    return tq, jax.lax.transpose(tq, (0, 2, 1)), q.amax(t)

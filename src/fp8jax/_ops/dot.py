@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
@@ -345,19 +346,19 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
 def _merge(a, axis_size):
     """[V, B, M, C] -> [B, V*M, C]: fold a vmapped axis into the GEMM rows."""
     _, b, m, c = a.shape
-    return jnp.swapaxes(a, 0, 1).reshape(b, axis_size * m, c)
+    return lax.transpose(a, (1, 0, 2, 3)).reshape(b, axis_size * m, c)
 
 
 def _split_rows(a, axis_size):
     """[B, V*M, C] -> [V, B, M, C]."""
     b, vm, c = a.shape
-    return jnp.swapaxes(a.reshape(b, axis_size, vm // axis_size, c), 0, 1)
+    return lax.transpose(a.reshape(b, axis_size, vm // axis_size, c), (1, 0, 2, 3))
 
 
 def _split_cols(a, axis_size):
     """[B, C, V*M] -> [V, B, C, M]."""
     b, c, vm = a.shape
-    return jnp.moveaxis(a.reshape(b, c, axis_size, vm // axis_size), 2, 0)
+    return lax.transpose(a.reshape(b, c, axis_size, vm // axis_size), (2, 0, 1, 3))
 
 
 def _fallback_vmap(impl, in_batched, args):
@@ -512,7 +513,11 @@ def bwd_fn(spec: Spec):
             return _fallback_vmap(impl, in_batched, (res, g_scale, g_history, g3))
         xr = res[0]
         fp8 = xr.dtype == spec.config.input_dtype
-        xm = jnp.moveaxis(xr, 0, -2).reshape(*xr.shape[1:-1], -1) if fp8 else _merge(xr, axis_size)
+        if fp8:  # [V, B, K, M] -> [B, K, V*M]
+            perm = (*range(1, xr.ndim - 1), 0, xr.ndim - 1)
+            xm = lax.transpose(xr, perm).reshape(*xr.shape[1:-1], -1)
+        else:
+            xm = _merge(xr, axis_size)
         dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, _merge(g3, axis_size))
         return (_split_rows(dx, axis_size), dw, ag, sg), (True, False, False, False)
 
@@ -529,7 +534,8 @@ def observed_amaxes(ax, aw, ag):
     # XLA (jax 0.11.2) fused it into the loop over the history update and recomputed it per
     # history entry, which cost the flax linen step its whole FP8 gain (issue 47;
     # benchmarks/RESULTS.md, "Front doors (issue 47)").
-    return jax.lax.optimization_barrier(jnp.concatenate([observed, jnp.max(bad).reshape(1)]))
+    flag = lax.reshape(lax.reduce_max(bad, tuple(range(bad.ndim))), (1,))
+    return jax.lax.optimization_barrier(lax.concatenate([observed, flag], 0))
 
 
 def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
@@ -546,25 +552,59 @@ def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
     histories, fused with their update: no host callback, no ``lax.cond``."""
     in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
     histories = (in_h, k_h, g_h)
-    stacked = len({h.shape for h in histories}) == 1 and in_h.ndim == 1
-    if stacked:  # one [3, L] array: one reduction and one update for the three
-        histories = (jnp.stack(histories),)
+    if len({h.shape for h in histories}) == 1 and in_h.ndim == 1:
+        return _new_state_stacked(state, sx, sw, sg, observed, config)
     repaired = _state.needs_repair((in_s, k_s, g_s), histories, nonfinite)
     histories = tuple(map(_state.clean_amax, histories))
-    amaxes, rejected = observed[:3], jnp.zeros((), F32)
-    if config is not None and stacked:
-        dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
-        amaxes, rejected = config.recipe.screen(amaxes, histories[0][:, 0], dtypes)
-    if stacked:
-        histories = tuple(_state.record(histories[0], amaxes, axis=1))
-    else:
-        histories = tuple(_state.record(h, a) for h, a in zip(histories, amaxes))
+    histories = tuple(_state.record(h, a) for h, a in zip(histories, observed[:3]))
     return (
         sx.astype(in_s.dtype),
         sw.astype(k_s.dtype),
         sg.astype(g_s.dtype),
         *histories,
-        _state.clean_amax(nonfinite) + observed[3] + rejected + repaired,
+        _state.clean_amax(nonfinite) + observed[3] + repaired,
+    )
+
+
+def _new_state_stacked(state, sx, sw, sg, observed, config: Fp8Config | None):
+    """`new_state` for three ``[L]`` histories: they are stacked once into ``[3, L]`` and
+    checked, cleaned, screened and recorded in one go, and the scalar fields are checked as
+    one vector (the same values as field by field, in about half the ops to trace and
+    lower: issue 21)."""
+    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
+    stacked = jnp.stack((in_h, k_h, g_h)).astype(F32)
+    # Corrupt entries per history: the forward's reduction (`_state.history_stats`, shared).
+    stats, valid = _state.history_stats(stacked, with_valid=True)
+    clean = lax.select(valid, stacked, lax.full_like(stacked, 0))  # `_state.clean_amax`
+    first = lax.slice_in_dim(clean, 0, 1, axis=1)  # the newest entries, [3, 1]
+    # The scales must be positive, the count >= 0 (`_state.needs_repair`): ``s != 0`` for the
+    # scales, ``s != NaN`` (always true) for the count.
+    fields = (in_s, k_s, g_s, nonfinite)
+    scalars = lax.concatenate([jnp.asarray(x, F32).reshape(1) for x in fields], 0)
+    usable, scalars_clean = _state.checked_amax(scalars)
+    nonzero = lax.ne(scalars, np.array([0.0, 0.0, 0.0, np.nan], np.float32))
+    corrupt = lax.squeeze(lax.slice_in_dim(stats, 1, 2, axis=1), (1,))
+    bad = lax.convert_element_type(lax.bitwise_not(lax.bitwise_and(usable, nonzero)), F32)
+    bad = lax.concatenate([bad, corrupt], 0)
+    repaired = functools.reduce(lax.max, lax.split(bad, (1,) * 7))
+    amaxes, rejected = observed[:3], jnp.zeros((), F32)
+    if config is not None:
+        dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
+        amaxes, rejected = config.recipe.screen(amaxes, lax.squeeze(first, (1,)), dtypes)
+    # `_state.record` along axis 1: [amax, h[2:], h[0]]
+    parts = [lax.broadcast_in_dim(amaxes, (3, 1), (0,))]
+    length = stacked.shape[1]
+    if length > 1:
+        parts += [lax.slice_in_dim(clean, 2, length, axis=1)] if length > 2 else []
+        parts.append(first)
+    recorded = lax.split(lax.concatenate(parts, 1) if len(parts) > 1 else parts[0], (1, 1, 1), 0)
+    count = lax.add(lax.slice_in_dim(scalars_clean, 3, 4), lax.slice_in_dim(observed, 3, 4))
+    return (
+        sx.astype(in_s.dtype),
+        sw.astype(k_s.dtype),
+        sg.astype(g_s.dtype),
+        *(lax.squeeze(h, (0,)) for h in recorded),
+        lax.add(lax.add(count, rejected), repaired),
     )
 
 
