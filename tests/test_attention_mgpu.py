@@ -1,6 +1,7 @@
 """The attention's ``"mgpu"`` backend (fp8jax's own Hopper FP8 flash attention) against the
 reference backend's FP8 path (CPU, Pallas' interpreter) and cuDNN's (Hopper)."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 from conftest import ON_GPU
 from helpers import calibrated_attention, normal, sqnr_db, take_state
 
-from fp8jax.nn import DotProductAttention
+import fp8jax
+from fp8jax.nn import DotProductAttention, MultiHeadAttention
 from fp8jax.nn._attention import TENSORS
 
 F32 = jnp.float32
@@ -64,6 +66,20 @@ def _compare(backend, base, key, shape, out_db=25.0, grad_db=20.0):
 
 def test_mgpu_interpret_matches_reference_fp8(key):
     _compare("mgpu-interpret", "reference", key, (1, 128, 2, 1, 64))
+
+
+def test_mha_fp8_mha_on_mgpu_interpret(key):
+    """`MultiHeadAttention` hands its backend to the core: fp8_mha on the kernels gives the
+    reference backend's output (the same weights, a fresh state; the forward)."""
+    cfg = fp8jax.Fp8Config(selective=False)
+    x = normal(key, (1, 128, 128))
+    out = {}
+    for backend in ("reference", "mgpu-interpret"):
+        mha = MultiHeadAttention(128, 2, num_kv_heads=1, mode="fp8_mha", backend=backend,
+                                 config=cfg, key=key)  # fmt: skip
+        assert mha.attention.backend == backend
+        out[backend] = eqx.filter_jit(lambda m, x: m(x))(mha, x)
+    assert sqnr_db(out["mgpu-interpret"], out["reference"]) >= 25.0
 
 
 @pytest.mark.parametrize(
