@@ -4,10 +4,12 @@ Two levels, each timed in one process and one run:
 
 * ``attention`` (the core on BTNH q, k, v): ``cudnn-bf16`` (``jax.nn.dot_product_attention``,
   cuDNN) vs ``fp8jax-fp8_dpa`` (`fp8jax.nn.dot_product_attention`, cuDNN FP8 with
-  bf16 in/out, the casts included) and ``fp8-mgpu``, forward only (fp8jax's own Pallas
-  Mosaic GPU kernel, `fp8jax._kernels.flash_fp8_mgpu`, after per-tensor e4m3 casts of
-  q, k, v with scales from their amax taken before timing, as delayed scaling has them;
-  its "FP8 attention" cell reads "mgpu (fwd only)");
+  bf16 in/out, the casts included), ``fp8jax-mgpu`` (the same module with
+  ``backend="mgpu"``: fp8jax's own FP8 flash attention, forward and backward, in place of
+  cuDNN's; the reference backend under ``--quick``) and ``fp8-mgpu``, forward only
+  (fp8jax's own Pallas Mosaic GPU kernel, `fp8jax._kernels.flash_fp8_mgpu`, after
+  per-tensor e4m3 casts of q, k, v with scales from their amax taken before timing, as
+  delayed scaling has them; its "FP8 attention" cell reads "mgpu (fwd only)");
 * ``mha`` (the `fp8jax.nn.MultiHeadAttention` block: QKV projection, rotary,
   attention, output projection on ``x: [batch, seq, dim]``): ``cudnn-bf16`` (mode
   bf16), ``fp8jax-fp8_dpa`` (FP8 core, bf16 projections) and ``fp8jax-fp8_mha``
@@ -44,10 +46,18 @@ from fp8jax.nn import DotProductAttention, MultiHeadAttention
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 VARIANTS = {
-    "attention": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8-mgpu"),
+    "attention": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8jax-mgpu", "fp8-mgpu"),
     "mha": ("cudnn-bf16", "fp8jax-fp8_dpa", "fp8jax-fp8_mha"),
 }
-MODE = {"cudnn-bf16": "bf16", "fp8jax-fp8_dpa": "fp8_dpa", "fp8jax-fp8_mha": "fp8_mha"}
+MODE = {
+    "cudnn-bf16": "bf16",
+    "fp8jax-fp8_dpa": "fp8_dpa",
+    "fp8jax-mgpu": "fp8_dpa",
+    "fp8jax-fp8_mha": "fp8_mha",
+}
+# Variants that ask for a backend of their own (the --quick runs keep the reference).
+BACKEND = {"fp8jax-mgpu": "mgpu"}
+KERNEL_MARK = {"fp8jax-mgpu": "mosaic_gpu"}  # the compiled program's FP8 attention kernel
 DIRECTIONS = ("fwd", "fwd+bwd")
 FORWARD_ONLY = ("fp8-mgpu",)  # variants without a backward: no fwd+bwd rows
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
@@ -92,6 +102,7 @@ def flops(p: dict, level: str, direction: str) -> float:
 def build(level: str, variant: str, p: dict, key, backend: str):
     """The module (a `DotProductAttention` or `MultiHeadAttention`) and its inputs' shapes."""
     mode = MODE[variant]
+    backend = backend if backend == "reference" else BACKEND.get(variant, backend)
     if level == "attention":
         module = DotProductAttention(mode, is_causal=True, backend=backend)
         shapes = [(p["batch"], p["seq"], p["heads"], p["head_dim"])] + [
@@ -181,10 +192,9 @@ def run_case(
                     step = make_step(module, direction, input_sets[0], g)
                     row["ms"] = common.time_step(step, input_sets, g, iters, reps, warmup=1)
                     hlo = step.hlo_text(input_sets[0], g)
-                    row["fp8_gemms"] = "fmhaSoftmaxF8" in hlo or (
-                        "fp8" in variant and not common.on_gpu()
-                    )
-                    row["fp8_attention_kernel"] = "fmhaSoftmaxF8" in hlo
+                    kernel = KERNEL_MARK.get(variant, "fmhaSoftmaxF8") in hlo
+                    row["fp8_gemms"] = kernel or ("fp8" in variant and not common.on_gpu())
+                    row["fp8_attention_kernel"] = kernel
                     row["peak_mem_mb"] = common.peak_mem_mb(step, input_sets[0], g)
                     row["saved_act_mb"] = (
                         fp8jax.saved_activation_bytes(module, *input_sets[0], dim=seq) / 2**20

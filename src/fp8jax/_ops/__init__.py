@@ -5,6 +5,7 @@ and `fp8jax.Fp8DotGeneral` call them.
 - `gated`: the FusedMLP core (fc1 -> gated activation -> fc2) as one custom VJP.
 - `saved_fp8`: an activation kept for the backward as e4m3 + scale (fc1's output).
 - `attention`: FP8 flash attention (cuDNN; plain-JAX reference).
+- `attention_mgpu`: its opt-in ``"mgpu"`` backend (fp8jax's own Hopper FP8 flash attention).
 - `grouped`: MoE experts' grouped GEMMs, the FP8 and bf16 custom VJPs.
 - `grouped_tiled`: the grouped GEMMs under the row- and block-wise recipes.
 - `grouped_gemms`: the grouped GEMMs themselves (kernel or reference, tile choices).

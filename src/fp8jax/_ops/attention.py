@@ -31,6 +31,7 @@ from .. import _state
 from .._config import Fp8Config
 from .._kernels import cudnn_attention as cudnn
 from .._kernels import dispatch
+from . import attention_mgpu as mgpu
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn
@@ -56,7 +57,7 @@ class AttnSpec(NamedTuple):
     """Static description of one attention call (hashable: a custom_vjp nondiff arg)."""
 
     config: Fp8Config
-    backend: str  # "cudnn" | "reference"
+    backend: str  # "cudnn" | "reference" | "mgpu" | "mgpu-interpret" (`attention_mgpu`)
     causal: bool
     softmax_scale: float
     in_dtype: np.dtype  # of q, k, v: their gradients come back in it
@@ -223,6 +224,9 @@ def _backend_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
 def _local_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
     if spec.backend == "reference":
         return _reference_forward(spec, q8, k8, v8, sc, q_len, kv_len)
+    if spec.backend in mgpu.BACKENDS:  # no padding mask: q_len, kv_len are None
+        o8, amax_s, amax_o, lse = mgpu.forward(spec, q8, k8, v8, *(sc[IDX[n]] for n in "qkvo"))
+        return o8, amax_s, amax_o, lse if training else None
     # Always cuDNN's training kernel: its inference variant gave wrong outputs without a
     # mask on H100 (jax 0.11.2, tests/test_gpu.py); the extra softmax stats are small.
     o8, amax_s, amax_o, stats = cudnn.forward(
@@ -245,6 +249,8 @@ def _local_forward(spec, q8, k8, v8, sc, q_len, kv_len, training):
 def _local_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len):
     if spec.backend == "reference":
         return _reference_backward(spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len)
+    if spec.backend in mgpu.BACKENDS:
+        return mgpu.backward(spec, q8, k8, v8, o8, do8, stats, {n: sc[i] for n, i in IDX.items()})
     return cudnn.backward(
         q8,
         k8,

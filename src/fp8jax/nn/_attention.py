@@ -39,10 +39,13 @@ from .. import _state
 from .._config import Fp8Config, resolve_config
 from .._kernels import dispatch
 from .._ops import attention as _attention
+from .._ops import attention_mgpu as _attention_mgpu
 from .._state import OverwriteWithGradient
 
 MODES = ("bf16", "fp8_dpa", "fp8_mha")
-BACKENDS = ("auto", "cudnn", "reference")
+BACKENDS = ("auto", "cudnn", "reference", "mgpu")
+# Also accepted: "mgpu-interpret", the "mgpu" kernels in Pallas' interpreter (CPU tests).
+_ACCEPTED = BACKENDS + ("mgpu-interpret",)
 TENSORS = _attention.TENSORS
 
 
@@ -116,7 +119,7 @@ def _check_scale(owner: str, scale) -> float | None:
 def _check_inputs(query, key, value, mode, backend, lengths):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    dispatch.check("fp8jax attention", backend, BACKENDS)
+    dispatch.check("fp8jax attention", backend, _ACCEPTED)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != 4:
             raise ValueError(
@@ -181,10 +184,32 @@ def _check_lengths(name: str, x, b: int, most: int):
 _WARNED: set[str] = set()
 
 
-def _choose_backend(backend: str, query, key, has_lengths: bool) -> str:
+def _mgpu_reason(backend: str, query, key, has_lengths: bool, causal: bool, split) -> str | None:
+    """Why the ``"mgpu"`` kernels cannot run this call (None: they can)."""
+    if has_lengths:
+        return "the mgpu kernels have no padding mask (sequence lengths)"
+    interpret = backend == "mgpu-interpret"  # plain JAX ops there: XLA partitions them
+    why = _attention_mgpu.reason(query.shape, key.shape, causal, interpret)
+    if why is None and not interpret and split is None:
+        why = dispatch.unpartitioned_reason()
+    return why
+
+
+def _choose_backend(
+    backend: str, query, key, has_lengths: bool, causal: bool = False, split=None
+) -> str:
     """``"cudnn"`` or ``"reference"`` by `fp8jax._kernels.dispatch.choose`: for ``"auto"``
     cuDNN where it can run this call, else the reference (with one warning per reason on a
-    GPU, where cuDNN was expected)."""
+    GPU, where cuDNN was expected). ``"mgpu"`` (``"mgpu-interpret"``) as asked, else a
+    ValueError saying why it cannot run: it is never a fallback's choice, nor falls back."""
+    if backend in _attention_mgpu.BACKENDS:
+        why = _mgpu_reason(backend, query, key, has_lengths, causal, split)
+        if why is not None:
+            raise ValueError(
+                f"fp8jax attention: backend={backend!r} cannot run this call ({why}); "
+                "use backend='auto', 'cudnn' or 'reference'."
+            )
+        return backend
     ok, why = _attention.cudnn.availability()
     if ok and has_lengths:
         why = (
@@ -200,7 +225,7 @@ def _choose_backend(backend: str, query, key, has_lengths: bool) -> str:
             f"fp8jax attention: {why}; running the plain-JAX reference backend (slow).",
             stacklevel=4,
         )
-    chosen = dispatch.choose("fp8jax attention", backend, why, BACKENDS)
+    chosen = dispatch.choose("fp8jax attention", backend, why, _ACCEPTED)
     return "cudnn" if chosen == "kernel" else "reference"
 
 
@@ -228,6 +253,10 @@ def dot_product_attention(
     where it can run this call, else the reference, with a warning on a GPU); ``"kernel"``
     is `fp8jax._kernels.dispatch`'s name for ``"cudnn"``. Sequence lengths (padding) work
     in ``"bf16"`` mode and on the reference backend; cuDNN's FP8 kernel has no padding mask.
+    ``"mgpu"`` (FP8 modes, opt-in, never chosen by ``"auto"``): fp8jax's own Hopper FP8
+    flash attention (Pallas Mosaic GPU; head_dim 64 or 128, sequence lengths multiples of
+    128, no padding mask), not yet faster than cuDNN and its backward not yet run on a GPU;
+    a call it cannot run raises a ValueError saying why.
 
     Arguments:
         query: ``[B, T, N, H]``.
@@ -237,7 +266,7 @@ def dot_product_attention(
         is_causal: mask the future (a query attends to keys at or before it).
         scale: the scores' scale (None: ``1 / sqrt(H)``).
         query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths, or None.
-        backend: ``"auto"``, ``"cudnn"`` (``"kernel"``) or ``"reference"``.
+        backend: ``"auto"``, ``"cudnn"`` (``"kernel"``), ``"reference"`` or ``"mgpu"``.
         split: FP8 modes over several devices: the mesh axes that split the sequences and
             the heads (`fp8jax.shard_model` records it in `DotProductAttention`); each
             device then runs the kernel on its own part. None: one call, as XLA places it.
@@ -278,7 +307,7 @@ def dot_product_attention(
             "slice at a time (jax.lax.scan or eqx.filter_vmap)."
         )
     has_lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
-    chosen = _choose_backend(backend, query, key, has_lengths)
+    chosen = _choose_backend(backend, query, key, has_lengths, bool(is_causal), split)
     softmax_scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     spec = _attention.AttnSpec(
         state.config,
@@ -334,7 +363,7 @@ class DotProductAttention(eqx.Module):
     ):
         if mode not in MODES:
             raise ValueError(f"DotProductAttention: mode must be one of {MODES}, got {mode!r}")
-        dispatch.check("DotProductAttention", backend, BACKENDS)
+        dispatch.check("DotProductAttention", backend, _ACCEPTED)
         scale = _check_scale("DotProductAttention", scale)
         try:
             config = resolve_config(config)

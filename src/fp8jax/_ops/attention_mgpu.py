@@ -1,0 +1,57 @@
+"""The ``"mgpu"`` backend of `fp8jax._ops.attention`: fp8jax's own Hopper FP8 flash attention
+(`fp8jax._kernels.flash_fp8_mgpu` forward, `fp8jax._kernels.flash_fp8_bwd_mgpu` backward,
+the pair `fp8jax._kernels.flash_fp8_vjp` joins) in the place of cuDNN's.
+
+The op's custom VJP stays the same (the same casts of q, k, v and dO with the state's
+scales, the same state update); only the kernel calls differ. The kernels return bf16 O and
+dQ, dK, dV where cuDNN writes them in e4m3: they are cast here with the state's scales, as
+cuDNN casts them, so the amaxes of o, dq, dk and dv are recorded as on cuDNN. P and dS stay
+inside the kernels (P's scale is fixed, the backward's GEMMs run in bf16): ``s`` and ``dp``
+record no amax (0, "not observed": their scales stay as they are).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .. import _quant as qt
+from .._kernels import flash_fp8_bwd_mgpu as _bwd
+from .._kernels import flash_fp8_mgpu as _fwd
+
+E4M3 = jnp.float8_e4m3fn
+BACKENDS = ("mgpu", "mgpu-interpret")  # the second: Pallas' interpreter (CPU tests)
+
+
+def reason(q_shape, k_shape, causal: bool, interpret: bool) -> str | None:
+    """Why the kernels cannot run ``q [B, T, N, H]``, ``k/v [B, S, K, H]`` (None: they can);
+    with ``interpret`` only the shape rules (the interpreter needs no GPU)."""
+    for module in (_fwd, _bwd):
+        if interpret:
+            why = module._shape_reason(q_shape, k_shape, E4M3, causal, module.Config())
+        else:
+            why = module.reason(q_shape, k_shape, E4M3, causal)
+        if why is not None:
+            return why
+    return None
+
+
+def forward(spec, q8, k8, v8, s_q, s_k, s_v, s_o):
+    """``(o8, amax_s, amax_o, lse)`` as cuDNN's forward returns them (``amax_s``: 0)."""
+    out, lse = _fwd.flash_fp8(
+        q8, k8, v8, s_q, s_k, s_v, causal=spec.causal, softmax_scale=spec.softmax_scale,
+        interpret=spec.backend == "mgpu-interpret",
+    )  # fmt: skip
+    return qt.quantize(out, s_o, E4M3), jnp.zeros((), jnp.float32), qt.amax(out), lse
+
+
+def backward(spec, q8, k8, v8, o8, do8, lse, scales: dict):
+    """``(dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp)`` as cuDNN's backward returns
+    them (``amax_dp``: 0); ``scales`` maps the tensors' names to their scales."""
+    deq = lambda x8, name: x8.astype(jnp.float32) * scales[name]  # noqa: E731
+    out, dout = deq(o8, "o").astype(jnp.bfloat16), deq(do8, "do").astype(jnp.bfloat16)
+    grads = _bwd.flash_fp8_bwd(
+        q8, k8, v8, scales["q"], scales["k"], scales["v"], out, lse, dout, causal=spec.causal,
+        softmax_scale=spec.softmax_scale, interpret=spec.backend == "mgpu-interpret",
+    )  # fmt: skip
+    casts = tuple(qt.quantize(g, scales[n], E4M3) for g, n in zip(grads, ("dq", "dk", "dv")))
+    return (*casts, *(qt.amax(g) for g in grads), jnp.zeros((), jnp.float32))
