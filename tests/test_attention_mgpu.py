@@ -103,6 +103,16 @@ def test_mgpu_unsupported_raises_with_the_reason(key, kw, shape, kv_seq, match):
         attn(q, k, v, **kw)
 
 
+def test_mgpu_in_bf16_mode_raises(key):
+    """``backend="mgpu"`` runs the FP8 modes only: in bf16 mode it says so instead of
+    running another kernel."""
+    from fp8jax.nn import dot_product_attention
+
+    q, k, v, _ = _inputs(key, 1, 128, 2, 1, 64)
+    with pytest.raises(ValueError, match="runs the FP8 modes"):
+        dot_product_attention(q, k, v, mode="bf16", is_causal=True, backend="mgpu")
+
+
 def _hopper_reason():
     from fp8jax._ops import attention_mgpu
 

@@ -120,6 +120,11 @@ def _check_inputs(query, key, value, mode, backend, lengths):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     dispatch.check("fp8jax attention", backend, _ACCEPTED)
+    if mode == "bf16" and backend in _attention_mgpu.BACKENDS:
+        raise ValueError(
+            f"fp8jax attention: backend={backend!r} runs the FP8 modes (fp8_dpa, fp8_mha) "
+            "only; mode='bf16' takes backend='auto', 'cudnn' or 'reference'."
+        )
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != 4:
             raise ValueError(
