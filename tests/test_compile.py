@@ -213,7 +213,7 @@ def _step_equations(model: str, precision: str) -> int:
 def test_fp8_state_bookkeeping_stays_cheap_to_trace():
     """Issue 21's two-block step (quick shapes): the FP8 step's equations beyond the bf16
     step's (four layers' casts, GEMMs, state proposals and write-back, the guards) stay at
-    most 1245 (jax 0.10.2: 1187, from 1280 before the state's checks, screen and record ran
+    most 1245 (jax 0.10.2: 1191, from 1280 before the state's checks, screen and record ran
     on the stacked histories and packed scalars in lax ops). Each equation is traced and
     lowered, per layer where it sits outside the GEMM's jitted functions: a count, not a
     time, so the test is stable."""

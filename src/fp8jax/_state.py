@@ -313,8 +313,7 @@ def valid_amax(x) -> Array:
 
 def clean_amax(x) -> Array:
     """``x`` with the entries `valid_amax` rejects set to 0 (a missing amax)."""
-    x = jnp.asarray(x, F32)
-    return lax.select(valid_amax(x), x, lax.full_like(x, 0))
+    return checked_amax(x)[1]
 
 
 def checked_amax(x) -> tuple[Array, Array]:

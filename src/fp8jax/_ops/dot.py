@@ -591,13 +591,7 @@ def _new_state_stacked(state, sx, sw, sg, observed, config: Fp8Config | None):
     if config is not None:
         dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
         amaxes, rejected = config.recipe.screen(amaxes, lax.squeeze(first, (1,)), dtypes)
-    # `_state.record` along axis 1: [amax, h[2:], h[0]]
-    parts = [lax.broadcast_in_dim(amaxes, (3, 1), (0,))]
-    length = stacked.shape[1]
-    if length > 1:
-        parts += [lax.slice_in_dim(clean, 2, length, axis=1)] if length > 2 else []
-        parts.append(first)
-    recorded = lax.split(lax.concatenate(parts, 1) if len(parts) > 1 else parts[0], (1, 1, 1), 0)
+    recorded = lax.split(_state.record(clean, amaxes, axis=1), (1, 1, 1), 0)
     count = lax.add(lax.slice_in_dim(scalars_clean, 3, 4), lax.slice_in_dim(observed, 3, 4))
     return (
         sx.astype(in_s.dtype),
