@@ -262,10 +262,8 @@ def check(groups: list[tuple[tuple, Any]]) -> tuple:
 def poison_if(bad) -> jax.Array:
     """A float32 scalar to add to an output: NaN where ``bad``, else ``-0.0`` (``x + -0.0`` is
     ``x``, signed zeros included). A loud result without a device->host sync."""
-    bad = jnp.asarray(bad)
-    if bad.shape:
-        return jnp.where(bad, jnp.asarray(jnp.nan, F32), jnp.asarray(-0.0, F32))
-    return lax.select(bad, np.array(np.nan, np.float32), np.array(-0.0, np.float32))
+    bad = jnp.asarray(bad, bool)
+    return lax.select(bad, lax.full(bad.shape, np.nan, F32), lax.full(bad.shape, -0.0, F32))
 
 
 def add_poison(y, poison):
