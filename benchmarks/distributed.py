@@ -274,6 +274,8 @@ def search_batch(nbytes, dp: int, limit: int) -> tuple[int, int, dict[int, int]]
 
     def fits(batch: int) -> bool:
         found[batch] = nbytes(batch)
+        verdict = "fits" if found[batch] <= limit else "over"
+        print(f"--max-batch: batch {batch}: {found[batch] / 2**20:,.0f} MiB, {verdict}", flush=True)
         return found[batch] <= limit
 
     fit, over, batch, bisected = 0, None, dp, False
