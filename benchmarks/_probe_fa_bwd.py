@@ -12,13 +12,23 @@
    mean in ms and the ratio cuDNN bf16 / variant (> 1: faster than cuDNN bf16).
 A failing variant prints its error and the probe goes on.
 
+``--sweep``: the ``Config(fp8=True)`` tiles, the dQ kernel and the dK/dV kernel timed apart
+(``_dq``, ``_dkv`` on the operands `flash_fp8_bwd` builds), each variant's outputs first checked
+against `flash_fp8_bwd_reference` on batch 0, heads 0-1 (ok at >= 20 dB); then the best
+combined Config (one ``max_concurrent_steps`` for both) fwd+bwd against cuDNN bf16. TFLOP/s
+count the causal half of each kernel's matmuls (dQ: S, dP, dQ; dK/dV: S^T, dP^T, dV, dK). ``--tiny``
+runs it in Pallas' GPU interpret mode on a small shape (CPU); ``--lower`` only lowers each
+variant for CUDA at the timed shape (no GPU needed).
+
 Run from the repository root: ``PYTHONPATH=src:.:tests python benchmarks/_probe_fa_bwd.py``
-(``--skip-check``, ``--only NAME,NAME``).
+(``--skip-check``, ``--only NAME,NAME``; ``--sweep [--tiny | --lower]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import math
 import time
 
@@ -41,6 +51,9 @@ VARIANTS = {
     "dkv q128": C(block_q_dkv=128),
 }
 BUDGET_S = 150  # variants left when the probe has run this long are listed as skipped
+SWEEP_BUDGET_S = 160  # --sweep: no new variant timed past this (then ~30 s of fwd+bwd)
+TINY_BUDGET_S = 15  # --tiny: counted from the first variant (a few run, the rest show the skip)
+SHAPE, TINY_SHAPE = (4, 8192, 16, 128), (1, 256, 1, 64)
 
 
 def sqnr_db(x, ref) -> float:
@@ -105,11 +118,221 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 10) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
+# ----------------------------------------------------------------------------- --sweep
+def sweep_configs(kernel: str) -> list[fb.Config]:
+    """The fp8 variants of one kernel's tiles (the other kernel's at their defaults), steps 2
+    first (the ones timed when the budget runs short)."""
+    names = ("block_q_dq", "block_kv_dq") if kernel == "dq" else ("block_q_dkv", "block_kv_dkv")
+    pairs = [(bq, bk) for bq in (64, 128) for bk in (64, 128)]
+    return [
+        C(**dict(zip(names, t)), max_concurrent_steps=n, fp8=True) for n in (2, 3) for t in pairs
+    ]
+
+
+def tiles(cfg: fb.Config, kernel: str) -> str:
+    c = cfg
+    bq, bk = (c.block_q_dq, c.block_kv_dq) if kernel == "dq" else (c.block_q_dkv, c.block_kv_dkv)
+    return f"q{bq:<3} kv{bk:<3} steps{c.max_concurrent_steps}"
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def fp8_operands(q8, k8, v8, qs, ks, vs, out, lse, dout, *, interpret: bool):
+    """The fp8 kernels' inputs as `flash_fp8_bwd` builds them (``Config(fp8=True)``, default
+    softmax scale, ``wrt_fp8=False``): ``(q, k, v, do8, lse2, delta, scales)``, K^T, (Q^T,
+    dO^T). Checked against `flash_fp8_bwd` itself before the sweep (`drift_db`)."""
+    sm = 1.0 / math.sqrt(q8.shape[-1])
+    do8, do_s, ds_s = fb._quantize_dout(dout, v8, vs)
+    perm = not interpret
+    kt, qt_dot = fk._vt(k8, perm), (fk._vt(q8, perm), fk._vt(do8, perm))
+    one = jnp.float32(1)
+    scales = jnp.stack(
+        [qs * ks * (sm * fb.LOG2E), vs * do_s, ds_s * sm * ks * one, ds_s * sm * qs * one,
+         do_s / fk.P_SCALE * one, 1 / ds_s]
+    )  # fmt: skip
+    lse2 = lse.astype(F32) * fb.LOG2E
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(F32), do8.astype(F32) * do_s)
+    return (q8, k8, v8, do8, lse2, delta, scales), kt, qt_dot
+
+
+@functools.cache
+def kernel_fn(kernel: str, cfg: fb.Config, interpret: bool):
+    """One kernel alone (causal) on `fp8_operands`' results: dq, or (dk, dv) (Hq == Hkv)."""
+
+    def run(ops, kt, qt_dot):
+        if kernel == "dq":
+            return (fb._dq(*ops, kt, True, cfg, interpret),)
+        return fb._dkv(*ops, qt_dot, True, cfg, interpret)
+
+    return jax.jit(run)
+
+
+def drift_db(inputs, operands, interpret: bool) -> float:
+    """The two kernels on `fp8_operands` against `flash_fp8_bwd` (default fp8 Config): the
+    probe's copy of its operand code still matches (identical: inf dB)."""
+    cfg = C(fp8=True)
+    got = kernel_fn("dq", cfg, interpret)(*operands) + kernel_fn("dkv", cfg, interpret)(*operands)
+    want = fb.flash_fp8_bwd(*inputs, causal=True, config=cfg, interpret=interpret)
+    return min(sqnr_db(g.astype(F32), w.astype(F32)) for g, w in zip(got, want))
+
+
+def lower_variant(kernel: str, cfg: fb.Config, operands) -> None:
+    """Lower one kernel for CUDA (Mosaic GPU's checks of shapes, layouts, SMEM; no GPU)."""
+    fn = kernel_fn(kernel, cfg, False)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), operands)
+    fn.trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def smem_kib(kernel: str, cfg: fb.Config, d: int) -> float:
+    """The fp8 kernel's shared memory (`_dq`'s / `_dkv`'s buffers, barriers left out)."""
+    c, wgs = cfg, fb.COMPUTE_WGS
+    s = c.max_concurrent_steps
+    if kernel == "dq":
+        bq, bk = c.block_q_dq, c.block_kv_dq
+        n = 2 * wgs * bq * d + 2 * wgs * bq * 4 + 3 * s * bk * d + 2 * wgs * bq * d
+    else:
+        bq, bk = c.block_q_dkv, c.block_kv_dkv
+        n = 2 * wgs * bk * d + 2 * s * bq * d + 2 * s * bq * 4 + 2 * s * d * bq
+        n += 2 * 2 * wgs * bk * d
+    return n / 1024
+
+
+def sweep(tiny: bool = False, lower_only: bool = False) -> None:
+    """Time (or, ``lower_only``, lower) each fp8 variant of each kernel; the best combined
+    Config's fwd+bwd against cuDNN bf16. ``tiny``: interpret mode on `TINY_SHAPE`."""
+    t0 = time.perf_counter()
+    interpret, shape = tiny, TINY_SHAPE if tiny else SHAPE
+    budget = TINY_BUDGET_S if tiny else SWEEP_BUDGET_S
+    print(jax.devices()[0].device_kind, jax.__version__, f"shape B,S,H,D={shape} causal fp8")
+    b, s, h, d = shape
+    flops = {"dq": 3 * 2 * b * h * s * s * d / 2, "dkv": 4 * 2 * b * h * s * s * d / 2}
+    ks = jax.random.split(jax.random.PRNGKey(7), 4)
+    q, k, v, g = (jax.random.normal(kk, shape, F32).astype(BF16) for kk in ks)
+    (q8, qs), (k8, ks_), (v8, vs) = (quantize(t) for t in (q, k, v))
+    if lower_only:  # abstract out/lse: nothing runs
+        out = jax.ShapeDtypeStruct(shape, BF16)
+        lse = jax.ShapeDtypeStruct((b, h, s), F32)
+        operands = jax.eval_shape(
+            functools.partial(fp8_operands, interpret=False), q8, k8, v8, qs, ks_, vs, out, lse, g
+        )
+    else:
+        out, lse = fk.flash_fp8(q8, k8, v8, qs, ks_, vs, causal=True, interpret=interpret)
+        inputs = (q8, k8, v8, qs, ks_, vs, out, lse, g)
+        operands = fp8_operands(*inputs, interpret=interpret)
+        print(f"  operands vs flash_fp8_bwd: {drift_db(inputs, operands, interpret):.1f} dB")
+        sl = lambda x: x[:1, :, :2]  # noqa: E731  batch 0, heads 0-1
+        ref = fb.flash_fp8_bwd_reference(
+            *map(sl, (q8, k8, v8)), qs, ks_, vs, sl(out), lse[:1, :2], sl(g), causal=True
+        )
+        ref = {"dq": ref[:1], "dkv": ref[1:]}
+        print(f"  reference ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+    results = {"dq": {}, "dkv": {}}
+    t_loop = time.perf_counter()
+    pairs = [(kn, c) for pair in zip(*(sweep_configs(kn) for kn in results)) for kn, c in
+             zip(results, pair)]  # fmt: skip
+    for kernel, cfg in pairs:
+        name = f"[{kernel:>3}] {tiles(cfg, kernel)}"
+        why = fb._shape_reason(shape, shape, E4M3, True, cfg)
+        if why is not None:
+            print(f"  {name} skipped: {why}")
+            continue
+        if not lower_only and time.perf_counter() - (t_loop if tiny else t0) > budget:
+            print(f"  {name} skipped: past the {budget} s budget")
+            continue
+        kib = smem_kib(kernel, cfg, d)
+        try:
+            if lower_only:
+                lower_variant(kernel, cfg, operands)
+                print(f"  {name} lowers for CUDA (smem ~{kib:.0f} KiB)", flush=True)
+                continue
+            fn, t = kernel_fn(kernel, cfg, interpret), time.perf_counter()
+            got = jax.block_until_ready(fn(*operands))
+            db = min(sqnr_db(x[:1, :, :2].astype(F32), r.astype(F32)) for x, r in
+                     zip(got, ref[kernel]))  # fmt: skip
+            finite = all(bool(jnp.all(jnp.isfinite(x.astype(F32)))) for x in got)
+            ok = db >= 20.0 and finite
+            # tiny: the checked call's time (compile included), interpret mode is slow
+            ms = (time.perf_counter() - t) * 1e3 if tiny else time_ms(fn, *operands)
+            results[kernel][cfg] = (ms, ok)
+            tf = flops[kernel] / ms / 1e9
+            tag, el = "ok" if ok else "BAD", time.perf_counter() - t0
+            print(f"  {name} {ms:8.3f} ms {tf:6.0f} TFLOP/s  {db:5.1f} dB {tag}", end="")
+            print(f"  smem ~{kib:.0f} KiB  ({el:.0f} s)", flush=True)
+        except Exception as e:
+            print(f"  {name} skipped (smem ~{kib:.0f} KiB): {type(e).__name__}: {str(e)[:300]}")
+    if lower_only:
+        return
+    for kernel, rows in results.items():
+        print(f"{kernel} (ms, TFLOP/s; fastest first):")
+        for cfg, (ms, ok) in sorted(rows.items(), key=lambda r: r[1][0]):
+            tf = flops[kernel] / ms / 1e9
+            print(f"  {tiles(cfg, kernel)}  {ms:8.3f}  {tf:6.0f}  {'' if ok else 'BAD'}")
+    best = best_combined(results)
+    if best is None:
+        print("no steps value with a good variant of both kernels")
+        return
+    cfg, ms = best
+    print(f"best combined: {cfg}: dq + dkv kernels {ms:.3f} ms ({time.perf_counter() - t0:.0f} s)")
+    if not tiny:
+        fwd_bwd_vs_cudnn(cfg, q, k, v, g, (q8, k8, v8, qs, ks_, vs))
+    print(f"done ({time.perf_counter() - t0:.0f} s)")
+
+
+def best_combined(results):
+    """The fastest good dQ and dK/dV variants of one ``max_concurrent_steps`` (shared)."""
+    best = None
+    for steps in (2, 3):
+        pick = []
+        for kernel, rows in results.items():
+            good = [
+                (ms, c) for c, (ms, ok) in rows.items() if ok and c.max_concurrent_steps == steps
+            ]
+            pick.append(min(good, key=lambda r: r[0]) if good else None)
+        if None in pick:
+            continue
+        (ms_q, cq), (ms_kv, ckv) = pick
+        cfg = dataclasses.replace(cq, block_q_dkv=ckv.block_q_dkv, block_kv_dkv=ckv.block_kv_dkv)
+        if best is None or ms_q + ms_kv < best[1]:
+            best = (cfg, ms_q + ms_kv)
+    return best
+
+
+def fwd_bwd_vs_cudnn(cfg: fb.Config, q, k, v, g, fp8_inputs) -> None:
+    """``value_and_grad`` of ``sum(out * G)``: cuDNN bf16 and the fp8 custom_vjp from e4m3
+    with ``cfg`` and with the default fp8 Config (as `main`)."""
+    q8, k8, v8, qs, ks, vs = fp8_inputs
+
+    def cudnn_loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=True)
+        return jnp.sum(out.astype(F32) * g.astype(F32))
+
+    def fp8_loss(q8, k8, v8, cfg):
+        out = fv.flash_fp8_attention(q8, k8, v8, qs, ks, vs, causal=True, bwd_config=cfg)
+        return jnp.sum(out.astype(F32) * g.astype(F32))
+
+    base = None
+    cases = [("cudnn bf16", jax.value_and_grad(cudnn_loss, (0, 1, 2)), (q, k, v))]
+    for what, c in (("fp8 best", cfg), ("fp8 default", C(fp8=True))):
+        loss = functools.partial(fp8_loss, cfg=c)
+        cases.append((f"{what} from e4m3", jax.value_and_grad(loss, (0, 1, 2)), (q8, k8, v8)))
+    for what, fn, args in cases:
+        try:
+            ms = time_ms(jax.jit(fn), *args)
+            base = base or ms
+            print(f"  fwd+bwd {what}: {ms:.3f} ms  x{base / ms:.3f}", flush=True)
+        except Exception as e:
+            print(f"  fwd+bwd {what} FAILED: {type(e).__name__}: {str(e)[:300]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--sweep", action="store_true", help="fp8 tile sweep, kernels apart")
+    ap.add_argument("--tiny", action="store_true", help="--sweep in interpret mode (CPU)")
+    ap.add_argument("--lower", action="store_true", help="--sweep: only lower for CUDA")
     a = ap.parse_args()
+    if a.sweep or a.tiny or a.lower:
+        return sweep(tiny=a.tiny, lower_only=a.lower)
     t0 = time.perf_counter()
     print(jax.devices()[0].device_kind, jax.__version__)
     if not a.skip_check:
@@ -120,7 +343,7 @@ def main() -> None:
                     check(causal, jax.random.PRNGKey(int(causal)), name, cfg, bar)
                 except Exception as e:
                     print(f"  [{name}] causal={causal} FAILED: {type(e).__name__}: {str(e)[:400]}")
-    shape = (4, 8192, 16, 128)
+    shape = SHAPE
     ks = jax.random.split(jax.random.PRNGKey(7), 4)
     q, k, v, g = (jax.random.normal(kk, shape, F32).astype(BF16) for kk in ks)
     print(f"fwd+bwd, B,S,H,D={shape} causal (ms, ratio = cuDNN bf16 / variant):")
