@@ -55,7 +55,11 @@ def _f32_attention(q, k, v, causal):
 
 
 def _dequantized(q8, k8, v8, qs, ks, vs):
-    return [x.astype(jnp.float32) * s for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    """Float32 values of the FP8 inputs, made on the host: on a GPU, XLA turns a dot of
+    ``e4m3.astype(float32) * scale`` into a cuBLASLt FP8 GEMM (its tensor cores' reduced
+    accumulation), which would make the float32 references FP8 ones."""
+    pairs = ((q8, qs), (k8, ks), (v8, vs))
+    return [jnp.asarray(np.asarray(x).astype(np.float32) * np.float32(s)) for x, s in pairs]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -64,14 +68,18 @@ def _dequantized(q8, k8, v8, qs, ks, vs):
 def test_reference_is_close_to_float32_attention(key, causal, outliers, hq, hkv):
     """Against float32 attention on the same (dequantized) FP8 inputs, the reference's
     only error is P's e4m3 rounding (33 dB Gaussian, 41 dB with outliers, 2026-11-27);
-    its lse is exact up to float32 rounding."""
+    its lse is exact up to float32 rounding on a CPU. On a GPU XLA runs the reference's
+    dots of e4m3 values as cuBLASLt FP8 GEMMs, whose accumulation is not float32's: its lse
+    was 1.3e-4 to 3.3e-4 from float32's (Gaussian) and 1.2e-2 to 1.5e-2 (outlier channels),
+    the output's SQNR unchanged (H200, 2026-11-28)."""
     args = _fp8(*_inputs(key, 2, 256, hq, hkv, 64, outliers))
     out, lse = fk.flash_fp8_reference(*args, causal=causal)
     want, want_lse = _f32_attention(*_dequantized(*args), causal)
     assert out.dtype == jnp.bfloat16 and out.shape == want.shape
     assert lse.dtype == jnp.float32 and lse.shape == (2, hq, 256)
     assert sqnr_db(out, want) >= 30.0, sqnr_db(out, want)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-4, rtol=1e-5)
+    atol = (5e-2 if outliers else 2e-3) if ON_GPU else 1e-4
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -130,7 +130,8 @@ def flash_fp8_reference(
 ):  # fmt: skip
     """`flash_fp8` in plain JAX: the same online softmax over ``config.block_kv`` KV
     blocks (its running max and sums in float32, ``exp2``) with the same e4m3 P, on
-    exactly products of the FP8 operands (float32). ``interpret`` is ignored.
+    exact products of the FP8 operands (float32; on a GPU XLA may run these dots as FP8
+    GEMMs, whose accumulation, as the kernel's, is narrower). ``interpret`` is ignored.
 
     Returns:
         ``(out [B, Sq, Hq, D] bf16, lse [B, Hq, Sq] float32)``.

@@ -20,16 +20,19 @@ from .._kernels import flash_fp8_mgpu as _fwd
 
 E4M3 = jnp.float8_e4m3fn
 BACKENDS = ("mgpu", "mgpu-interpret")  # the second: Pallas' interpreter (CPU tests)
+# The backward's five products on e4m3 (dO and dS with their own scales): the FP8 modes'
+# backward, as cuDNN's FP8 path runs it (accuracy and speed against bf16: RESULTS.md).
+BWD_CONFIG = _bwd.Config(fp8=True)
 
 
 def reason(q_shape, k_shape, causal: bool, interpret: bool) -> str | None:
     """Why the kernels cannot run ``q [B, T, N, H]``, ``k/v [B, S, K, H]`` (None: they can);
     with ``interpret`` only the shape rules (the interpreter needs no GPU)."""
-    for module in (_fwd, _bwd):
+    for module, config in ((_fwd, _fwd.Config()), (_bwd, BWD_CONFIG)):
         if interpret:
-            why = module._shape_reason(q_shape, k_shape, E4M3, causal, module.Config())
+            why = module._shape_reason(q_shape, k_shape, E4M3, causal, config)
         else:
-            why = module.reason(q_shape, k_shape, E4M3, causal)
+            why = module.reason(q_shape, k_shape, E4M3, causal, config)
         if why is not None:
             return why
     return None
@@ -51,7 +54,8 @@ def backward(spec, q8, k8, v8, o8, do8, lse, scales: dict):
     out, dout = deq(o8, "o").astype(jnp.bfloat16), deq(do8, "do").astype(jnp.bfloat16)
     grads = _bwd.flash_fp8_bwd(
         q8, k8, v8, scales["q"], scales["k"], scales["v"], out, lse, dout, causal=spec.causal,
-        softmax_scale=spec.softmax_scale, interpret=spec.backend == "mgpu-interpret",
+        softmax_scale=spec.softmax_scale, config=BWD_CONFIG,
+        interpret=spec.backend == "mgpu-interpret",
     )  # fmt: skip
     casts = tuple(qt.quantize(g, scales[n], E4M3) for g, n in zip(grads, ("dq", "dk", "dv")))
     return (*casts, *(qt.amax(g) for g in grads), jnp.zeros((), jnp.float32))
