@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
-from benchmarks import common
+from benchmarks import comm_profile, common
 from fp8jax.nn import DotProductAttention, MultiHeadAttention
 
 BF16 = jnp.bfloat16
@@ -165,9 +165,20 @@ def make_step(module, direction: str, inputs, g) -> common.Step:
     return common.Step(lambda params, inputs, g: eqx.combine(params, static)(*inputs), train.params)
 
 
+def print_kernels(step: common.Step, inputs, g, top: int) -> None:
+    """The ``top`` costliest GPU kernels of one call of ``step`` (every kind: where a
+    variant's time goes beside its attention kernels), from a 3-call profile."""
+
+    def run():
+        jax.block_until_ready(step.jitted(step.params, inputs, g))
+
+    comm_profile.profile_step(run, steps=3, top=top, kind=None)
+
+
 def run_case(
-    seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, backend: str
-) -> list[dict]:
+    seq: int, levels, iters: int, reps: int, meta: dict, quick: bool, backend: str,
+    kernels: int = 0,
+) -> list[dict]:  # fmt: skip
     p = case_params(seq, quick)
     rows = []
     key = jax.random.PRNGKey(seq)
@@ -191,6 +202,9 @@ def run_case(
                     g = jax.random.normal(keys[-1], shapes[0], BF16)
                     step = make_step(module, direction, input_sets[0], g)
                     row["ms"] = common.time_step(step, input_sets, g, iters, reps, warmup=1)
+                    if kernels and common.on_gpu():
+                        print(f"{variant} {direction}, seq {seq}:", flush=True)
+                        print_kernels(step, input_sets[0], g, kernels)
                     hlo = step.hlo_text(input_sets[0], g)
                     kernel = KERNEL_MARK.get(variant, "fmhaSoftmaxF8") in hlo
                     row["fp8_gemms"] = kernel or ("fp8" in variant and not common.on_gpu())
@@ -280,7 +294,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--iters", type=int)
     ap.add_argument("--reps", type=int)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="on a GPU: print each variant's N costliest kernels (a 3-call profile)",
+    )
     args = ap.parse_args(argv)
+    if args.kernels and not common.on_gpu():
+        print("--kernels: no GPU here, so no kernels are profiled", file=sys.stderr)
     for level in args.levels:
         if level not in VARIANTS:
             ap.error(f"unknown level {level!r}; choose from {', '.join(VARIANTS)}")
@@ -290,7 +313,9 @@ def main(argv=None) -> list[dict]:
     meta = common.run_meta(argv, bench="attention", prefix=COMMAND_PREFIX)
     return common.run_cases(
         seqs,
-        lambda seq: run_case(seq, args.levels, iters, reps, meta, args.quick, backend),
+        lambda seq: run_case(
+            seq, args.levels, iters, reps, meta, args.quick, backend, args.kernels
+        ),
         markdown_table,
         args.out,
         RECORD_FIELDS,

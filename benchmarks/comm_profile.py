@@ -124,16 +124,16 @@ def breakdown_ms(kernels_by_gpu: dict, steps: int) -> dict[str, float] | None:
 
 
 def top_kernels(
-    kernels_by_gpu: dict, steps: int, kind: str = "other", n: int = 20
+    kernels_by_gpu: dict, steps: int, kind: str | None = "other", n: int = 20
 ) -> list[tuple[str, float, float]]:
-    """The ``n`` kernels of `kernel_kind` ``kind`` that take the most time, by name:
-    ``(name, ms per step, launches per step)``, the mean over `device_kernels`'
-    ``kernels_by_gpu``."""
+    """The ``n`` kernels of `kernel_kind` ``kind`` (None: of every kind) that take the most
+    time, by name: ``(name, ms per step, launches per step)``, the mean over
+    `device_kernels`' ``kernels_by_gpu``."""
     per_device = kernels_by_gpu
     ns, calls = collections.Counter(), collections.Counter()
     for kernels in per_device.values():
         for name, start, end in kernels:
-            if kernel_kind(name) == kind:
+            if kind is None or kernel_kind(name) == kind:
                 ns[name] += end - start
                 calls[name] += 1
     d = max(len(per_device), 1) * steps
@@ -141,16 +141,17 @@ def top_kernels(
 
 
 def profile_step(
-    run_step: Callable[[], object], steps: int = 3, top: int = 0
+    run_step: Callable[[], object], steps: int = 3, top: int = 0, kind: str | None = "other"
 ) -> dict[str, float] | None:
     """``run_step()`` ``steps`` times under the profiler (it must block until its step is
-    done); returns `breakdown_ms` of the trace, and prints the ``top`` costliest "other"
-    kernels (`top_kernels`) when ``top`` > 0."""
+    done); returns `breakdown_ms` of the trace, and prints the ``top`` costliest kernels of
+    ``kind`` (`top_kernels`; None: every kind) when ``top`` > 0."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
                 run_step()
         kernels = device_kernels(trace_dir)  # the trace read once for both
-    for name, ms, calls in top_kernels(kernels, steps, n=top) if top else ():
-        print(f"  other {ms:8.2f} ms/step  x{calls:<6.1f} {name[:110]}", flush=True)
+    for name, ms, calls in top_kernels(kernels, steps, kind, n=top) if top else ():
+        label = kind or kernel_kind(name)
+        print(f"  {label} {ms:8.3f} ms/step  x{calls:<6.1f} {name[:110]}", flush=True)
     return breakdown_ms(kernels, steps)
