@@ -160,7 +160,10 @@ def _scaled_gemm(a, sa, b, sb, out_dtype, fast: bool, config: Fp8Config):
     return _gemm.scaled_fp8_gemm(a, sa, b, sb, out_dtype, fast, kernels)
 
 
-def _forward(spec: Spec, x, w1, state1, w2, state2):
+def _forward(spec: Spec, x, w1, state1, w2, state2, save_fp8: bool = False):
+    """``(y, residuals)``; ``save_fp8``: the residuals hold ``h`` as (e4m3, scale)
+    (`Spec.fc1_out_fp8`), cast before fc2's GEMM runs (`saved_fp8.save_fp8_before`, tied to
+    fc2's FP8 input: ``h`` dies in the forward, and no bf16 rounding moves)."""
     c1, c2 = spec.config1, spec.config2
     chosen = _scales(spec, state1, state2)  # what the states record
     sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)  # what casts and GEMMs take
@@ -182,10 +185,13 @@ def _forward(spec: Spec, x, w1, state1, w2, state2):
         (0, None, None),
         (0, None, "max"),
     )
+    saved_h = h
+    if save_fp8:
+        aq, saved_h = _saved.save_fp8_before(h, _saved.margin(c1), aq)
     w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
     y = _scaled_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward, c2)[0]
     # fc2's wgrad operand aq^T is not kept: the backward kernel recomputes it from h
-    residuals = (xTq, w1Tq, h, w2Tq, *chosen, ax, aw1, aa, aw2)
+    residuals = (xTq, w1Tq, saved_h, w2Tq, *chosen, ax, aw1, aa, aw2)
     return y, residuals
 
 
@@ -208,10 +214,8 @@ def _dht_block(gate_block: int | None) -> int | None:
 
 def _fwd(spec, x, w1, state1, w2, state2):
     state1, state2 = _state.values(state1), _state.values(state2)
-    y, residuals = _forward(spec, x, w1, state1, w2, state2)
-    if spec.fc1_out_fp8:  # h as (e4m3, scale): current scaling from its amax
-        xTq, w1Tq, h, *rest = residuals
-        residuals = (xTq, w1Tq, _saved.save_fp8(h, _saved.margin(spec.config1)), *rest)
+    # h as (e4m3, scale) with fc1_out_fp8: current scaling from its amax
+    y, residuals = _forward(spec, x, w1, state1, w2, state2, spec.fc1_out_fp8)
     return y, (_named(residuals), state1, state2)
 
 
@@ -247,7 +251,7 @@ def _bwd(spec, saved, g):
 
     h_scale = (sx * sw1).reshape(())
     if spec.fc1_out_fp8:  # e4m3 -> bf16 is exact; the kernel applies the scale in float32
-        h, h8_scale = h
+        (h, h8_scale), da = _saved.read_after(h, da)
         h, h_scale = h.astype(BF16), h_scale * h8_scale.reshape(())
     args = (h, h_scale, da, (sg * sw2).reshape(()), sdh, sa)
     in_dims = (0, None, 0, None, None, None)

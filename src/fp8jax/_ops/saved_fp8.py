@@ -8,6 +8,10 @@ forward pays one extra read of the tensor for the amax and one read + 1-byte wri
 cast, the backward one 1-byte read + write of the restored copy (no GEMM runs again). The
 rounding enters only what the backward computes from the copy (the activation's gradient
 and the activation recomputed for fc2's weight gradient), never the forward's values.
+
+Two optimization barriers make the compiled step hold the copy, not ``x``: the cast runs in
+the forward (`save_fp8_before`) and the restore in the backward (`read_after`); without
+them XLA kept the bf16 tensor from the forward to the backward anyway (issue 49).
 """
 
 from __future__ import annotations
@@ -38,6 +42,28 @@ def save_fp8(x: Array, margin: float = 0.0) -> tuple[Array, Array]:
     zero or not finite: a NaN stays NaN, an Inf saturates)."""
     scale = q.scale_from_amax(q.amax(x), jnp.ones((), F32), E4M3, margin)
     return q.quantize(x, scale, E4M3), scale
+
+
+def save_fp8_before(x: Array, margin: float, tied: Array) -> tuple[Array, tuple[Array, Array]]:
+    """``(tied, (x8, scale))``: `save_fp8` of ``x``, passed through one optimization barrier
+    with ``tied`` (what the forward reads next: ``x`` itself, or a later tensor computed from
+    it), so that the forward goes on only once the copy exists and ``x`` can die there.
+    Without it XLA fuses the cast into the backward's reader of the copy (fewer bytes
+    moved), which then reads ``x`` itself: the bf16 tensor stays live from the forward to
+    the backward beside the copy, and the compiled step's peak does not drop (issue 49).
+    XLA:GPU honours the barrier through fusion and scheduling; XLA:CPU removes barriers
+    before fusion. The values are those of `save_fp8` and ``tied``."""
+    tied, x8, scale = jax.lax.optimization_barrier((tied, *save_fp8(x, margin)))
+    return tied, (x8, scale)
+
+
+def read_after(saved, tied: Array):
+    """``(saved, tied)`` (``saved``: an ``(x8, scale)`` copy) through one optimization
+    barrier, so that the backward restores the copy only once ``tied`` (a tensor of the
+    backward: the cotangent) exists. Without it XLA may schedule the restore right after
+    the cast, in the forward, and keep its bf16 result to the backward in place of the copy
+    (issue 49)."""
+    return jax.lax.optimization_barrier((saved, tied))
 
 
 def restore(x8: Array, scale: Array, dtype) -> Array:
@@ -71,11 +97,12 @@ def _through(fn, name, margin, dtype, x):
 
 
 def _through_fwd(fn, name, margin, dtype, x):
-    x8, scale = save_fp8(x, margin)
+    x, (x8, scale) = save_fp8_before(x, margin, x)
     return fn(x), (checkpoint_name(x8, name), checkpoint_name(scale, name))
 
 
 def _through_bwd(fn, name, margin, dtype, residuals, g):
+    residuals, g = read_after(residuals, g)
     _, vjp = jax.vjp(fn, restore(*residuals, dtype))
     return vjp(g)
 
