@@ -2,6 +2,7 @@
 reference against the float32 vjp, the kernels in Pallas' GPU interpret mode (CPU) and their
 Mosaic GPU lowering against the reference, the custom_vjp wrapper, and the kernels on Hopper."""
 
+import functools
 import re
 
 import jax
@@ -154,6 +155,35 @@ def test_fp8_kernels_in_interpret_mode(key, causal, d, hq, hkv, s, outliers):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
         assert sqnr_db(g, r) >= 24.0, (name, sqnr_db(g, r))
         assert sqnr_db(g, w) >= 24.0, (name, sqnr_db(g, w))
+
+
+def test_fp8_kernels_read_an_e4m3_dout_as_it_is(key):
+    """``dout`` (and ``out``) given as e4m3 with their scales, as the attention's FP8 path
+    has them: ``Config(fp8=True)`` reads that dO without casting it again, so handing it
+    the copy it would have made itself changes nothing (but a rare last bit), and a stale
+    (delayed) scale still gives the reference's gradients. An e4m3 tensor without its
+    scale, or a scale without one, is refused."""
+    _needs_interpret()
+    args, out, lse, dout, want = _case(key, 1, 128, 4, 2, 64, True)
+    config = fb.Config(fp8=True)
+    run = functools.partial(fb.flash_fp8_bwd, causal=True, config=config, interpret=True)
+    do8, do_s, _ = jax.jit(fb._quantize_dout)(dout, args[2], fb._scalar(args[5]))
+    own = run(*args, out, lse, dout)
+    given = run(*args, out, lse, do8, dout_scale=do_s)
+    for name, a, b in zip("qkv", own, given):  # the same up to a rare last bf16 bit
+        assert sqnr_db(b, a) >= 60.0, (name, sqnr_db(b, a))
+    stale = 1.7 * do_s  # a delayed scale: the values use less than e4m3's range
+    o_s = jnp.max(jnp.abs(out.astype(jnp.float32))) / 448.0
+    o8, d8 = (out.astype(jnp.float32) / o_s).astype(E4M3), (dout / stale).astype(E4M3)
+    got = run(*args, o8, lse, d8, out_scale=o_s, dout_scale=stale)
+    deq = lambda x8, s: (x8.astype(jnp.float32) * s).astype(jnp.bfloat16)  # noqa: E731
+    ref = fb.flash_fp8_bwd_reference(*args, deq(o8, o_s), lse, deq(d8, stale), causal=True)
+    for name, g, r in zip("qkv", got, ref):
+        assert sqnr_db(g, r) >= 24.0, (name, sqnr_db(g, r))
+    with pytest.raises(ValueError, match="dout float8_e4m3fn needs its scale"):
+        run(*args, out, lse, do8)
+    with pytest.raises(ValueError, match="out bfloat16 needs its scale"):
+        run(*args, out, lse, dout, out_scale=o_s)
 
 
 @pytest.mark.parametrize("causal,d", [(False, 128), (True, 64)])

@@ -380,13 +380,17 @@ def _dkv(q, k, v, do, lse2, delta, scales, qt_dot, causal, config: Config, inter
     )
 
 
-def _quantize_dout(dout, v, v_scale):
-    """dO as e4m3 with its per-tensor scale (amax / 448), and dS's scale from a bound:
+def _quantize_dout(dout, v, v_scale, dout_scale=None):
+    """dO as e4m3 with its per-tensor scale (amax / 448; or ``dout`` itself where it comes
+    as e4m3 with its ``dout_scale``), and dS's scale from a bound:
     ``|dS| = P |dP - delta| <= 2 max_i |dO_i| max_j |V_j|`` (2-norms; O's rows are convex
     combinations of V's), over 448."""
     tiny = jnp.finfo(F32).tiny
-    do_s = jnp.maximum(jnp.max(jnp.abs(dout.astype(F32))), tiny) / _fk.P_SCALE
-    do8 = (dout.astype(F32) / do_s).astype(_fk.E4M3)
+    if dout_scale is None:
+        do_s = jnp.maximum(jnp.max(jnp.abs(dout.astype(F32))), tiny) / _fk.P_SCALE
+        do8 = (dout.astype(F32) / do_s).astype(_fk.E4M3)
+    else:
+        do8, do_s = dout, _scalar(dout_scale)
     norm = lambda x: jnp.sqrt(jnp.max(jnp.sum(jnp.square(x.astype(F32)), -1)))  # noqa: E731
     ds_s = jnp.maximum(2 * norm(do8) * do_s * norm(v) * v_scale, tiny) / _fk.P_SCALE
     return do8, do_s, ds_s
@@ -397,12 +401,15 @@ def _quantize_dout(dout, v, v_scale):
 )
 def flash_fp8_bwd(
     q, k, v, q_scale, k_scale, v_scale, out, lse, dout, *, causal=False, softmax_scale=None,
-    config=Config(), interpret=False, wrt_fp8=False,
+    config=Config(), interpret=False, wrt_fp8=False, out_scale=None, dout_scale=None,
 ):  # fmt: skip
     """The attention backward on Hopper (see the module docstring); the arguments and
     results of `flash_fp8_bwd_reference`, plus ``config`` (`Config`), ``interpret`` (Pallas'
     GPU interpret mode, CPU) and ``wrt_fp8``: the gradients with respect to the e4m3 values
     themselves (those of the dequantized ones times the scales), as a ``custom_vjp`` needs.
+    ``out`` and ``dout`` may also come as e4m3 with their per-tensor ``out_scale`` and
+    ``dout_scale`` (the attention's FP8 path has them so): ``Config(fp8=True)`` then reads
+    ``dout`` as it is, with no second rounding to a scale of its own.
     """
     why = _shape_reason(q.shape, k.shape, q.dtype, causal, config)
     if why is None and not interpret:
@@ -415,13 +422,21 @@ def flash_fp8_bwd(
     sm = _softmax_scale(d, softmax_scale)
     qs, ks, vs = _scalar(q_scale), _scalar(k_scale), _scalar(v_scale)
     one, bf16 = jnp.float32(1), jnp.bfloat16
+    for name, x, scale in (("out", out, out_scale), ("dout", dout, dout_scale)):
+        if (x.dtype == _fk.E4M3) != (scale is not None):
+            raise ValueError(f"flash_fp8_bwd: {name} {x.dtype} needs its scale if and only "
+                             f"if it is {jnp.dtype(_fk.E4M3).name}")  # fmt: skip
+    if out_scale is not None:
+        out = out.astype(F32) * _scalar(out_scale)
     if config.fp8:
-        do8, do_s, ds_s = _quantize_dout(dout, v, vs)
+        do8, do_s, ds_s = _quantize_dout(dout, v, vs, dout_scale)
         dout = do8.astype(F32) * do_s  # delta from the dO the kernels see
         perm = not interpret  # keys (queries) of each 16 as `_p_operand` reads them
         ops, kt, qt_dot = (q, k, v, do8), _fk._vt(k, perm), (_fk._vt(q, perm), _fk._vt(do8, perm))
         dv_s = do_s / _fk.P_SCALE
     else:
+        if dout_scale is not None:
+            dout = dout.astype(F32) * _scalar(dout_scale)
         ops = tuple(x.astype(bf16) for x in (q, k, v, dout))  # e4m3 -> bf16 is exact
         do_s = ds_s = dv_s = one
         kt = qt_dot = None

@@ -50,12 +50,11 @@ def forward(spec, q8, k8, v8, s_q, s_k, s_v, s_o):
 def backward(spec, q8, k8, v8, o8, do8, lse, scales: dict):
     """``(dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp)`` as cuDNN's backward returns
     them (``amax_dp``: 0); ``scales`` maps the tensors' names to their scales."""
-    deq = lambda x8, name: x8.astype(jnp.float32) * scales[name]  # noqa: E731
-    out, dout = deq(o8, "o").astype(jnp.bfloat16), deq(do8, "do").astype(jnp.bfloat16)
-    grads = _bwd.flash_fp8_bwd(
-        q8, k8, v8, scales["q"], scales["k"], scales["v"], out, lse, dout, causal=spec.causal,
+    grads = _bwd.flash_fp8_bwd(  # o8, do8 with their scales: dO is not cast a second time
+        q8, k8, v8, scales["q"], scales["k"], scales["v"], o8, lse, do8, causal=spec.causal,
         softmax_scale=spec.softmax_scale, config=BWD_CONFIG,
-        interpret=spec.backend == "mgpu-interpret",
+        interpret=spec.backend == "mgpu-interpret", out_scale=scales["o"],
+        dout_scale=scales["do"],
     )  # fmt: skip
     casts = tuple(qt.quantize(g, scales[n], E4M3) for g, n in zip(grads, ("dq", "dk", "dv")))
     return (*casts, *(qt.amax(g) for g in grads), jnp.zeros((), jnp.float32))
