@@ -115,6 +115,9 @@ class Config:
     block_kv_dkv: int = 64
     max_concurrent_steps: int = 2
     fp8: bool = False  # e4m3 wgmma: dO and dS per-tensor scaled, P^T * 448 (`flash_fp8_bwd`)
+    # with fp8, False runs the dQ kernel on bf16 operands (the dK/dV one stays e4m3): dQ = dS K
+    # is where dS's e4m3 rounding costs the most accuracy (RESULTS.md, twenty-third session)
+    fp8_dq: bool = True
 
 
 def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
@@ -428,26 +431,34 @@ def flash_fp8_bwd(
                              f"if it is {jnp.dtype(_fk.E4M3).name}")  # fmt: skip
     if out_scale is not None:
         out = out.astype(F32) * _scalar(out_scale)
+
+    def scales(do_s=one, ds_s=one, dv_s=one):  # the logits' base-2 multiplier, dP's, dQ's,
+        return jnp.stack(  # dK's, dV's scales and 1 / dS's (bf16 operands: all but dS's 1)
+            [qs * ks * (sm * LOG2E), vs * do_s, ds_s * sm * ks * (qs if wrt_fp8 else one),
+             ds_s * sm * qs * (ks if wrt_fp8 else one), dv_s * (vs if wrt_fp8 else one),
+             1 / ds_s]
+        )  # fmt: skip
+
+    lse2 = lse.astype(F32) * LOG2E
+    delta_of = lambda do: jnp.einsum("bqhd,bqhd->bhq", out.astype(F32), do)  # noqa: E731
+    if not (config.fp8 and config.fp8_dq):  # the bf16 kernels read dO as given
+        do = dout.astype(F32) * (one if dout_scale is None else _scalar(dout_scale))
+        ops16 = tuple(x.astype(bf16) for x in (q, k, v, do))  # e4m3 -> bf16 is exact
+        delta16 = delta_of(do)
     if config.fp8:
         do8, do_s, ds_s = _quantize_dout(dout, v, vs, dout_scale)
-        dout = do8.astype(F32) * do_s  # delta from the dO the kernels see
+        delta8 = delta_of(do8.astype(F32) * do_s)  # from the dO the e4m3 kernels see
         perm = not interpret  # keys (queries) of each 16 as `_p_operand` reads them
-        ops, kt, qt_dot = (q, k, v, do8), _fk._vt(k, perm), (_fk._vt(q, perm), _fk._vt(do8, perm))
-        dv_s = do_s / _fk.P_SCALE
+        ops8, scales8 = (q, k, v, do8), scales(do_s, ds_s, do_s / _fk.P_SCALE)
+    if config.fp8 and config.fp8_dq:
+        dq = _dq(*ops8, lse2, delta8, scales8, _fk._vt(k, perm), causal, config, interpret)
     else:
-        if dout_scale is not None:
-            dout = dout.astype(F32) * _scalar(dout_scale)
-        ops = tuple(x.astype(bf16) for x in (q, k, v, dout))  # e4m3 -> bf16 is exact
-        do_s = ds_s = dv_s = one
-        kt = qt_dot = None
-    scales = jnp.stack(  # logits' base-2 multiplier, dP's, dQ's, dK's, dV's, 1 / dS's scale
-        [qs * ks * (sm * LOG2E), vs * do_s, ds_s * sm * ks * (qs if wrt_fp8 else one),
-         ds_s * sm * qs * (ks if wrt_fp8 else one), dv_s * (vs if wrt_fp8 else one), 1 / ds_s]
-    )  # fmt: skip
-    lse2 = lse.astype(F32) * LOG2E
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(F32), dout.astype(F32))
-    dq = _dq(*ops, lse2, delta, scales, kt, causal, config, interpret)
-    dk, dv = _dkv(*ops, lse2, delta, scales, qt_dot, causal, config, interpret)
+        dq = _dq(*ops16, lse2, delta16, scales(), None, causal, config, interpret)
+    if config.fp8:
+        qt_dot = (_fk._vt(q, perm), _fk._vt(do8, perm))
+        dk, dv = _dkv(*ops8, lse2, delta8, scales8, qt_dot, causal, config, interpret)
+    else:
+        dk, dv = _dkv(*ops16, lse2, delta16, scales(), None, causal, config, interpret)
     if hq != hkv:  # sum a group's query heads
         group = lambda x: x.astype(F32).reshape(b, sk, hkv, hq // hkv, d).sum(3)  # noqa: E731
         dk, dv = group(dk).astype(bf16), group(dv).astype(bf16)
