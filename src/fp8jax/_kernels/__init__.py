@@ -13,7 +13,7 @@ Implementation: the public part is `gemm`'s ``tuning`` (see ``docs/architecture.
 - `gated_activation`: Pallas Triton gated activation + FP8 cast of the FusedMLP core.
 - `cudnn_attention`: cuDNN FP8 flash-attention custom calls.
 - `flash_fp8_mgpu`: a Hopper FP8 flash-attention forward (Pallas Mosaic GPU, wgmma).
-- `flash_fp8_bwd_mgpu`: its backward (dK/dV and dQ kernels, bf16 wgmma for now).
+- `flash_fp8_bwd_mgpu`: its backward (dK/dV and dQ kernels, bf16 or e4m3 wgmma).
 - `flash_fp8_bwd_parts`: the pieces its two kernels share (wgmma, TMA ring, call).
 - `flash_fp8_vjp`: the two joined by a ``custom_vjp`` (`flash_fp8_attention`).
 """

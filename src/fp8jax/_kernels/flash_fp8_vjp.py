@@ -33,11 +33,8 @@ def flash_fp8_attention(
     Returns:
         ``out [B, Sq, Hq, D]`` bf16.
     """
-    out, _ = _fwd.flash_fp8(
-        q, k, v, q_scale, k_scale, v_scale, causal=causal, softmax_scale=softmax_scale,
-        config=config, interpret=interpret,
-    )  # fmt: skip
-    return out
+    args = (q, k, v, q_scale, k_scale, v_scale, causal, softmax_scale, config, bwd_config)
+    return _forward(*args, interpret)[0]
 
 
 def _forward(q, k, v, q_scale, k_scale, v_scale, causal, softmax_scale, config, bwd_config,

@@ -6,8 +6,8 @@ The op's custom VJP stays the same (the same casts of q, k, v and dO with the st
 scales, the same state update); only the kernel calls differ. The kernels return bf16 O and
 dQ, dK, dV where cuDNN writes them in e4m3: they are cast here with the state's scales, as
 cuDNN casts them, so the amaxes of o, dq, dk and dv are recorded as on cuDNN. P and dS stay
-inside the kernels (P's scale is fixed, the backward's GEMMs run in bf16): ``s`` and ``dp``
-record no amax (0, "not observed": their scales stay as they are).
+inside the kernels (P's scale is fixed, dS's comes from a bound: `BWD_CONFIG`): ``s`` and
+``dp`` record no amax (0, "not observed": their scales stay as they are).
 """
 
 from __future__ import annotations
