@@ -230,7 +230,7 @@ def measure(
     return dict(row, ms=ms, tokens_per_s=batch_size * run.model.seq / (ms * 1e-3), peak_mem_mb=mem)
 
 
-def max_batch(run, precision, mesh, limit_bytes: int) -> dict:
+def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) -> dict:
     """The largest global batch (a multiple of the data-parallel size ``dp = data x
     fsdp``) whose compiled step fits in ``limit_bytes`` per device (`compiled_bytes`, the
     donated parameters and optimizer state counted once), found by compiling only: no
@@ -238,7 +238,8 @@ def max_batch(run, precision, mesh, limit_bytes: int) -> dict:
     already compiled meets the limit (memory grows about linearly with the batch; where
     the line says nothing, the batch doubles), and after a step that did not halve the
     range between the largest batch that fits and the smallest that does not, the middle
-    of it (bisection); until they are ``dp`` apart.
+    of it (bisection); until they are ``dp`` apart. ``start``: the first batch compiled instead
+    of ``dp`` (``--max-batch-from``: near the answer, fewer of the slow large compiles).
 
     Returns:
         ``max_batch`` (0: not even ``dp`` fits), its ``max_batch_mem_mb``,
@@ -257,7 +258,7 @@ def max_batch(run, precision, mesh, limit_bytes: int) -> dict:
             raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
         return nbytes
 
-    fit, over, found = search_batch(compiled, dp, limit_bytes)
+    fit, over, found = search_batch(compiled, dp, limit_bytes, start)
     return dict(
         max_batch=fit,
         max_batch_mem_mb=found[fit] / 2**20 if fit else None,
@@ -266,10 +267,12 @@ def max_batch(run, precision, mesh, limit_bytes: int) -> dict:
     )
 
 
-def search_batch(nbytes, dp: int, limit: int) -> tuple[int, int, dict[int, int]]:
+def search_batch(
+    nbytes, dp: int, limit: int, start: int | None = None
+) -> tuple[int, int, dict[int, int]]:
     """The largest multiple of ``dp`` whose ``nbytes(batch)`` is at most ``limit``, that
     plus ``dp`` (over it), and the bytes of each batch tried; by the search `max_batch`
-    describes."""
+    describes, from ``start`` (rounded down to a multiple of ``dp``; None: ``dp``)."""
     found: dict[int, int] = {}
 
     def fits(batch: int) -> bool:
@@ -278,7 +281,8 @@ def search_batch(nbytes, dp: int, limit: int) -> tuple[int, int, dict[int, int]]
         print(f"--max-batch: batch {batch}: {found[batch] / 2**20:,.0f} MiB, {verdict}", flush=True)
         return found[batch] <= limit
 
-    fit, over, batch, bisected = 0, None, dp, False
+    batch = dp if start is None else max(dp, start // dp * dp)
+    fit, over, bisected = 0, None, False
     while True:
         width = None if over is None else over - fit
         fit, over = (batch, over) if fits(batch) else (fit, batch)
@@ -295,7 +299,10 @@ def _middle(fit: int, over: int, dp: int) -> int:
 def _secant(found: dict[int, int], fit: int, over: int | None, dp: int, limit: int) -> int:
     """The multiple of ``dp`` strictly between ``fit`` and ``over`` (or above ``fit``)
     where the line through ``fit``'s bytes and ``over``'s (or the two largest batches that
-    fit) meets ``limit``; twice ``fit`` where no rising line is known."""
+    fit) meets ``limit``; twice ``fit`` where no rising line is known (the middle of ``0,
+    over`` where nothing fits yet: a search that started above the answer)."""
+    if fit == 0:
+        return _middle(fit, over, dp)
     if over is not None:
         (b1, m1), (b2, m2) = (fit, found[fit]), (over, found[over])
     else:
@@ -364,12 +371,12 @@ def memory_limit(gb: float | None) -> int:
     return int(stats["bytes_limit"])
 
 
-def probe_variant(run, precision, sizes, devices, limit_bytes: int) -> dict:
+def probe_variant(run, precision, sizes, devices, limit_bytes: int, start=None) -> dict:
     """A ``--max-batch`` row: `max_batch` of one variant on the mesh ``sizes``."""
     params = run_params(run, sizes, devices)
     del params["batch"]  # the probe's to find
     try:
-        row = max_batch(run, precision, make_mesh(sizes, devices), limit_bytes)
+        row = max_batch(run, precision, make_mesh(sizes, devices), limit_bytes, start)
     except Exception as e:  # a variant that fails is reported, the others still run
         row = dict(error=common.error_text(e))
     return dict(params=params, variant=precision, memory_limit_gb=limit_bytes / 2**30, **row)
@@ -479,6 +486,13 @@ def main(argv=None):
         default=None,
         help="--max-batch: one device's memory in GiB (default: the GPU's; needed on a CPU)",
     )
+    p.add_argument(
+        "--max-batch-from",
+        type=int,
+        default=None,
+        help="--max-batch: the first batch to compile (default: the data-parallel size); "
+        "near the answer the search compiles fewer large steps",
+    )
     args = p.parse_args(argv)
     devices = jax.devices()
     if args.max_batch and args.memory_limit_gb is None and not common.on_gpu():
@@ -515,7 +529,7 @@ def main(argv=None):
         limit = memory_limit(args.memory_limit_gb)
 
         def probe_one(precision):
-            row = probe_variant(run, precision, sizes, devices, limit)
+            row = probe_variant(run, precision, sizes, devices, limit, args.max_batch_from)
             row["params"] = dict(preset=preset, **row["params"])
             return [dict(meta, **row)]
 

@@ -463,6 +463,8 @@ def test_distributed_max_batch_search_matches_a_linear_scan():
                 assert (fit, over) == (best, best + dp), (name, dp, limit)
                 assert found[over] > limit and (fit == 0 or found[fit] <= limit)
                 assert len(found) <= 2 * math.log2(max(best, dp) / dp) + 4, (name, dp, found)
+                for start in (best, best + 3 * dp, max(best // 2, 1)):  # --max-batch-from
+                    assert search_batch(nbytes, dp, limit, start)[:2] == (best, best + dp)
 
 
 def test_distributed_max_batch_needs_a_memory_limit_on_cpu(capsys):

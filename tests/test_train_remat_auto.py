@@ -59,7 +59,7 @@ def _choose(steps, monkeypatch, limit: int | None):
 
 def test_auto_tries_in_order_until_one_fits_and_names_the_bytes(steps, monkeypatch):
     """For a limit at (and a byte below) each choice's bytes: the first choice in
-    ``none, fp8, fp8-min, full`` whose step fits (``fp8-store``, which rounds, is never tried), ``full`` where none does; the line names
+    ``none, lean, fp8, fp8-min, full`` whose step fits (``fp8-store``, which rounds, is never tried), ``full`` where none does; the line names
     the choice, each try's bytes and the limit."""
     _, nbytes = steps
     assert nbytes["fp8"] < nbytes["none"], nbytes  # the case --remat auto is for
@@ -132,6 +132,7 @@ def test_auto_end_to_end_records_the_choice_and_a_resume_chooses_again(
     train record (``params.remat``; ``remat_option`` auto), ``metrics.json`` and the summary;
     an interrupted run resumed chooses again, the same way (same device, same batch)."""
     _, nbytes = steps
+    assert nbytes["lean"] > (nbytes["fp8"] + nbytes["none"]) / 2, nbytes  # lean is tried, too
     monkeypatch.setenv(memory.LIMIT_ENV, repr((nbytes["fp8"] + nbytes["none"]) / 2 / 1e9))
     out, record = tmp_path / "run", tmp_path / "train.jsonl"
     args = SMALL + ["--remat", "auto", "--steps", "3", "--eval-every", "3", "--out", str(out)]
@@ -143,7 +144,7 @@ def test_auto_end_to_end_records_the_choice_and_a_resume_chooses_again(
     assert "bf16: --remat auto: fp8 (step: none " in err and "--remat none" not in err, err
     assert not result["interrupted"] and result["steps"] == 3
     assert result["remat"] == "fp8" and result["remat_tried"] == {
-        r: nbytes[r] for r in ("none", "fp8")
+        r: nbytes[r] for r in ("none", "lean", "fp8")
     }
     (rec,) = [json.loads(line) for line in record.read_text().splitlines()]
     assert rec["params"]["remat"] == "fp8" and rec["remat_option"] == "auto"

@@ -28,11 +28,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import _checks as checks
-from .. import _guard, _state
 from .._config import Fp8Config, resolve_config
-from .._ops import dot as _dot
 from .._ops import gated as _gated
-from .._ops import rows as _rows
 from .._ops import saved_fp8 as _saved
 from ._elementwise import (
     ACTIVATIONS,
@@ -44,6 +41,12 @@ from ._elementwise import (
     relayout_rows,
 )
 from ._linear import Linear, apply_linear
+from ._mlp_paths import (  # noqa: F401  (_gated_core_runs: tests reach it here)
+    _checkpointed_call,
+    _gated_call,
+    _gated_core_runs,
+    _stores_fp8,
+)
 
 F32 = jnp.float32
 FC1_OUT = _gated.FC1_OUT
@@ -79,6 +82,12 @@ class FusedMLP(eqx.Module):
     it). Bf16 linears keep bf16 (their fc2 reads the bf16 activation, which keeping would
     cost what the copy saves). `with_fc1_out_fp8` switches it.
 
+    ``recompute_input``: on the gated core, keep no FP8 copy of the normed input for fc1's
+    weight gradient: the norm and its cast run again in the backward from the block's input,
+    which the norm's backward keeps anyway (one pass over ``[tokens, hidden]``; the same bits:
+    the cast's scale is the forward's). The XLA path recomputes it already, but with
+    ``fc1_out_fp8``. `with_recompute_input` switches it.
+
     On Hopper, a gated activation (those in `_gated.GPU_TESTED`) with both linears FP8
     (delayed scaling, no biases, tokens and ffn multiples of 64) runs `fp8jax._ops.gated`: one
     custom VJP whose Pallas kernels write the activation and its gradient straight to FP8,
@@ -102,6 +111,7 @@ class FusedMLP(eqx.Module):
     fused: bool = eqx.field(static=True)
     gate_block: int | None = eqx.field(static=True)
     fc1_out_fp8: bool = eqx.field(static=True)
+    recompute_input: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -121,6 +131,7 @@ class FusedMLP(eqx.Module):
         config: Fp8Config | None = None,
         gate_block: int | None = None,
         fc1_out_fp8: bool = False,
+        recompute_input: bool = False,
         dtype=None,
         key: PRNGKeyArray | None = None,
         parts: tuple | None = None,
@@ -141,6 +152,8 @@ class FusedMLP(eqx.Module):
             config: the `Fp8Config` (None: the default one).
             gate_block: the gated fc1's row layout (None: ``[gate | up]``).
             fc1_out_fp8: keep fc1's output for the backward in FP8 (see the class).
+            recompute_input: recompute the normed input's FP8 copy in the backward (see the
+                class).
             dtype: the parameters' dtype.
             key: initialises the parameters (needed without ``parts``).
             parts: the parameters to use as they are instead.
@@ -181,6 +194,7 @@ class FusedMLP(eqx.Module):
             hidden=hidden,
             gate_block=gate_block,
             fc1_out_fp8=fc1_out_fp8,
+            recompute_input=recompute_input,
         )
 
     @classmethod
@@ -260,6 +274,11 @@ class FusedMLP(eqx.Module):
         FP8 or not (see the class)."""
         return self._replace(fc1_out_fp8=fc1_out_fp8)
 
+    def with_recompute_input(self, recompute_input: bool) -> "FusedMLP":
+        """The same block (same arrays and state) recomputing the normed input's FP8 copy in
+        the backward or keeping it (see the class)."""
+        return self._replace(recompute_input=recompute_input)
+
     def _replace(self, *, fc1=None, **changes) -> "FusedMLP":
         """A block built by ``__init__`` from this one's arrays and fields (``fc1``, if
         given, in place of its own), ``changes`` applied. Its linears are kept as they are
@@ -275,6 +294,7 @@ class FusedMLP(eqx.Module):
             fp8=False,
             gate_block=self.gate_block,
             fc1_out_fp8=self.fc1_out_fp8,
+            recompute_input=self.recompute_input,
             parts=parts,
         )
         return type(self)(self.hidden, self.ffn, **(fields | changes))
@@ -344,6 +364,7 @@ def _init(
     hidden=None,
     gate_block=None,
     fc1_out_fp8=False,
+    recompute_input=False,
 ):
     """Validate shapes and set the fields (``__init__``'s body)."""
     check_kinds(norm, activation)
@@ -406,96 +427,6 @@ def _init(
         fused=bool(fused),
         gate_block=gate_block,
         fc1_out_fp8=bool(fc1_out_fp8),
+        recompute_input=bool(recompute_input),
     ).items():
         setattr(self, name, value)
-
-
-# ----------------------------------------------------------------------------- fused path
-def _gated_core_runs(mlp: FusedMLP, x) -> bool:
-    """Whether `fp8jax._ops.gated` (one custom VJP, Pallas activation kernels) runs this call:
-    both linears FP8 without bias, one unstacked state per linear, not under ``jax.vmap``;
-    the activation, scaling and sizes as `_gated.usable` says; not tensor or sequence
-    parallel (`fp8jax._ops.rows.splits_features`: the core's Pallas kernels are custom calls
-    without a partitioning rule, so such layers take XLA's path, which partitions)."""
-    fc1, fc2 = mlp.fc1, mlp.fc2
-    if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
-        return False
-    if any(_rows.splits_features(f.dot_general.weight_sharding) for f in (fc1, fc2)):
-        return False
-    if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
-        return False
-    states = (fc1.dot_general, fc2.dot_general)
-    if any(s.input_scale.ndim != 1 for s in states):
-        return False
-    m = x.size // mlp.hidden
-    cfg1, cfg2 = states[0].config, states[1].config
-    if any(c.selective and m < c.min_tokens for c in (cfg1, cfg2)):
-        return False
-    rows = _row_split(mlp)
-    return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation, rows)
-
-
-def _row_split(mlp: FusedMLP) -> _rows.RowSplit | None:
-    """How the core's kernels split the tokens (`fp8jax._ops.rows.of_weight` of fc1): None
-    on one device, inside a ``shard_map``, or with no mesh known (then, over several
-    devices, `_gated.usable` says no)."""
-    return _rows.of_weight(mlp.fc1.dot_general.weight_sharding)
-
-
-def _gated_call(mlp: FusedMLP, x):
-    # The norm is recomputed in the backward (one cheap pass) rather than keeping its output.
-    norm = jax.checkpoint(
-        functools.partial(
-            normalize, norm=mlp.norm, eps=mlp.eps, zero_centered_gamma=mlp.zero_centered_gamma
-        )
-    )
-    normed = norm(x, mlp.norm_weight, mlp.norm_bias)
-    x2 = normed.reshape(-1, mlp.hidden)
-    fc1, fc2 = mlp.fc1, mlp.fc2
-    spec = _gated.Spec(
-        fc1.dot_general.config,
-        fc2.dot_general.config,
-        x2.dtype,
-        fc1.weight.dtype,
-        fc2.weight.dtype,
-        mlp.activation,
-        mlp.gate_block,
-        _row_split(mlp),
-        mlp.fc1_out_fp8,
-    )
-    y = _gated.gated_mlp(
-        spec,
-        x2,
-        fc1.weight,
-        _state.enter(fc1.dot_general.state()),
-        fc2.weight,
-        _state.enter(fc2.dot_general.state()),
-    )
-    y = y.reshape(*x.shape[:-1], fc2.out_features)
-    return y + x.astype(y.dtype) if mlp.residual else y
-
-
-def _stores_fp8(mlp: FusedMLP) -> bool:
-    """Whether the block keeps fc1's output in FP8 (`FusedMLP.fc1_out_fp8`, FP8 linears)."""
-    return mlp.fc1_out_fp8 and isinstance(mlp.fc1, Linear) and isinstance(mlp.fc2, Linear)
-
-
-def _policy(mlp: FusedMLP):
-    """Save fc1's output and the GEMMs' FP8 weights/scales; recompute the norm, the
-    activation and the FP8 input copies (elementwise, fused into passes that run anyway).
-    With fc1's output in FP8 the input copies are kept too: fc2's would be recomputed from
-    the bf16 output, whose GEMM would run again."""
-    inputs = (_dot.INPUT_RESIDUAL,) if _stores_fp8(mlp) else ()
-    names = (FC1_OUT, *inputs, *_dot.SAVED_RESIDUAL_NAMES)
-    return jax.checkpoint_policies.save_only_these_names(*names)
-
-
-def _checkpointed_call(mlp: FusedMLP, x):
-    """Run the block as one checkpoint region. The FP8 states enter (`fp8jax._state.enter`)
-    outside it, so that uses of one block in several regions still combine by max."""
-    params, static = eqx.partition(_guard.enter_tree(mlp), eqx.is_array)
-
-    def block(params, x):
-        return eqx.combine(params, static)._unfused(x)[0]
-
-    return jax.checkpoint(block, policy=_policy(mlp))(params, x)

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._guard import enter_tree
-from .._ops.dot import INPUT_RESIDUAL
+from .._ops.dot import INPUT_RESIDUAL, SAVED_RESIDUAL_NAMES
 from .._state import OverwriteWithGradient
 from ..distributed import sequence_sharding
 from ..nn._attention import DotProductAttention
@@ -29,16 +29,19 @@ from ..nn._remat import remat_policy
 VOCAB = 256  # bytes: the data pipeline's tokens and the default vocabulary
 LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 # ``--remat``: what the backward keeps of each block (`remat_block`).
-REMAT = ("none", "fc1-fp8", "fp8", "fp8-store", "fp8-min", "full")
+REMAT = ("none", "lean", "fc1-fp8", "fp8", "fp8-store", "fp8-min", "full")
 # The choices that keep fc1's output in FP8 (`FusedMLP.fc1_out_fp8`).
 FC1_OUT_FP8 = ("fc1-fp8", "fp8-store")
+# The choices that keep no FP8 copy of a norm's output (`Attention.recompute_input`,
+# `FusedMLP.recompute_input`): the norm and its cast run again in the backward.
+RECOMPUTE_INPUT = ("lean", "fc1-fp8")
 # ``--remat auto`` (the trainer's default): the first of `AUTO_ORDER`, in order, whose compiled
 # step fits the device's memory (`fp8jax.train._memory.choose_remat`); the model is built with
 # ``"none"`` and rebuilt only where that does not fit. Only the choices that keep the math:
 # `FC1_OUT_FP8`'s round what the activation's backward reads (``fp8-store``, 300 steps of the
 # 1b preset: validation loss within 0.35% of ``none``'s), so they are the user's choice.
 AUTO = "auto"
-AUTO_ORDER = ("none", "fp8", "fp8-min", "full")
+AUTO_ORDER = ("none", "lean", "fp8", "fp8-min", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +135,18 @@ class Attention(eqx.Module):
         )
         self.cfg = cfg
 
-    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+    def __call__(
+        self, x: Float[Array, "B T C"], recompute_input: bool = False
+    ) -> Float[Array, "B T C"]:
+        """``recompute_input``: keep no copy of the norm's output (FP8 in the fp8 run) for
+        qkv's weight gradient; the norm and the cast run again in the backward from ``x``,
+        which the norm keeps anyway (`RECOMPUTE_INPUT`)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        h = normalize(x, self.norm, None, "rmsnorm", 1e-5)
-        q, k, v = split_qkv(apply_linear(self.qkv, gemm_input(self.qkv, h)), cfg)
+        project = _norm_qkv
+        if recompute_input:
+            project = eqx.filter_checkpoint(project, policy=_WEIGHTS_ONLY)
+        q, k, v = split_qkv(project(self.norm, self.qkv, x), cfg)
         q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
         if self.core is not None:
             attn = self.core(q, k, v)
@@ -145,6 +155,17 @@ class Attention(eqx.Module):
                 q, k, v, is_causal=True, implementation=_attention_impl(q)
             )
         return x + apply_linear(self.o, gemm_input(self.o, attn.reshape(b, t, cfg.dim)))
+
+
+# `RECOMPUTE_INPUT`'s qkv region keeps the FP8 weight copies and scalars only: the norm and
+# the input's cast run again (a policy that saved all but the named copy would keep it unnamed).
+_WEIGHTS_ONLY = jax.checkpoint_policies.save_only_these_names(*SAVED_RESIDUAL_NAMES)
+
+
+def _norm_qkv(norm, qkv, x):
+    """The qkv projection of the normed ``x``: `Attention`'s region under ``recompute_input``."""
+    h = normalize(x, norm, None, "rmsnorm", 1e-5)
+    return apply_linear(qkv, gemm_input(qkv, h))
 
 
 def gemm_input(layer, x):
@@ -233,9 +254,11 @@ class Block(eqx.Module):
                 lambda m: m.fc2.weight, mlp, mlp.fc2.weight / math.sqrt(2 * cfg.layers)
             )
 
-    def __call__(self, x):
-        """``(x_out, auxiliary loss)``: the MoE's load-balancing loss, 0 for a dense MLP."""
-        x = self.attn(x)
+    def __call__(self, x, recompute_input: bool = False):
+        """``(x_out, auxiliary loss)``: the MoE's load-balancing loss, 0 for a dense MLP.
+        ``recompute_input``: the attention's (`Attention.__call__`); the MLP's is its own
+        field (`FusedMLP.recompute_input`)."""
+        x = self.attn(x, recompute_input)
         if isinstance(self.mlp, MoE):
             return self.mlp(x)
         return self.mlp(x), jnp.zeros((), jnp.float32)
@@ -249,8 +272,11 @@ def _check_remat(remat: str) -> None:
 def remat_block(block, remat: str):
     """``block`` (a function of a block's arrays and its input) under ``jax.checkpoint`` as
     ``remat`` (`REMAT`) says: ``"none"``, as it is (the backward keeps what it reads);
-    ``"fc1-fp8"``, as it is too, but the gated MLP keeps fc1's output in FP8 (the block is
-    not checkpointed: `Transformer.forward` sets `FusedMLP.fc1_out_fp8`, as for
+    ``"lean"``, as it is too, but no copy of a norm's output is kept (FP8 in the fp8 run): the
+    qkv projection's and the MLP's norm and cast run again in the backward from the block's
+    input and the residual, which the norms keep anyway (`RECOMPUTE_INPUT`: small regions,
+    set by `Transformer.forward`; the same bits); ``"fc1-fp8"``, ``"lean"`` with the gated
+    MLP's fc1 output kept in FP8 (`Transformer.forward` sets `FusedMLP.fc1_out_fp8`, as for
     ``"fp8-store"``); ``"fp8"``, `fp8jax.remat_policy`: the FP8 GEMMs' input copies,
     weights and scales, the bf16 attention projections' inputs (`gemm_input`: the bf16 run
     keeps in bf16 what the fp8 run keeps in FP8; a bf16 `FusedMLP` keeps its fc1 output
@@ -264,7 +290,7 @@ def remat_block(block, remat: str):
     and ``"fp8-store"`` the gradients, are those of ``"none"``. The MoE's grouped GEMMs name
     no residual: under ``"fp8"`` they run again too."""
     _check_remat(remat)
-    if remat in ("none", "fc1-fp8"):
+    if remat in ("none", "lean", "fc1-fp8"):
         return block
     # prevent_cse stays on (JAX's default; JAX allows it off inside a scan's loop): the GPU
     # presets unroll the layer scan, where XLA could merge the recomputation into the forward.
@@ -353,8 +379,11 @@ class Transformer(eqx.Module):
         blocks = self.blocks
         if self.remat in FC1_OUT_FP8:
             blocks = _fc1_out_fp8(blocks)
+        if self.remat in RECOMPUTE_INPUT:
+            blocks = _recompute_input(blocks)
         params, static = eqx.partition(enter_tree(blocks), eqx.is_array)
-        block = remat_block(lambda p, x: eqx.combine(p, static)(x), self.remat)
+        lean = self.remat in RECOMPUTE_INPUT
+        block = remat_block(lambda p, x: eqx.combine(p, static)(x, lean), self.remat)
 
         def layer(carry, p):
             x, aux = carry
@@ -369,6 +398,14 @@ class Transformer(eqx.Module):
         if logits_dtype is not None:
             logits = logits.astype(logits_dtype)
         return logits, self.cfg.aux_loss_coef * aux
+
+
+def _recompute_input(blocks):
+    """``blocks`` whose `FusedMLP` keeps no copy of its norm's output (``--remat lean`` or
+    ``fc1-fp8``: `RECOMPUTE_INPUT`; `Block.__call__` tells the attention)."""
+    if not isinstance(blocks.mlp, FusedMLP):
+        return blocks
+    return eqx.tree_at(lambda b: b.mlp, blocks, blocks.mlp.with_recompute_input(True))
 
 
 def _fc1_out_fp8(blocks):

@@ -164,10 +164,12 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         choices=[AUTO, *REMAT],
         default=AUTO,
         help="what the backward keeps of each block (jax.checkpoint): auto (the default: the "
-        "first of none, fp8, fp8-min, full whose compiled step fits the "
+        "first of none, lean, fp8, fp8-min, full whose compiled step fits the "
         "GPU's memory limit less 5%%, said in one line with each try's bytes; none where no "
-        "limit is known, as on a CPU); none (all it reads: the fastest where it fits); fc1-fp8 "
-        "(none, but the MLP's fc1 output kept as e4m3 + one scale in the fp8 run: half its "
+        "limit is known, as on a CPU); none (all it reads: the fastest where it fits); lean (none, "
+        "but no copy of a norm's output: the qkv projection's and the MLP's norm and FP8 cast "
+        "run again in the backward; the same bits); fc1-fp8 "
+        "(lean, and the MLP's fc1 output kept as e4m3 + one scale in the fp8 run: half its "
         "bytes for a cast in the forward, nothing run again; the backward reads it rounded); fp8 "
         "(fp8jax.remat_policy: the GEMMs' input copies, FP8 in the fp8 run and bf16 in the bf16 "
         "run, and the MLP's fc1 output; norms, attention, activations and the "
