@@ -57,7 +57,7 @@ def test_fused_mlp_core_runs_per_device_on_its_rows(fc1_out_fp8):
     With ``fc1_out_fp8`` fc1's output's FP8 copy is cast on each device with the one scale of
     the whole tensor (a scalar max across the devices), and the loss is the mesh's without
     the option bit for bit."""
-    from fp8jax.nn import _mlp as mlp_module
+    from fp8jax.nn import _mlp_paths as mlp_module
     from fp8jax._ops import gated
 
     with gated.tuning(activation="interpret"):
@@ -82,6 +82,13 @@ def test_fused_mlp_core_runs_per_device_on_its_rows(fc1_out_fp8):
         loss, grads = step(model, xs, cs)
         if fc1_out_fp8:
             assert float(loss) == float(step(model.with_fc1_out_fp8(False), xs, cs)[0])
+            # --remat lean's region around the split core: the same bits (states entered
+            # first, as the trainer does: the region enters them, which cycles the guards)
+            entered = eqx.filter_jit(
+                eqx.filter_value_and_grad(lambda m, x, c: jnp.sum(fp8jax.enter_state(m)(x) * c))
+            )
+            lean = entered(model.with_recompute_input(True), xs, cs)
+            _assert_same_bits(entered(model, xs, cs), lean)
         with tuning.gemm(per_device_cast=False):  # x and g cast by XLA's partitioner
             whole = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, c: jnp.sum(m(x) * c)))
             _assert_same_bits((loss, grads), whole(model, xs, cs))

@@ -3,6 +3,7 @@ from `fp8jax.nn` itself (its ``__all__``); the modules are its implementation.
 
 - `_linear`: `Linear`, ``eqx.nn.Linear`` with FP8 GEMMs.
 - `_mlp`: `FusedMLP`, norm -> fc1 -> activation -> fc2 with FP8 GEMMs and fused passes.
+- `_mlp_paths`: `FusedMLP`'s two fused paths (the gated Pallas core, the XLA region).
 - `_elementwise`: the activations, norms and gated-row layouts the MLPs share.
 - `_attention`: `dot_product_attention`, `DotProductAttention` (the attention core).
 - `_mha`: `MultiHeadAttention` (projections, `rotary`, the core).
