@@ -389,3 +389,29 @@ def test_gated_mlp_core_keeps_fc1_out_in_fp8(key):
     assert sqnr_db(g1.norm_weight, g0.norm_weight) >= 20.0
     assert sqnr_db(g1.fc1.weight, g0.fc1.weight) >= 20.0
     assert sqnr_db(g1.fc2.weight, g0.fc2.weight) >= 20.0
+
+
+@pytest.mark.parametrize("fc1_out_fp8", [False, True])
+def test_gated_mlp_core_recomputes_its_input_copy(key, fc1_out_fp8):
+    """`FusedMLP(recompute_input=True)` (``--remat lean``) on Hopper: still the core's six FP8
+    GEMMs (the backward runs the norm and the input's cast again, no GEMM), the normed
+    input's FP8 copy is not kept, and loss and gradients are the option-off step's (the same
+    bits on the CPU; here the recomputed norm may fuse and round apart: >= 40 dB)."""
+    from fp8jax._ops import dot
+    from fp8jax.nn import _mlp as mlp_module
+
+    mlp = fp8jax.nn.FusedMLP(512, 1024, activation="swiglu", norm="rmsnorm", residual=True,
+                             dtype=jnp.bfloat16, config=ALL, fc1_out_fp8=fc1_out_fp8, key=key)
+    lean = mlp.with_recompute_input(True)
+    x = normal(key, (2, 1024, 512), jnp.bfloat16)
+    c = normal(jax.random.fold_in(key, 1), (2, 1024, 512), jnp.float32)
+    assert mlp_module._gated_core_runs(lean, x)
+    fp8jax.assert_fp8(_step, lean, x, c, expected=6)
+    report = fp8jax.residuals_report(lambda m, x: jnp.sum(m(x).astype(jnp.float32) * c), lean, x)
+    names = {r.name for r in report.residuals if r.kind == "activation"}
+    assert mlp_module.FC1_OUT in names and dot.INPUT_RESIDUAL not in names, names
+    (l0, (g0, gx0)), (l1, (g1, gx1)) = (jax.jit(_step)(m, x, c) for m in (mlp, lean))
+    assert abs(float(l1) - float(l0)) <= 1e-6 * abs(float(l0))
+    assert sqnr_db(gx1, gx0) >= 40.0
+    for part in (lambda g: g.norm_weight, lambda g: g.fc1.weight, lambda g: g.fc2.weight):
+        assert sqnr_db(part(g1), part(g0)) >= 40.0

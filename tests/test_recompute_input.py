@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ON_GPU
 from helpers import normal
 
 import fp8jax
@@ -30,6 +31,7 @@ def _mlp_of(key, fc1_out_fp8: bool, recompute_input: bool):
     return fp8jax.fp8_linear_layers(mlp, CFG).with_recompute_input(recompute_input)
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU bits; tests/test_gpu.py holds the Hopper core to 40 dB")
 @pytest.mark.parametrize("fc1_out_fp8", [False, True])
 def test_core_recomputes_its_input_copy_bit_for_bit(key, fc1_out_fp8):
     """The residuals lose exactly the e4m3 input copy (``M x HIDDEN`` bytes) and keep fc1's
