@@ -2,10 +2,12 @@
 
 Builds the `fp8jax-train` step (`fp8jax.train`'s `Trainer`: the model of a preset, AdamW,
 the donated jitted step) for each precision and ``fp8jax-train --remat`` choice (``none``:
-the backward keeps what it reads; ``fp8``: `fp8jax.remat_policy` per block, the GEMMs' input
-copies, FP8 in the fp8 run, bf16 in the bf16 run; ``fp8-store``: the same with the MLP's fc1
-output kept in FP8 in the fp8 run; ``fp8-min``: without fc1's output; ``full``: only each
-block's input), runs a few steps and reports per case:
+the backward keeps what it reads; ``lean``: the same but the norms' outputs, recomputed;
+``fc1-fp8``: ``lean`` with the MLP's fc1 output in FP8 in the fp8 run; ``fp8``:
+`fp8jax.remat_policy` per block, the GEMMs' input copies, FP8 in the fp8 run, bf16 in the
+bf16 run; ``fp8-store``: the same with the MLP's fc1 output kept in FP8 in the fp8 run;
+``fp8-min``: without fc1's output; ``full``: only each block's input), runs a few steps and
+reports per case:
 
 * ``peak_mem_mb``: on a GPU the allocator's peak (``peak_bytes_in_use``, the largest of the
   mesh's devices) over building the model and optimizer as the trainer does (on a mesh the
@@ -35,6 +37,8 @@ one's buffers.
     python -m benchmarks.memory --preset 1b --batch 8 --variants fp8 --remat none fp8 fp8-store \
         fp8-min
     python -m benchmarks.memory --preset 1b --batch 8 --variants fp8 --max-batch
+    python -m benchmarks.memory --preset 8b --mesh fsdp=4 --fp8-head --fp8-attention \
+        --batch 8 --variants bf16 fp8 --remat none fc1-fp8   # issue 49's 8b rows
     python -m benchmarks.memory --quick     # CPU smoke run, writes nothing
 
 Records (GPU, not ``--quick``) go to ``benchmarks/results/memory.jsonl``.
@@ -102,10 +106,10 @@ def mesh_of(text: str | None):
     return make_mesh(sizes), ",".join(f"{a}={sizes[a]}" for a in AXES)
 
 
-def probe_max_batch(trainer, run, mesh, limit_bytes: int) -> dict:
+def probe_max_batch(trainer, run, mesh, limit_bytes: int, start: int | None = None) -> dict:
     """``benchmarks.distributed``'s ``--max-batch`` probe on the trainer's own step: the
     largest batch (a multiple of the data-parallel size) whose compiled step fits
-    ``limit_bytes`` per device, by compiling only."""
+    ``limit_bytes`` per device, by compiling only, from ``start`` (``--max-batch-from``)."""
     dp = 1 if mesh is None else batch_size_per_shard(mesh)
 
     def nbytes(batch: int) -> int:
@@ -118,7 +122,7 @@ def probe_max_batch(trainer, run, mesh, limit_bytes: int) -> dict:
             raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
         return found
 
-    fit, over, found = distributed.search_batch(nbytes, dp, limit_bytes)
+    fit, over, found = distributed.search_batch(nbytes, dp, limit_bytes, start)
     return dict(
         max_batch=fit,
         max_batch_mem_mb=found[fit] / 2**20 if fit else None,
@@ -128,7 +132,9 @@ def probe_max_batch(trainer, run, mesh, limit_bytes: int) -> dict:
     )
 
 
-def measure(run, precision: str, mesh, steps: int, limit_bytes: int | None = None) -> dict:
+def measure(
+    run, precision: str, mesh, steps: int, limit_bytes: int | None = None, start=None
+) -> dict:
     """One case: the trainer's step of ``run`` (its ``remat`` among the rest) in
     ``precision`` on ``mesh``; its memory, residuals and speed (and ``max_batch`` when
     ``limit_bytes`` is given)."""
@@ -164,7 +170,7 @@ def measure(run, precision: str, mesh, steps: int, limit_bytes: int | None = Non
         compile_s=sum(trainer.compile_times.values()),
     )
     if limit_bytes is not None:
-        row.update(probe_max_batch(trainer, run, mesh, limit_bytes))
+        row.update(probe_max_batch(trainer, run, mesh, limit_bytes, start))
     return row
 
 
@@ -175,7 +181,8 @@ def run_case(run, precision, args, isolate: bool, argv: list[str]) -> dict:
         if isolate:
             return _in_child(argv)
         limit = distributed.memory_limit(args.memory_limit_gb) if args.max_batch else None
-        return measure(run, precision, mesh_of(args.mesh)[0], args.steps, limit)
+        mesh = mesh_of(args.mesh)[0]
+        return measure(run, precision, mesh, args.steps, limit, args.max_batch_from)
     except Exception as e:  # a case that fails is reported, the others still run
         return dict(error=common.error_text(e))
 
@@ -257,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--max-batch: one device's memory in GiB (default: the GPU's; needed on a CPU)",
     )
     p.add_argument(
+        "--max-batch-from",
+        type=int,
+        default=None,
+        help="--max-batch: the first batch to compile (default: the data-parallel size)",
+    )
+    p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
+    p.add_argument("--fp8-attention", action="store_true", help="attention in FP8 too")
+    p.add_argument(
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -284,7 +299,9 @@ def main(argv=None):
     run = cli.RunConfig(**cli.PRESETS["tiny" if args.quick else args.preset])
     model = distributed.QUICK_MODEL if args.quick else run.model
     batch = args.batch or (4 * jax.device_count() if args.quick else run.batch)
-    run = dataclasses.replace(run, model=model, batch=batch)
+    run = dataclasses.replace(
+        run, model=model, batch=batch, fp8_head=args.fp8_head, fp8_attention=args.fp8_attention
+    )
     args.steps = args.steps or (2 if args.quick else 10)
     mesh_text = mesh_of(args.mesh)[1]
     if args.child:  # one case (`run_case`): its row on stdout, nothing recorded
@@ -308,6 +325,7 @@ def main(argv=None):
         child = _case_argv(args, precision, remat)
         row = run_case(dataclasses.replace(run, remat=remat), precision, args, isolate, child)
         params = dict(preset=preset, mesh=mesh_text, batch=batch, remat=remat)
+        params.update({k: True for k in ("fp8_head", "fp8_attention") if getattr(args, k)})
         row = dict(meta, params=params, variant=precision, **row)
         if remat == "none" and row.get("ms") is not None:
             none_rows[precision] = row
@@ -335,10 +353,12 @@ def _case_argv(args, precision: str, remat: str) -> list[str]:
     out = ["--preset", args.preset, "--variants", precision, "--remat", remat]
     options = dict(mesh=args.mesh, batch=args.batch, steps=args.steps)
     options["memory-limit-gb"] = args.memory_limit_gb
+    options["max-batch-from"] = args.max_batch_from
     for option, value in options.items():
         if value is not None:
             out += [f"--{option}", str(value)]
-    return out + ["--max-batch"] * args.max_batch + ["--quick"] * args.quick
+    flags = ("max_batch", "quick", "fp8_head", "fp8_attention")
+    return out + ["--" + f.replace("_", "-") for f in flags if getattr(args, f)]
 
 
 if __name__ == "__main__":

@@ -546,6 +546,15 @@ def test_memory_quick_remat_lowers_memory_and_a_case_runs_in_its_own_process(tmp
                                    "--memory-limit-gb", "0.0001"])  # fmt: skip
     assert probe["max_batch"] == 0 and probe["compiles"] == 1, probe
     assert probe["next_mem_mb"] > 0.0001 * 1024, probe
+    # the FP8 head and attention (the 8b rows' settings) reach the run, its params and a case's
+    # own process
+    extra = ["--fp8-head", "--fp8-attention", "--max-batch-from", "64"]
+    (head,) = memory.main(args + ["--remat", "none", "--no-isolate"] + extra)
+    assert head.get("error") is None, head.get("error")
+    assert head["params"]["fp8_head"] is True and head["params"]["fp8_attention"] is True
+    child_argv = memory._case_argv(memory.build_parser().parse_args(args + extra), "fp8", "lean")
+    assert {"--fp8-head", "--fp8-attention"} <= set(child_argv), child_argv
+    assert child_argv[child_argv.index("--max-batch-from") + 1] == "64", child_argv
     assert not out.exists()
 
 
