@@ -90,3 +90,40 @@ def test_trainer_lean_drops_the_qkv_input_copy():
         rows = cfg.layers * 2 * cfg.seq
         copy = rows * (cfg.dim * nbytes + 4)
         assert saved["none"] - saved["lean"] == copy, (precision, saved, copy)
+
+
+def test_remat_policy_without_inputs_in_a_users_norm_linear_region(key):
+    """``fp8jax.remat_policy(keep_inputs=False)`` around a user's norm -> FP8 linear: the
+    backward keeps the FP8 weight copy but no input copy (its norm and cast run again), with
+    the loss, gradients and new FP8 state of the region with the default policy, bit for bit
+    (CPU), and the same number of dots (the GEMM does not run again)."""
+    from fp8jax.nn._elementwise import normalize
+
+    lin = fp8jax.fp8_linear_layers(eqx.nn.Linear(HIDDEN, FFN, key=key), CFG)
+    x = normal(jax.random.fold_in(key, 1), (M, HIDDEN), jnp.float32)
+    gamma = normal(jax.random.fold_in(key, 2), (HIDDEN,), jnp.float32)
+
+    def loss(lin, gamma, x, policy):
+        def region(lin, gamma, x):
+            return lin(normalize(x, gamma, None, "rmsnorm", 1e-5))
+
+        y = jax.checkpoint(region, policy=policy)(fp8jax.enter_state(lin), gamma, x)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    results, dots = [], []
+    for keep in (True, False):
+        policy = fp8jax.remat_policy(keep_inputs=keep)
+        report = fp8jax.residuals_report(lambda m, g, x: loss(m, g, x, policy), lin, gamma, x)
+        names = {r.name for r in report.residuals if r.kind == "activation"}
+        assert dot.KERNEL_RESIDUAL in names and (dot.INPUT_RESIDUAL in names) is keep, names
+        params, static = eqx.partition(lin, eqx.is_array)
+
+        def step(p, gamma, x, static=static, policy=policy):
+            return loss(eqx.combine(p, static), gamma, x, policy)
+
+        compiled = jax.jit(jax.value_and_grad(step, (0, 1))).lower(params, gamma, x).compile(EXACT)
+        dots.append(compiled.as_text().count(" dot("))
+        results.append(compiled(params, gamma, x))
+    assert dots[0] == dots[1] > 0, dots
+    for a, b in zip(*(jax.tree_util.tree_leaves(r) for r in results), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

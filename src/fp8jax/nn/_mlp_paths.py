@@ -15,14 +15,12 @@ from .._ops import gated as _gated
 from .._ops import rows as _rows
 from ._elementwise import normalize
 from ._linear import Linear
+from ._remat import remat_policy
 
 FC1_OUT = _gated.FC1_OUT
 # `FusedMLP.recompute_input`'s region keeps fc1's output (or its FP8 copy), the FP8 weight
-# copies and the scalars (a policy that saved all but the named input copy would keep it
-# unnamed): the norm and the input's cast run again, not the GEMMs.
-_ALL_BUT_INPUT_COPY = jax.checkpoint_policies.save_only_these_names(
-    FC1_OUT, *_dot.SAVED_RESIDUAL_NAMES
-)
+# copies and the scalars: the norm and the input's cast run again, not the GEMMs.
+_ALL_BUT_INPUT_COPY = remat_policy(keep_inputs=False)
 
 
 def _gated_core_runs(mlp: eqx.Module, x) -> bool:

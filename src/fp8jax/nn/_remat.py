@@ -10,7 +10,7 @@ from typing import Callable
 import jax
 
 from .._ops import dot as _dot
-from ._mlp import FC1_OUT
+from .._ops.gated import FC1_OUT
 
 __all__ = ["remat_policy", "SAVED_NAMES"]
 
@@ -18,7 +18,9 @@ __all__ = ["remat_policy", "SAVED_NAMES"]
 SAVED_NAMES = (_dot.INPUT_RESIDUAL, *_dot.SAVED_RESIDUAL_NAMES, FC1_OUT)
 
 
-def remat_policy(*extra_names: str, keep_fc1_out: bool = True) -> Callable:
+def remat_policy(
+    *extra_names: str, keep_fc1_out: bool = True, keep_inputs: bool = True
+) -> Callable:
     """A ``jax.checkpoint`` policy (``jax.checkpoint(block, policy=fp8jax.remat_policy())``)
     that saves the FP8 GEMMs' operand copies and scales and `FusedMLP`'s fc1 output, and
     recomputes the rest of the region. The values, gradients and FP8 state are those of the
@@ -35,11 +37,19 @@ def remat_policy(*extra_names: str, keep_fc1_out: bool = True) -> Callable:
             most of what the policy keeps; its e4m3 copy and scale with ``fc1_out_fp8``).
             False recomputes it from the kept FP8 copies (fc1's forward GEMM runs again in
             the backward): less memory for one more GEMM.
+        keep_inputs: keep the FP8 GEMMs' input copies. False recomputes them from the
+            region's inputs: for a region from a norm (or any cheap op) to the GEMMs it
+            feeds, whose input the norm's backward keeps anyway, the backward runs the norm
+            and the cast again and no GEMM (``fp8jax-train --remat lean``; `FusedMLP`'s
+            ``recompute_input``). A region whose GEMM input comes from another GEMM would
+            run that GEMM again.
 
     Returns:
         The policy, for ``jax.checkpoint(..., policy=...)``.
     """
     if not all(isinstance(n, str) for n in extra_names):
         raise TypeError(f"remat_policy: names must be strings, got {extra_names!r}.")
-    names = SAVED_NAMES if keep_fc1_out else tuple(n for n in SAVED_NAMES if n != FC1_OUT)
+    drop = set() if keep_fc1_out else {FC1_OUT}
+    drop |= set() if keep_inputs else {_dot.INPUT_RESIDUAL}
+    names = tuple(n for n in SAVED_NAMES if n not in drop)
     return jax.checkpoint_policies.save_only_these_names(*names, *extra_names)

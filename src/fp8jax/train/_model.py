@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._guard import enter_tree
-from .._ops.dot import INPUT_RESIDUAL, SAVED_RESIDUAL_NAMES
+from .._ops.dot import INPUT_RESIDUAL
 from .._state import OverwriteWithGradient
 from ..distributed import sequence_sharding
 from ..nn._attention import DotProductAttention
@@ -158,8 +158,8 @@ class Attention(eqx.Module):
 
 
 # `RECOMPUTE_INPUT`'s qkv region keeps the FP8 weight copies and scalars only: the norm and
-# the input's cast run again (a policy that saved all but the named copy would keep it unnamed).
-_WEIGHTS_ONLY = jax.checkpoint_policies.save_only_these_names(*SAVED_RESIDUAL_NAMES)
+# the input's cast run again.
+_WEIGHTS_ONLY = remat_policy(keep_inputs=False, keep_fc1_out=False)
 
 
 def _norm_qkv(norm, qkv, x):
