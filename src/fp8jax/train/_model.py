@@ -32,8 +32,8 @@ LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (the 8b preset's vocabulary size)
 REMAT = ("none", "lean", "fc1-fp8", "fp8", "fp8-store", "fp8-min", "full")
 # The choices that keep fc1's output in FP8 (`FusedMLP.fc1_out_fp8`).
 FC1_OUT_FP8 = ("fc1-fp8", "fp8-store")
-# The choices that keep no FP8 copy of a norm's output (`Attention.recompute_input`,
-# `FusedMLP.recompute_input`): the norm and its cast run again in the backward.
+# The choices that keep no FP8 copy of a norm's output (`Attention.__call__`'s and
+# `FusedMLP`'s ``recompute_input``): the norm and its cast run again in the backward.
 RECOMPUTE_INPUT = ("lean", "fc1-fp8")
 # ``--remat auto`` (the trainer's default): the first of `AUTO_ORDER`, in order, whose compiled
 # step fits the device's memory (`fp8jax.train._memory.choose_remat`); the model is built with
