@@ -336,3 +336,55 @@ def test_guardless_state_still_runs():
     model, s = fp8jax.optax_step(opt, model, grads, s)
     assert np.isfinite(float(_loss(model, *_data(1))))
     assert fp8jax.check_state(model) is None
+
+
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_usual_loop_fails_on_the_gated_mlp_core_too(mode, monkeypatch):
+    """`FusedMLP` on its gated core (what runs on Hopper; here with its plain-JAX activation)
+    checks its linears' guards as `fp8jax.Fp8DotGeneral` does: the usual loop (plain Adam,
+    which a zero guard gradient would not move) gives a NaN loss or an error from the second
+    step (before, the core never read its guards and the loop trained the state silently);
+    `fp8jax.optax_step` keeps the guards cycling."""
+    from fp8jax._kernels.gated_activation import tuning
+    from fp8jax.nn import _mlp_paths
+
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+    mlp = fp8jax.nn.FusedMLP(64, 128, residual=True, fp8=False, key=jax.random.PRNGKey(0))
+    mlp = fp8jax.fp8_linear_layers(mlp, CFG)
+    x = jax.random.normal(jax.random.PRNGKey(1), (256, 64), jnp.bfloat16)
+    opt = optax.adam(1e-3)
+
+    def loss(m):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    @eqx.filter_jit
+    def usual(m, s):
+        value, grads = eqx.filter_value_and_grad(loss)(m)
+        updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_inexact_array))
+        return eqx.apply_updates(m, updates), s, value
+
+    @eqx.filter_jit
+    def supported(m, s):
+        value, grads = eqx.filter_value_and_grad(loss)(m)
+        m, s = fp8jax.optax_step(opt, m, grads, s)
+        return m, s, value
+
+    with tuning(activation="xla"):
+        assert _mlp_paths._gated_core_runs(mlp, x)
+        m, s = mlp, opt.init(fp8jax.trainable(mlp))
+        guards = []
+        for _ in range(3):
+            m, s, value = supported(m, s)
+            assert np.isfinite(float(value))
+            guards.append(float(m.fc1.dot_general.guard[0]))
+        assert len(set(guards)) == 3, guards  # cycling
+        m, s = mlp, opt.init(eqx.filter(mlp, eqx.is_inexact_array))
+        m, s, value = usual(m, s)  # the first step runs: the state is still valid
+        assert np.isfinite(float(value))
+        if mode == "nan":
+            assert np.isnan(float(usual(m, s)[2]))
+            with pytest.raises(ValueError, match="changed by an optimizer"):
+                fp8jax.check_state(usual(m, s)[0])
+        else:
+            with pytest.raises(Exception, match="fp8jax.optax_step"):
+                jax.block_until_ready(usual(m, s)[2])

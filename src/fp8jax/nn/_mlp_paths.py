@@ -9,7 +9,7 @@ import functools
 import equinox as eqx
 import jax
 
-from .. import _guard, _state
+from .. import _guard
 from .._ops import dot as _dot
 from .._ops import gated as _gated
 from .._ops import rows as _rows
@@ -91,14 +91,11 @@ def _core_call(mlp: eqx.Module, x):
         _row_split(mlp),
         mlp.fc1_out_fp8,
     )
-    y = _gated.gated_mlp(
-        spec,
-        x2,
-        fc1.weight,
-        _state.enter(fc1.dot_general.state()),
-        fc2.weight,
-        _state.enter(fc2.dot_general.state()),
-    )
+    # Each linear's state with its guard, as `fp8jax.Fp8DotGeneral` takes it: checked, cycled
+    # through the gradient, and (FP8JAX_GUARD=nan) a NaN output where an optimizer moved it
+    (state1, poison1), (state2, poison2) = map(_guard.op_state, (fc1.dot_general, fc2.dot_general))
+    y = _gated.gated_mlp(spec, x2, fc1.weight, state1, fc2.weight, state2)
+    y = _guard.add_poison(_guard.add_poison(y, poison1), poison2)
     y = y.reshape(*x.shape[:-1], fc2.out_features)
     return y + x.astype(y.dtype) if mlp.residual else y
 
