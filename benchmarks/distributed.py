@@ -31,7 +31,9 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
 memory analysis: temporaries + arguments + outputs, against the GPU's ``bytes_limit`` or
 ``--memory-limit-gb``), by compiling only: doubling, then bisecting. FP8 keeps its GEMM
 inputs for the backward in one byte instead of two, so it fits a larger batch where
-activations dominate.
+activations dominate. ``--max-batch-from N`` starts the search at N. A search cut short
+(Ctrl-C, or SIGTERM from ``timeout`` once the current compile returns) still writes its row:
+``max_batch`` is then the largest batch that fit so far, and ``max_batch_complete`` is False.
 
     python -m benchmarks.distributed --preset 1b              # 1 GPU: a mesh of one
     python -m benchmarks.distributed --mesh data=2,fsdp=4     # 8 devices
@@ -50,6 +52,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -102,6 +105,7 @@ OPTIONAL_FIELDS = (
     "next_mem_mb",
     "memory_limit_gb",
     "compiles",
+    "max_batch_complete",  # False: the search was cut (a timeout): max_batch is a lower bound
     "time_breakdown_ms",  # GPU: where the step's time goes (`comm_profile.breakdown_ms`)
 )
 MAX_BATCH_STEPS = 2**16  # --max-batch gives up above this many sequences per rank
@@ -242,9 +246,9 @@ def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) 
     of ``dp`` (``--max-batch-from``: near the answer, fewer of the slow large compiles).
 
     Returns:
-        ``max_batch`` (0: not even ``dp`` fits), its ``max_batch_mem_mb``,
-        ``next_mem_mb`` (of ``max_batch + dp``, which does not fit) and the number of
-        ``compiles``.
+        `search_row`'s fields: ``max_batch`` (0: not even ``dp`` fits), its
+        ``max_batch_mem_mb``, ``next_mem_mb`` (of ``max_batch + dp``, which does not fit),
+        the number of ``compiles`` and ``max_batch_complete``.
     """
     step, params, opt_state, _ = build_step(run, precision, mesh)
     sharding, dp = batch_sharding(mesh), mesh.shape["data"] * mesh.shape["fsdp"]
@@ -258,13 +262,45 @@ def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) 
             raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
         return nbytes
 
-    fit, over, found = search_batch(compiled, dp, limit_bytes, start)
+    return search_row(compiled, dp, limit_bytes, start)
+
+
+class SearchCut(Exception):
+    """`search_batch` interrupted (Ctrl-C; SIGTERM, as ``timeout`` sends it, under
+    ``--max-batch``): what it had found (``fit``, ``over``: None where nothing was over yet,
+    ``found``)."""
+
+    def __init__(self, fit: int, over: int | None, found: dict[int, int]):
+        super().__init__(f"--max-batch: cut after {len(found)} compiles: at least {fit} fit")
+        self.fit, self.over, self.found = fit, over, found
+
+
+def search_row(nbytes, dp: int, limit: int, start: int | None = None) -> dict:
+    """`search_batch` as a record's fields. A search that was cut (`SearchCut`) still gives
+    its row, with ``max_batch`` the largest batch that fit so far (a lower bound) and
+    ``max_batch_complete`` False: a long probe cut by a timeout keeps what it measured."""
+    try:
+        (fit, over, found), complete = search_batch(nbytes, dp, limit, start), True
+    except SearchCut as cut:
+        print(cut, flush=True)
+        fit, over, found, complete = cut.fit, cut.over, cut.found, False
     return dict(
         max_batch=fit,
         max_batch_mem_mb=found[fit] / 2**20 if fit else None,
-        next_mem_mb=found[over] / 2**20,
+        next_mem_mb=None if over is None else found[over] / 2**20,
         compiles=len(found),
+        max_batch_complete=complete,
     )
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (``timeout``'s signal) raises KeyboardInterrupt in this process, once the
+    current compile returns: a cut ``--max-batch`` search then writes its row."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def search_batch(
@@ -285,7 +321,10 @@ def search_batch(
     fit, over, bisected = 0, None, False
     while True:
         width = None if over is None else over - fit
-        fit, over = (batch, over) if fits(batch) else (fit, batch)
+        try:
+            fit, over = (batch, over) if fits(batch) else (fit, batch)
+        except KeyboardInterrupt:
+            raise SearchCut(fit, over, dict(found)) from None
         if over is not None and over - fit <= dp:  # over == dp: not even dp fits
             return fit, over, found
         bisected = width is not None and not bisected and 2 * (over - fit) > width
@@ -382,6 +421,12 @@ def probe_variant(run, precision, sizes, devices, limit_bytes: int, start=None) 
     return dict(params=params, variant=precision, memory_limit_gb=limit_bytes / 2**30, **row)
 
 
+def _max_batch_cell(row: dict) -> str:
+    """``max_batch``, ``>= max_batch`` where the search was cut (a lower bound)."""
+    cut = row.get("max_batch_complete") is False
+    return (">= " if cut else "") + str(row["max_batch"])
+
+
 def max_batch_table(rows) -> str:
     limit = rows[0]["memory_limit_gb"] if rows else None
     return "\n".join(
@@ -391,7 +436,7 @@ def max_batch_table(rows) -> str:
             f"mesh (limit {common.fmt(limit, '.3g')} GiB)",
             lambda r: r["params"]["mesh"],
             [
-                ("max batch", lambda r: str(r["max_batch"])),
+                ("max batch", _max_batch_cell),
                 ("its MiB", lambda r: common.fmt(r.get("max_batch_mem_mb"), ".1f")),
                 ("next MiB", lambda r: common.fmt(r.get("next_mem_mb"), ".1f")),
                 ("compiles", lambda r: str(r.get("compiles"))),
@@ -527,6 +572,7 @@ def main(argv=None):
     preset = "quick" if args.quick else args.preset
     if args.max_batch:
         limit = memory_limit(args.memory_limit_gb)
+        interrupt_on_sigterm()
 
         def probe_one(precision):
             row = probe_variant(run, precision, sizes, devices, limit, args.max_batch_from)

@@ -93,7 +93,14 @@ RECORD_FIELDS = (
     "tokens_per_s_vs_none",
     "compile_s",
 )
-OPTIONAL_FIELDS = ("max_batch", "max_batch_mem_mb", "next_mem_mb", "memory_limit_gb", "compiles")
+OPTIONAL_FIELDS = (
+    "max_batch",
+    "max_batch_mem_mb",
+    "next_mem_mb",
+    "memory_limit_gb",
+    "compiles",
+    "max_batch_complete",
+)
 
 
 def mesh_of(text: str | None):
@@ -122,14 +129,8 @@ def probe_max_batch(trainer, run, mesh, limit_bytes: int, start: int | None = No
             raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
         return found
 
-    fit, over, found = distributed.search_batch(nbytes, dp, limit_bytes, start)
-    return dict(
-        max_batch=fit,
-        max_batch_mem_mb=found[fit] / 2**20 if fit else None,
-        next_mem_mb=found[over] / 2**20,
-        memory_limit_gb=limit_bytes / 2**30,
-        compiles=len(found),
-    )
+    row = distributed.search_row(nbytes, dp, limit_bytes, start)
+    return dict(row, memory_limit_gb=limit_bytes / 2**30)
 
 
 def measure(
@@ -292,6 +293,8 @@ def main(argv=None):
         # nothing on it (set before JAX's backend starts).
         os.environ[PREALLOCATE] = "false"
         _ours.add(PREALLOCATE)
+    if args.max_batch and args.child:  # a cut search (a timeout) still prints its row
+        distributed.interrupt_on_sigterm()
     if args.max_batch and args.memory_limit_gb is None and not common.on_gpu():
         p.error("--max-batch on a CPU needs --memory-limit-gb")
     if args.memory_limit_gb is not None and not args.memory_limit_gb > 0:

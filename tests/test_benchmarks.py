@@ -467,6 +467,36 @@ def test_distributed_max_batch_search_matches_a_linear_scan():
                     assert search_batch(nbytes, dp, limit, start)[:2] == (best, best + dp)
 
 
+def test_distributed_max_batch_cut_keeps_what_it_found():
+    """A search interrupted (Ctrl-C, or SIGTERM from ``timeout`` under ``--max-batch``) still
+    gives its row: the largest batch that fit so far (a lower bound), marked incomplete."""
+    import os
+    import signal
+
+    from benchmarks.distributed import interrupt_on_sigterm, search_row
+
+    def nbytes(batch, calls=[]):  # noqa: B006 (counts the compiles)
+        calls.append(batch)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return 1000 + 50 * batch
+
+    row = search_row(nbytes, 8, 40_000)
+    assert row["max_batch_complete"] is False and row["compiles"] == 2, row
+    assert row["max_batch"] == 16 and row["next_mem_mb"] is None, row  # 8 and 16 fit
+    full = search_row(lambda b: 1000 + 50 * b, 8, 40_000)
+    assert full["max_batch_complete"] is True and full["max_batch"] == 776, full
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        interrupt_on_sigterm()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10**7):  # the handler runs between bytecodes
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_distributed_max_batch_needs_a_memory_limit_on_cpu(capsys):
     from benchmarks import distributed
 
