@@ -98,14 +98,20 @@ RECORD_FIELDS = (
     "saved_residual_mb",
     "saved_residuals",
 )
-# Fields only some records have (written where a row has them): ``--max-batch``'s.
-OPTIONAL_FIELDS = (
+# A ``--max-batch`` row's fields (`search_row`'s and the limit), here and in
+# `benchmarks.memory`; ``max_batch_complete`` False: the search was cut (a timeout), so
+# ``max_batch`` is a lower bound.
+MAX_BATCH_FIELDS = (
     "max_batch",
     "max_batch_mem_mb",
     "next_mem_mb",
     "memory_limit_gb",
     "compiles",
-    "max_batch_complete",  # False: the search was cut (a timeout): max_batch is a lower bound
+    "max_batch_complete",
+)
+# Fields only some records have (written where a row has them).
+OPTIONAL_FIELDS = (
+    *MAX_BATCH_FIELDS,
     "time_breakdown_ms",  # GPU: where the step's time goes (`comm_profile.breakdown_ms`)
 )
 MAX_BATCH_STEPS = 2**16  # --max-batch gives up above this many sequences per rank
@@ -253,16 +259,28 @@ def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) 
     step, params, opt_state, _ = build_step(run, precision, mesh)
     sharding, dp = batch_sharding(mesh), mesh.shape["data"] * mesh.shape["fsdp"]
 
-    def compiled(batch: int) -> int:
+    def compiled(batch: int):
+        spec = jax.ShapeDtypeStruct((batch, run.model.seq + 1), np.int32, sharding=sharding)
+        return step.lower(params, opt_state, spec).compile()
+
+    return search_row(batch_bytes(compiled, dp), dp, limit_bytes, start)
+
+
+def batch_bytes(compile_batch, dp: int):
+    """``batch -> bytes`` for `search_row`: `compiled_bytes` of ``compile_batch(batch)``
+    (the step compiled for that global batch; the donated state counted once). It gives up
+    above `MAX_BATCH_STEPS` sequences per rank and where the backend has no memory
+    analysis."""
+
+    def nbytes(batch: int) -> int:
         if batch > dp * MAX_BATCH_STEPS:
             raise RuntimeError(f"--max-batch: {batch} sequences would fit; raise the limit")
-        spec = jax.ShapeDtypeStruct((batch, run.model.seq + 1), np.int32, sharding=sharding)
-        nbytes = compiled_bytes(step.lower(params, opt_state, spec).compile(), donated=True)
-        if nbytes is None:
+        found = compiled_bytes(compile_batch(batch), donated=True)
+        if found is None:
             raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
-        return nbytes
+        return found
 
-    return search_row(compiled, dp, limit_bytes, start)
+    return nbytes
 
 
 class SearchCut(Exception):

@@ -60,7 +60,7 @@ import numpy as np
 
 from benchmarks import common, distributed
 from fp8jax.train import _cli as cli
-from fp8jax.train._memory import allocator_peak_bytes, compiled_bytes
+from fp8jax.train._memory import allocator_peak_bytes
 from fp8jax.train._mesh import (
     AXES,
     batch_size_per_shard,
@@ -93,14 +93,7 @@ RECORD_FIELDS = (
     "tokens_per_s_vs_none",
     "compile_s",
 )
-OPTIONAL_FIELDS = (
-    "max_batch",
-    "max_batch_mem_mb",
-    "next_mem_mb",
-    "memory_limit_gb",
-    "compiles",
-    "max_batch_complete",
-)
+OPTIONAL_FIELDS = distributed.MAX_BATCH_FIELDS
 
 
 def mesh_of(text: str | None):
@@ -119,17 +112,12 @@ def probe_max_batch(trainer, run, mesh, limit_bytes: int, start: int | None = No
     ``limit_bytes`` per device, by compiling only, from ``start`` (``--max-batch-from``)."""
     dp = 1 if mesh is None else batch_size_per_shard(mesh)
 
-    def nbytes(batch: int) -> int:
-        if batch > dp * distributed.MAX_BATCH_STEPS:
-            raise RuntimeError(f"--max-batch: {batch} sequences would fit; raise the limit")
+    def compiled(batch: int):
         shape = (batch, run.model.seq + 1)
         spec = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.batch_sharding)
-        found = compiled_bytes(trainer.lower(spec).compile(), donated=True)
-        if found is None:
-            raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
-        return found
+        return trainer.lower(spec).compile()
 
-    row = distributed.search_row(nbytes, dp, limit_bytes, start)
+    row = distributed.search_row(distributed.batch_bytes(compiled, dp), dp, limit_bytes, start)
     return dict(row, memory_limit_gb=limit_bytes / 2**30)
 
 

@@ -366,6 +366,16 @@ def test_gated_mlp_core_runs_its_kernels_with_six_fp8_gemms(key, activation, mon
     assert sqnr_db(g_kernel.fc2.weight, g_xla.fc2.weight) >= 30.0
 
 
+def _core_mlp_case(key, **kw):
+    """A swiglu `FusedMLP` (512 -> 1024, rmsnorm, residual, bf16) on the core's path, its
+    input ``x [2, 1024, 512]`` and the loss's projection ``c``; ``kw``: more options."""
+    mlp = fp8jax.nn.FusedMLP(512, 1024, activation="swiglu", norm="rmsnorm", residual=True,
+                             dtype=jnp.bfloat16, config=ALL, key=key, **kw)  # fmt: skip
+    x = normal(key, (2, 1024, 512), jnp.bfloat16)
+    c = normal(jax.random.fold_in(key, 1), (2, 1024, 512), jnp.float32)
+    return mlp, x, c
+
+
 def test_gated_mlp_core_keeps_fc1_out_in_fp8(key):
     """`FusedMLP(fc1_out_fp8=True)` on Hopper: the core (its kernels, six FP8 GEMMs) keeps fc1's
     output as e4m3 and a scale; the loss is the option-off step's, the gradients close to its
@@ -373,11 +383,8 @@ def test_gated_mlp_core_keeps_fc1_out_in_fp8(key):
     norm weight 23.2 at the least over three keys)."""
     from fp8jax.nn import _mlp as mlp_module
 
-    mlp = fp8jax.nn.FusedMLP(512, 1024, activation="swiglu", norm="rmsnorm", residual=True, dtype=jnp.bfloat16,
-                             config=ALL, key=key)
+    mlp, x, c = _core_mlp_case(key)
     stored = mlp.with_fc1_out_fp8(True)
-    x = normal(key, (2, 1024, 512), jnp.bfloat16)
-    c = normal(jax.random.fold_in(key, 1), (2, 1024, 512), jnp.float32)
     assert mlp_module._gated_core_runs(stored, x)
     fp8jax.assert_fp8(_step, stored, x, c, expected=6)
     report = fp8jax.residuals_report(lambda m, x: jnp.sum(m(x).astype(jnp.float32) * c), stored, x)
@@ -400,11 +407,8 @@ def test_gated_mlp_core_recomputes_its_input_copy(key, fc1_out_fp8):
     from fp8jax._ops import dot
     from fp8jax.nn import _mlp as mlp_module
 
-    mlp = fp8jax.nn.FusedMLP(512, 1024, activation="swiglu", norm="rmsnorm", residual=True,
-                             dtype=jnp.bfloat16, config=ALL, fc1_out_fp8=fc1_out_fp8, key=key)
+    mlp, x, c = _core_mlp_case(key, fc1_out_fp8=fc1_out_fp8)
     lean = mlp.with_recompute_input(True)
-    x = normal(key, (2, 1024, 512), jnp.bfloat16)
-    c = normal(jax.random.fold_in(key, 1), (2, 1024, 512), jnp.float32)
     assert mlp_module._gated_core_runs(lean, x)
     fp8jax.assert_fp8(_step, lean, x, c, expected=6)
     report = fp8jax.residuals_report(lambda m, x: jnp.sum(m(x).astype(jnp.float32) * c), lean, x)

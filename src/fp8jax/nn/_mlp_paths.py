@@ -106,13 +106,11 @@ def _stores_fp8(mlp: eqx.Module) -> bool:
 
 
 def _policy(mlp: eqx.Module):
-    """Save fc1's output and the GEMMs' FP8 weights/scales; recompute the norm, the
-    activation and the FP8 input copies (elementwise, fused into passes that run anyway).
-    With fc1's output in FP8 the input copies are kept too: fc2's would be recomputed from
-    the bf16 output, whose GEMM would run again."""
-    inputs = (_dot.INPUT_RESIDUAL,) if _stores_fp8(mlp) else ()
-    names = (FC1_OUT, *inputs, *_dot.SAVED_RESIDUAL_NAMES)
-    return jax.checkpoint_policies.save_only_these_names(*names)
+    """`remat_policy`: save fc1's output and the GEMMs' FP8 weights/scales; recompute the
+    norm, the activation and the FP8 input copies (elementwise, fused into passes that run
+    anyway). With fc1's output in FP8 the input copies are kept too: fc2's would be
+    recomputed from the bf16 output, whose GEMM would run again."""
+    return remat_policy(keep_inputs=_stores_fp8(mlp))
 
 
 def _checkpointed_call(mlp: eqx.Module, x):
