@@ -244,7 +244,13 @@ def _weight_gemm(spec: Spec, x_data, x_scale, w3, state, sw, sg):
     # Per-tensor: scale_t is scale. Row/block-wise: each layout has its own scales.
     sw_nk, sw_kn = (w.scale_t, w.scale) if spec.rhs_k_first else (w.scale, w.scale_t)
     t = spec.rhs_k_first  # w_nk is w3's transpose
-    w_nk = _fsdp(spec, _fsdp(spec, w_nk, t, False), t, True)
+    w_nk = _fsdp(spec, w_nk, t, False)
+    if spec.w_shardings and recipe.per_tensor_scale:
+        # The kept copy is the pinned shard transposed (the same bits: one scale). From the
+        # cast's unpinned output XLA transposed the gathered copy and sliced its shard in the
+        # backward, holding every layer's gathered copy to it (8b fsdp=4: 1.3 GB a device).
+        w_kn = jnp.swapaxes(w_nk, 1, 2)
+    w_nk = _fsdp(spec, w_nk, t, True)
     w_kn = _fsdp(spec, w_kn, not t, False)
     # Sequence parallel: a column-parallel layer all-gathers its FP8 input's tokens; a
     # row-parallel one reduce-scatters its output. Identities without it.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -89,8 +90,9 @@ def check_batch(batch: int, mesh: Mesh) -> None:
 
 def place_model(model, mesh: Mesh, sequence_parallel: bool = False, tp_overlap: str = "none"):
     """``model`` on ``mesh``: linear weights sharded over ``fsdp`` (FP8 layers then
-    all-gather FP8) and, with a ``tensor`` axis > 1, the attention and dense MLP split
-    Megatron-style; everything else (embedding, norms, FP8 state) replicated. With
+    all-gather FP8), the embedding too (`shard_embedding`) and, with a ``tensor`` axis > 1,
+    the attention and dense MLP split Megatron-style; everything else (norms, FP8 state)
+    replicated. With
     ``sequence_parallel`` the residual stream's tokens are split over ``tensor`` too
     (`check_sequence_parallel` says when it applies), moved as ``tp_overlap`` says
     (`fp8jax.shard_model`)."""
@@ -107,9 +109,22 @@ def place_model(model, mesh: Mesh, sequence_parallel: bool = False, tp_overlap: 
         batch_axes=BATCH_AXES,
         tp_overlap=tp_overlap,
     )
+    model = eqx.tree_at(lambda m: m.embed, model, shard_embedding(model.embed, mesh))
     if not sequence_parallel:
         return model
     return model.with_token_split((mesh, BATCH_AXES, "tensor"))
+
+
+def shard_embedding(embed: jax.Array, mesh: Mesh) -> jax.Array:
+    """``embed`` (``[vocab, dim]``) split over the mesh's ``fsdp`` axis along ``vocab`` (as
+    the head's weight is), else along ``dim``, whichever the axis divides; replicated
+    where neither or ``fsdp`` is 1. Replicated, its float32 rows and their two AdamW moments
+    cost each device ``12 * vocab * dim`` bytes: 6.3 GB of the 8b preset's 128,256 x 4,096
+    (benchmarks/RESULTS.md, twenty-fifth session); the lookup's gathers are XLA's."""
+    n = mesh.shape.get("fsdp", 1)
+    vocab, dim = embed.shape
+    spec = P("fsdp", None) if vocab % n == 0 else P(None, "fsdp") if dim % n == 0 else P()
+    return jax.device_put(embed, NamedSharding(mesh, P() if n == 1 else spec))
 
 
 def check_sequence_parallel(run, mesh: Mesh | None) -> None:
