@@ -67,6 +67,7 @@ from fp8jax.train._mesh import (
     default_mesh,
     make_mesh,
     parse_mesh,
+    place_model,
 )
 from fp8jax.train._model import REMAT
 
@@ -128,6 +129,8 @@ def measure(
     ``precision`` on ``mesh``; its memory, residuals and speed (and ``max_batch`` when
     ``limit_bytes`` is given)."""
     model = cli.build_model(run, precision)
+    if mesh is not None:  # as `fp8jax-train`: placed, the unplaced arrays freed, first
+        model = place_model(model, mesh, run.sequence_parallel, run.tp_overlap)
     trainer = cli.Trainer(
         model, cli.make_optimizer(run), mesh, run.sequence_parallel, run.tp_overlap
     )

@@ -18,6 +18,7 @@ import pytest
 
 from fp8jax import distributed
 from fp8jax.train import _cli as cli, _loop as loop
+from fp8jax.train import _trainer as trainer_module
 from fp8jax.train._trainer import Trainer
 from fp8jax.train._checkpoint import restore_checkpoint
 from fp8jax.train._data import load_corpus
@@ -124,6 +125,38 @@ def test_embedding_and_its_moments_are_split_over_fsdp():
     assert shard_embedding(odd, make_mesh(parse_mesh("data=8"))).sharding.spec == P()
     neither = shard_embedding(jnp.ones((258, 66)), make_mesh(parse_mesh("fsdp=8")))
     assert neither.sharding.spec == P()
+
+
+def test_unplaced_model_is_freed_before_the_optimizer_state(monkeypatch, tmp_path):
+    """On a mesh the trainer builds the whole float32 model on one device, then places it:
+    the unplaced arrays must be gone before the optimizer state is made (8b fsdp=4: they
+    held device 0 at 55 GB where the step needs 46; benchmarks/RESULTS.md, twenty-fifth
+    session). Device 0's live bytes when `_init_sharded` runs, against the model's."""
+    run = dataclasses.replace(cli.run_config(cli.parse_args(ARGS)), steps=1)
+    dev0 = jax.devices()[0]
+
+    def on_dev0() -> int:
+        return sum(
+            s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards
+            if s.device == dev0
+        )  # fmt: skip
+
+    seen = []
+    init = trainer_module._init_sharded
+
+    def watched(optimizer, params, mesh):
+        seen.append(on_dev0())
+        return init(optimizer, params, mesh)
+
+    monkeypatch.setattr(trainer_module, "_init_sharded", watched)
+    model_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cli.build_model(run, "fp8")))
+    before = on_dev0()
+    corpus = load_corpus(max_bytes=300_000)
+    mesh = make_mesh(parse_mesh("fsdp=8"))
+    loop.train(run, "fp8", corpus, tmp_path / "run", quiet=True, tensorboard=False, mesh=mesh)
+    assert seen, "the trainer made no sharded optimizer state"
+    # placed: an eighth of the weights and the replicated norms and FP8 state
+    assert seen[0] - before < 0.5 * model_bytes, (seen[0] - before, model_bytes)
 
 
 def test_tensor_axis_places_megatron_split():
