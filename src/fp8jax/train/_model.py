@@ -299,6 +299,15 @@ def remat_block(block, remat: str):
     return jax.checkpoint(block, policy=policy)
 
 
+@eqx.filter_jit
+def _init_blocks(cfg: ModelConfig, keys) -> "Block":
+    """The stacked blocks, initialised in one compiled program: the same values as eager
+    `eqx.filter_vmap`, without its full-size temporaries (random bits, unscaled draws) held
+    op by op (8b: device 0 peaked at 55 GB building a 31 GB model; benchmarks/RESULTS.md,
+    twenty-fifth session)."""
+    return eqx.filter_vmap(lambda k: Block(cfg, key=k))(keys)
+
+
 class Transformer(eqx.Module):
     embed: Float[Array, "vocab dim"]
     blocks: Block  # stacked: every array has a leading [layers] dim
@@ -336,7 +345,7 @@ class Transformer(eqx.Module):
             ke, kb, kh = jax.random.split(key, 3)
             parts = (
                 jax.random.normal(ke, (cfg.vocab, cfg.dim)) * 0.02,
-                eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kb, cfg.layers)),
+                _init_blocks(cfg, jax.random.split(kb, cfg.layers)),
                 jnp.ones((cfg.dim,)),
                 eqx.nn.Linear(cfg.dim, cfg.vocab, use_bias=False, key=kh),
             )
