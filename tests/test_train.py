@@ -354,6 +354,8 @@ def test_8b_preset_is_llama3_8b_shaped():
     assert (model.dim, model.layers, model.ffn, model.heads, model.kv_heads) == (4096, 32, 14336, 32, 8)
     assert model.non_embedding_params() == pytest.approx(6.98e9, rel=1e-3)
     assert model.vocab == 128256  # LLaMA-3's tokenizer (issue 48)
+    # unrolled as the other GPU presets: rolled, its FSDP bf16 step took 40% longer (issue 48)
+    assert model.scan_unroll == model.layers
 
 
 def test_vocab_sizes_embedding_and_head_and_fp8_head_converts_the_head():

@@ -59,6 +59,29 @@ def _layers(model: Any) -> list[tuple[str, Any]]:
     return [(_path_str(p), x) for p, x in flat if is_layer(x)]
 
 
+def _embedding_tables(model: Any) -> list:
+    """The weights of ``model``'s `eqx.nn.Embedding` layers."""
+    is_emb = lambda x: isinstance(x, eqx.nn.Embedding)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_emb)
+    return [x.weight for x in leaves if is_emb(x) and eqx.is_array(x.weight)]
+
+
+def _embedding_spec(shape: tuple, mesh: Mesh, fsdp_axis: str | None) -> tuple:
+    """PartitionSpec entries of an embedding table ``[*stack, vocab, dim]``'s last two dims:
+    split over ``fsdp_axis`` along ``vocab`` (as an LM head's weight is), else along ``dim``,
+    whichever the axis divides; whole where neither does or there is no such axis.
+    Replicated, a table and its two AdamW moments cost every device 12 bytes an entry in
+    float32 (LLaMA-3-8B's 128,256 x 4,096: 6.3 GB; benchmarks/RESULTS.md, twenty-fifth
+    session); the lookup's and its gradient's collectives are XLA's."""
+    n = _axis_size(mesh, fsdp_axis)
+    vocab, dim = shape[-2:]
+    if n == 1:
+        return (None, None)
+    return (
+        (fsdp_axis, None) if vocab % n == 0 else (None, fsdp_axis) if dim % n == 0 else (None, None)
+    )
+
+
 def _weight_spec(path, shape, mesh, fsdp_axis, tensor_axis, parallel, block=None) -> tuple:
     """PartitionSpec entries of a ``[*stack, out, in]`` weight (the last two dims).
     ``block``: the block-wise recipe's block size, which each shard should hold whole (else
@@ -120,8 +143,9 @@ def shard_model(
     tp_overlap: str = "none",
 ) -> Any:
     """``model`` with its arrays placed on ``mesh``: each linear weight sharded over
-    ``fsdp_axis`` along ``out`` where the axis divides it, else ``in`` (FSDP) and, for
-    layers whose dotted path matches
+    ``fsdp_axis`` along ``out`` where the axis divides it, else ``in`` (FSDP), each
+    `eqx.nn.Embedding` table along its vocabulary where the axis divides it, else its dim,
+    and, for layers whose dotted path matches
     ``column_parallel`` / ``row_parallel`` (names or fnmatch patterns), over
     ``tensor_axis`` along out / in (Megatron; a column-parallel bias too); everything
     else, the FP8 state included, replicated. ``expert_axis``: shard every
@@ -199,6 +223,9 @@ def shard_model(
         placements[id(w)] = NamedSharding(mesh, P(*stack, *spec))
         if layer.bias is not None:
             placements[id(layer.bias)] = NamedSharding(mesh, P(*stack, spec[0] if col else None))
+    for table in _embedding_tables(model):
+        spec = _embedding_spec(table.shape, mesh, fsdp_axis)
+        placements[id(table)] = NamedSharding(mesh, P(*(None,) * (table.ndim - 2), *spec))
     replicated = NamedSharding(mesh, P())
 
     def place(x):

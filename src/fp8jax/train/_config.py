@@ -58,7 +58,10 @@ PRESETS = {
     # 128,256-entry vocabulary (the embedding and head are 1.05B of the 8.0B parameters; byte
     # tokens use the first 256 rows, --tokenizer bpe all). A multi-GPU config (4x H200: --mesh
     # fsdp=4).
-    # The layer scan is kept rolled (32 unrolled layers compile slowly; not measured).
+    # The layer scan is unrolled as on the other GPU presets: rolled, the FSDP step ran bf16 at
+    # 1,083 ms and FP8 at 560 ms, unrolled 772 and 529 (4x H200, batch 8; benchmarks/RESULTS.md,
+    # twenty-fifth session). `benchmarks.distributed` compiles the unrolled step in about a
+    # minute.
     "8b": dict(
         model=ModelConfig(
             dim=4096,
@@ -69,6 +72,7 @@ PRESETS = {
             seq=4096,
             rope_base=500000.0,
             vocab=LLAMA3_VOCAB,
+            scan_unroll=32,
         ),
         batch=16,
         steps=1000,

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed import sequence_sharding, shard_model
+from ..distributed import _embedding_spec, sequence_sharding, shard_model
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over these; replicated over "tensor"
@@ -116,15 +116,11 @@ def place_model(model, mesh: Mesh, sequence_parallel: bool = False, tp_overlap: 
 
 
 def shard_embedding(embed: jax.Array, mesh: Mesh) -> jax.Array:
-    """``embed`` (``[vocab, dim]``) split over the mesh's ``fsdp`` axis along ``vocab`` (as
-    the head's weight is), else along ``dim``, whichever the axis divides; replicated
-    where neither or ``fsdp`` is 1. Replicated, its float32 rows and their two AdamW moments
-    cost each device ``12 * vocab * dim`` bytes: 6.3 GB of the 8b preset's 128,256 x 4,096
-    (benchmarks/RESULTS.md, twenty-fifth session); the lookup's gathers are XLA's."""
-    n = mesh.shape.get("fsdp", 1)
-    vocab, dim = embed.shape
-    spec = P("fsdp", None) if vocab % n == 0 else P(None, "fsdp") if dim % n == 0 else P()
-    return jax.device_put(embed, NamedSharding(mesh, P() if n == 1 else spec))
+    """``embed`` (``[vocab, dim]``, the trainer's table: a plain array, not an
+    `eqx.nn.Embedding`) split over the mesh's ``fsdp`` axis as `fp8jax.shard_model` splits
+    an embedding (`fp8jax.distributed._embedding_spec`)."""
+    spec = _embedding_spec(embed.shape, mesh, "fsdp")
+    return jax.device_put(embed, NamedSharding(mesh, P(*spec)))
 
 
 def check_sequence_parallel(run, mesh: Mesh | None) -> None:
