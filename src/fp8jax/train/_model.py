@@ -301,10 +301,11 @@ def remat_block(block, remat: str):
 
 @eqx.filter_jit
 def _init_blocks(cfg: ModelConfig, keys) -> "Block":
-    """The stacked blocks, initialised in one compiled program: the same values as eager
-    `eqx.filter_vmap`, without its full-size temporaries (random bits, unscaled draws) held
-    op by op (8b: device 0 peaked at 55 GB building a 31 GB model; benchmarks/RESULTS.md,
-    twenty-fifth session)."""
+    """The stacked blocks, initialised in one compiled program, without the full-size
+    temporaries (random bits, unscaled draws) eager `eqx.filter_vmap` holds op by op (8b:
+    device 0 peaked at 55 GB building a 31 GB model; benchmarks/RESULTS.md, twenty-fifth
+    session). The same values as eager, but for the MoE router's normal draws, which XLA's
+    fusion rounds differently in the last bit (about 3e-8)."""
     return eqx.filter_vmap(lambda k: Block(cfg, key=k))(keys)
 
 
