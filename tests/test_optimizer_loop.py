@@ -388,3 +388,68 @@ def test_usual_loop_fails_on_the_gated_mlp_core_too(mode, monkeypatch):
         else:
             with pytest.raises(Exception, match="fp8jax.optax_step"):
                 jax.block_until_ready(usual(m, s)[2])
+
+
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_usual_loop_fails_on_an_fp8_attention_state(mode, monkeypatch):
+    """A model whose only FP8 part is attention: its `Fp8AttentionState` carries a guard as
+    `fp8jax.Fp8DotGeneral` does, so the usual loop gives a NaN loss or an error from the
+    second step (before, it trained the scales and histories silently); `fp8jax.optax_step`
+    keeps the guard cycling."""
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+
+    class Model(eqx.Module):
+        proj: eqx.nn.Linear
+        attn: fp8jax.nn.DotProductAttention
+
+        def __call__(self, x):  # x [B, T, 32] -> q = k = v, 2 heads of 16
+            h = jax.vmap(jax.vmap(self.proj))(x).reshape(x.shape[:2] + (2, 16))
+            return self.attn(h, h, h)
+
+    model = Model(
+        eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0)),
+        fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference"),
+    )
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 32))
+    opt = optax.adam(1e-3)
+
+    def loss(m):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    @eqx.filter_jit
+    def usual(m, s):
+        value, grads = eqx.filter_value_and_grad(loss)(m)
+        updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_inexact_array))
+        return eqx.apply_updates(m, updates), s, value
+
+    @eqx.filter_jit
+    def supported(m, s):
+        value, grads = eqx.filter_value_and_grad(loss)(m)
+        m, s = fp8jax.optax_step(opt, m, grads, s)
+        return m, s, value
+
+    m, s, guards = model, opt.init(fp8jax.trainable(model)), []
+    for _ in range(3):
+        m, s, value = supported(m, s)
+        assert np.isfinite(float(value))
+        guards.append(float(m.attn.state.guard[0]))
+    assert len(set(guards)) == 3, guards  # cycling
+    fp8jax.check_state(m)
+    m, s = model, opt.init(eqx.filter(model, eqx.is_inexact_array))
+    m, s, value = usual(m, s)  # the first step runs: the state is still valid
+    assert np.isfinite(float(value))
+    if mode == "nan":
+        assert np.isnan(float(usual(m, s)[2]))
+        with pytest.raises(ValueError, match="changed by an optimizer"):
+            fp8jax.check_state(usual(m, s)[0])
+    else:
+        with pytest.raises(Exception, match="fp8jax.optax_step"):
+            jax.block_until_ready(usual(m, s)[2])
+
+
+def test_attention_state_without_a_guard_still_runs():
+    """An `Fp8AttentionState` built before it had a guard (``guard=None``) runs unchecked."""
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference")
+    old = eqx.tree_at(lambda a: a.state.guard, attn, None, is_leaf=lambda x: x is None)
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 2, 16))
+    np.testing.assert_array_equal(old(q, q, q), attn(q, q, q))

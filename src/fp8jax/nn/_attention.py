@@ -35,7 +35,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .. import _checks as checks
-from .. import _state
+from .. import _guard, _state
 from .._config import Fp8Config, resolve_config
 from .._kernels import dispatch
 from .._ops import attention as _attention
@@ -64,6 +64,10 @@ class Fp8AttentionState(OverwriteWithGradient):
     amax_history: Float[Array, "*stack 10 history"]
     nonfinite_count: Float[Array, "*stack 1"]
     config: Fp8Config = eqx.field(static=True)
+    # Last: the three fields keep their leaf positions. The usual equinox loop (an optimizer
+    # over every inexact array) trains the state; its guard makes that loud (`fp8jax._guard`,
+    # as `fp8jax.Fp8DotGeneral`'s). None: unchecked (a state built before it had one).
+    guard: Float[Array, "*stack 1"] | None = None
 
     def __init__(self, config: Fp8Config | None = None, *, stack_shape: tuple[int, ...] = ()):
         config = resolve_config(config)
@@ -77,6 +81,7 @@ class Fp8AttentionState(OverwriteWithGradient):
         )
         self.nonfinite_count = jnp.zeros(stack_shape + (1,), jnp.float32)
         self.config = config
+        self.guard = _guard.init(stack_shape)
 
     def ran_mask(self) -> Array:
         """[*stack, 1]: which (stacked) states a step produced (scales are never 0)."""
@@ -327,9 +332,11 @@ def dot_product_attention(
     kv_len = (
         None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths, jnp.int32)
     )
-    return _attention.fp8_attention(
-        spec, query, key, value, q_len, kv_len, _state.enter(state.state())
-    )
+    # The state entered with its guard checked (FP8JAX_GUARD=raise) and its poison (nan: NaN
+    # output where an optimizer trained the state), as `fp8jax.Fp8DotGeneral` takes its own.
+    fields, poison = _guard.op_state(state)
+    out = _attention.fp8_attention(spec, query, key, value, q_len, kv_len, fields)
+    return _guard.add_poison(out, poison)
 
 
 class DotProductAttention(eqx.Module):
