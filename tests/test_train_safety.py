@@ -316,3 +316,42 @@ def test_resume_after_one_precision_finished_starts_the_other(tmp_path):
     (tmp_path / "result-bf16.json").unlink()
     with pytest.raises(ValueError, match="no checkpoint in .*ckpt-bf16 to continue from"):
         resume_.todo(args, ["bf16", "fp8"], tmp_path, run, {})
+
+
+def test_resume_of_a_checkpoint_from_before_attention_guards(tmp_path, data):
+    """A run with ``--fp8-attention`` saved before `Fp8AttentionState` carried a guard: the
+    checkpoint restores (every saved array as saved), the guards start fresh, and the run
+    resumes."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from fp8jax.train._checkpoint import restore_checkpoint
+    from fp8jax.train._trainer import Trainer
+
+    args = [a if a != "bf16" else "fp8" for a in TINY] + data + ["--fp8-attention"]
+    run = cli.run_config(cli.parse_args(args))
+    trainer = Trainer(cli.build_model(run, "fp8"), cli.make_optimizer(run))
+    core = lambda p: p.blocks.attn.core.state.guard  # noqa: E731
+    fresh = np.asarray(core(trainer.params))
+    old = eqx.tree_at(core, trainer.params, None, is_leaf=lambda x: x is None)
+    old = jax.tree_util.tree_map(lambda x: x + 1 if x.dtype == np.float32 else x, old)
+    out = tmp_path / "old"
+    manager = ocp.CheckpointManager((out / "ckpt-fp8").resolve())
+    items = ocp.args.Composite(
+        state=ocp.args.StandardSave(dict(params=old, opt_state=trainer.opt_state)),
+        history=ocp.args.JsonSave([]),
+        config=ocp.args.JsonSave({}),
+    )
+    manager.save(2, args=items)
+    manager.wait_until_finished()
+    step, _ = restore_checkpoint(out, "fp8", trainer)
+    assert step == 2
+    np.testing.assert_array_equal(np.asarray(core(trainer.params)), fresh)
+    saved = jax.tree_util.tree_leaves(old)
+    restored = jax.tree_util.tree_leaves(eqx.tree_at(core, trainer.params, None))
+    assert len(saved) == len(restored)
+    for a, b in zip(saved, restored, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trainer.step(trainer.device_batch(np.zeros((run.batch, run.model.seq + 1), np.int32)))

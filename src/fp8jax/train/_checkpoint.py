@@ -6,7 +6,8 @@ config. Arrays are saved sharded as they are placed, and restored onto the train
 placement, which may be another mesh (``--mesh fsdp=8`` saved, ``data=2,fsdp=4``
 restored) or another number of processes (each writes and reads its own shards). Steps
 written before histories moved inside them (one ``default`` item, the history in
-``history-<precision>.json``) still restore."""
+``history-<precision>.json``) still restore, and so do steps written before an FP8 state
+carried a guard (`fp8jax._guard`: its guard starts fresh)."""
 
 from __future__ import annotations
 
@@ -75,16 +76,38 @@ def stored_config(out: Path, precision: str) -> dict | None:
     return restored["config"] or None
 
 
-def _check_shapes(path: Path, target) -> None:
-    """Refuse a checkpoint whose arrays have other shapes than ``target``'s, before orbax
-    tries (it fails with a ValueError per array, logged again by asyncio as tracebacks)."""
+def _stored_tree(path: Path):
+    """The checkpoint's array metadata tree (nested dicts), or None where unreadable."""
     import orbax.checkpoint as ocp
 
     try:
         stored = ocp.StandardCheckpointHandler().metadata(path)
     except Exception:  # no readable metadata: let the restore say what is wrong
+        return None
+    return getattr(stored, "tree", stored)
+
+
+def _names(path) -> tuple:
+    """A key path as plain names (a module's attribute and a dict's key alike)."""
+    return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+def _missing_guards(stored, target) -> set:
+    """Paths of ``target``'s FP8 state guards that ``stored`` lacks: a checkpoint written
+    before those states carried a guard (`fp8jax._guard`; attention's since 2026-11-28)."""
+    if not isinstance(stored, dict):
+        return set()
+    have = {_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    want = [_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]]
+    return {p for p in want if p[-1] == "guard" and p not in have}
+
+
+def _check_shapes(path: Path, target) -> None:
+    """Refuse a checkpoint whose arrays have other shapes than ``target``'s, before orbax
+    tries (it fails with a ValueError per array, logged again by asyncio as tracebacks)."""
+    tree = _stored_tree(path)
+    if tree is None:
         return
-    tree = getattr(stored, "tree", stored)
 
     def shapes(t):
         leaves = jax.tree_util.tree_leaves(t)
@@ -117,6 +140,12 @@ def restore_checkpoint(out: Path, precision: str, trainer) -> tuple[int, list[di
     target = jax.tree_util.tree_map(_target, state)
     where = out / f"ckpt-{precision}" / str(step)
     item = "default" if _legacy(out, precision, step) else "state"
+    # FP8 state guards the checkpoint predates: restored without them, then fresh ones
+    missing = _missing_guards(_stored_tree((where / item).resolve()), target)
+    if missing:
+        target = jax.tree_util.tree_map_with_path(
+            lambda p, x: None if _names(p) in missing else x, target
+        )
     _check_shapes((where / item).resolve(), target)
     try:
         if _legacy(out, precision, step):
@@ -136,5 +165,14 @@ def restore_checkpoint(out: Path, precision: str, trainer) -> tuple[int, list[di
         raise UsageError(
             f"--resume: {where} does not fit the model of these options ({why})"
         ) from None
-    trainer.params, trainer.opt_state = restored["params"], restored["opt_state"]
+    params = restored["params"]
+    if missing:  # the trainer's own fresh guards where the checkpoint has none
+        fresh = {_names(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+        def fill(p, x):
+            key = ("params", *_names(p))
+            return fresh[key] if x is None and key in missing else x
+
+        params = jax.tree_util.tree_map_with_path(fill, params, is_leaf=lambda x: x is None)
+    trainer.params, trainer.opt_state = params, restored["opt_state"]
     return step, [h for h in history if h["step"] <= step]
