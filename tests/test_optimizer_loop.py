@@ -453,3 +453,49 @@ def test_attention_state_without_a_guard_still_runs():
     old = eqx.tree_at(lambda a: a.state.guard, attn, None, is_leaf=lambda x: x is None)
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 2, 16))
     np.testing.assert_array_equal(old(q, q, q), attn(q, q, q))
+
+
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_usual_loop_fails_on_a_grouped_experts_state(mode, monkeypatch):
+    """A model whose only FP8 part is its experts (`fp8jax.nn.GroupedLinear`): the
+    `Fp8GroupedState` carries a guard, so the usual loop gives a NaN loss or an error from
+    the second step (before, it trained the state silently); `fp8jax.optax_step` keeps the
+    guard cycling."""
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+    experts = fp8jax.nn.GroupedLinear(4, 32, 32, key=jax.random.PRNGKey(0), config=CFG)
+    x = jax.random.normal(jax.random.PRNGKey(1), (256, 32))
+    sizes = jnp.asarray([64, 32, 96, 64], jnp.int32)
+    opt = optax.adam(1e-3)
+
+    def loss(m):
+        return jnp.mean(m(x, sizes).astype(jnp.float32) ** 2)
+
+    @eqx.filter_jit
+    def usual(m, s):
+        value, grads = eqx.filter_value_and_grad(loss)(m)
+        updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_inexact_array))
+        return eqx.apply_updates(m, updates), s, value
+
+    @eqx.filter_jit
+    def supported(m, s):
+        value, grads = eqx.filter_value_and_grad(loss)(m)
+        m, s = fp8jax.optax_step(opt, m, grads, s)
+        return m, s, value
+
+    m, s, guards = experts, opt.init(fp8jax.trainable(experts)), []
+    for _ in range(3):
+        m, s, value = supported(m, s)
+        assert np.isfinite(float(value))
+        guards.append(float(m.fp8_state.guard[0]))
+    assert len(set(guards)) == 3, guards  # cycling
+    fp8jax.check_state(m)
+    m, s = experts, opt.init(eqx.filter(experts, eqx.is_inexact_array))
+    m, s, value = usual(m, s)  # the first step runs: the state is still valid
+    assert np.isfinite(float(value))
+    if mode == "nan":
+        assert np.isnan(float(usual(m, s)[2]))
+        with pytest.raises(ValueError, match="changed by an optimizer"):
+            fp8jax.check_state(usual(m, s)[0])
+    else:
+        with pytest.raises(Exception, match="fp8jax.optax_step"):
+            jax.block_until_ready(usual(m, s)[2])

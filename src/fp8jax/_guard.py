@@ -9,8 +9,10 @@ the scales and histories as if they were weights, silently.
 No layout can hide the state from that loop and still return its new value: both
 ``eqx.filter_value_and_grad`` and the optimizer's filter select the same
 ``eqx.is_inexact_array`` leaves, and the new value must come back as a gradient. So the
-loop is detected instead. Each `fp8jax.Fp8DotGeneral` carries one more float32 leaf
-beside the seven `fp8jax._state.STATE_FIELDS` (whose layout the flax and haliax peers pin):
+loop is detected instead. Each FP8 state carries one more float32 leaf, last:
+`fp8jax.Fp8DotGeneral` beside the seven `fp8jax._state.STATE_FIELDS` (whose layout the flax
+and haliax peers pin), and so do `fp8jax.nn.Fp8GroupedState` and `fp8jax.nn.Fp8AttentionState`
+(since 2026-11-28; a trainer checkpoint from before restores with fresh guards):
 ``guard``, shape ``[*stack, 1]``, one of `VALUES` (2**-20 ... 2**-17). Like the other
 fields its "gradient" is its new value, `advance` of it (the next of the four, in a
 cycle), combined by max over a step's uses, so `fp8jax.apply_updates` writes it exactly.
@@ -211,12 +213,13 @@ def _checked_bwd(sizes, raising, guards, cts):
     proposals, start = [], 0
     for size, guard in zip(sizes, guards, strict=True):
         stack = guard.ndim - 1
-        # -inf: MAX_GRAD's zero, no use proposed. All the group's leaves in one comparison
-        # (a program's size grows with each op per leaf).
-        leaves = [_float(ct) for ct in cts[start : start + size]]
-        flat = [x.reshape(guard.shape[:stack] + (-1,)) for x in leaves]
-        flat = lax.concatenate(flat, stack) if len(flat) > 1 else flat[0]
-        proposed = lax.reduce_or(lax.ne(flat, F32(-np.inf)), (stack,))
+        # -inf: MAX_GRAD's zero, no use proposed. An op proposes all its state's leaves at
+        # once, the first (a scale: the one used, always > 0) among them, so it alone tells:
+        # one comparison (a program's size grows with each op per leaf), and no leaf split
+        # over a mesh axis is read (an expert-parallel state's per-expert leaves: reshaping
+        # them together moved them in all-to-alls).
+        first = _float(cts[start]).reshape(guard.shape[:stack] + (-1,))
+        proposed = lax.reduce_or(lax.ne(first, F32(-np.inf)), (stack,))
         proposed = lax.broadcast_in_dim(proposed, guard.shape, tuple(range(stack)))
         start += size
         advanced = advance(guard)

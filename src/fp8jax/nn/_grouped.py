@@ -59,6 +59,10 @@ class Fp8GroupedState(Fp8GemmState):
     output_grad_amax_history: Float[Array, "*stack history"]
     nonfinite_count: Float[Array, "*stack 1"]
     config: Fp8Config = eqx.field(static=True)
+    # Last: the seven fields keep their leaf positions. Makes the usual equinox loop (which
+    # trains the state) loud, as `fp8jax.Fp8DotGeneral`'s guard does (`fp8jax._guard`). None:
+    # unchecked (a state built before it had one).
+    guard: Float[Array, "*stack 1"] | None = None
 
     def __init__(
         self,
@@ -73,6 +77,7 @@ class Fp8GroupedState(Fp8GemmState):
         for name, value in fields.items():
             setattr(self, name, value)
         self.config = config
+        self.guard = _guard.init(tuple(stack_shape))
 
     @property
     def num_experts(self) -> int:
@@ -245,12 +250,15 @@ class GroupedLinear(eqx.Module):
             np.dtype(self.weight.dtype),
             self.expert_sharding,
         )
-        entered = _state.enter(state.state())
+        # entered with its guard checked (raise) and its poison (nan), as Fp8DotGeneral's
+        entered, poison = _guard.op_state(state)
         if precast is not None:
             if not state.config.recipe.per_tensor_scale:
                 raise ValueError("GroupedLinear: a pre-cast input needs a per-tensor recipe")
-            return gr.grouped_fp8_precast(spec, x, precast, self.weight, layout, entered)
-        return gr.grouped_fp8(spec, x, self.weight, layout, entered)
+            y = gr.grouped_fp8_precast(spec, x, precast, self.weight, layout, entered)
+        else:
+            y = gr.grouped_fp8(spec, x, self.weight, layout, entered)
+        return _guard.add_poison(y, poison)
 
     def _check_input(self, x, name):
         x = checks.float_array("GroupedLinear", name, x)
