@@ -58,10 +58,9 @@ PRESETS = {
     # 128,256-entry vocabulary (the embedding and head are 1.05B of the 8.0B parameters; byte
     # tokens use the first 256 rows, --tokenizer bpe all). A multi-GPU config (4x H200: --mesh
     # fsdp=4).
-    # The layer scan is unrolled as on the other GPU presets: rolled, the FSDP step ran bf16 at
-    # 1,083 ms and FP8 at 560 ms, unrolled 772 and 529 (4x H200, batch 8; benchmarks/RESULTS.md,
-    # twenty-fifth session). `benchmarks.distributed` compiles the unrolled step in about a
-    # minute.
+    # The layer scan is unrolled as on the other GPU presets: rolled, the FSDP step of both
+    # precisions ran slower, bf16's by far the most (benchmarks/RESULTS.md, twenty-fifth
+    # session, "The 8b preset unrolled"); it compiles in about a minute.
     "8b": dict(
         model=ModelConfig(
             dim=4096,
