@@ -8,7 +8,8 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
 
 * ``tokens_per_s`` and ``ms`` (step time);
 * ``scaling_efficiency``: tokens/s over ``devices x`` the tokens/s of the same step with
-  the per-device batch on one device (1.0 on a mesh of one);
+  the per-device batch on one device (1.0 on a mesh of one; None with ``baseline_error``
+  where that step fails, e.g. a model too large for one device: the mesh's row stays);
 * ``allgather_bytes``: bytes of the all-gathered results per device per step, from the
   partitioned HLO (`fp8jax.distributed.hlo_collectives`; layers are unrolled so that each
   layer's gathers are counted), and ``allgather_dtypes`` (count per element type: FSDP
@@ -405,16 +406,19 @@ def run_variant(
     params = run_params(run, sizes, devices)
     try:
         row = measure(run, precision, mesh, run.batch, steps, top_kernels=top_kernels)
-        row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
-        if baseline and len(devices) > 1:
-            per_device = run.batch // (sizes["data"] * sizes["fsdp"])
-            one = make_mesh(dict.fromkeys(AXES, 1), devices[:1])
+    except Exception as e:  # a variant that fails is reported, the others still run
+        return dict(params=params, variant=precision, error=common.error_text(e))
+    row["scaling_efficiency"] = 1.0 if len(devices) == 1 else None
+    if baseline and len(devices) > 1:
+        per_device = run.batch // (sizes["data"] * sizes["fsdp"])
+        one = make_mesh(dict.fromkeys(AXES, 1), devices[:1])
+        try:
             single = measure(run, precision, one, per_device, steps, hlo=False)
             row["scaling_efficiency"] = row["tokens_per_s"] / (
                 len(devices) * single["tokens_per_s"]
             )
-    except Exception as e:  # a variant that fails is reported, the others still run
-        row = dict(error=common.error_text(e))
+        except Exception as e:  # e.g. a model too large for one device: the mesh's row stays
+            row["baseline_error"] = common.error_text(e)
     return dict(params=params, variant=precision, **row)
 
 

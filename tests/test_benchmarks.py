@@ -604,3 +604,28 @@ def test_distributed_records_the_remat_choice():
     plain = dataclasses.replace(run, remat="none")
     assert "remat" not in distributed.run_params(plain, sizes, jax.devices()[:1])
     assert cli.build_model(run, "fp8").remat == "fc1-fp8"
+
+
+def test_distributed_keeps_the_mesh_row_when_the_one_device_baseline_fails(monkeypatch):
+    """The one-device baseline of a model too large for one device (8b on one H200 ran out of
+    memory) no longer erases the mesh's measured row: scaling efficiency is None and the
+    baseline's error is kept beside it."""
+    import jax
+
+    from benchmarks import distributed
+
+    calls = []
+
+    def measure(run, precision, mesh, batch, steps, hlo=True, top_kernels=0):
+        calls.append(mesh.size)
+        if mesh.size == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+        return dict(ms=10.0, tokens_per_s=100.0)
+
+    monkeypatch.setattr(distributed, "measure", measure)
+    run = distributed.cli.RunConfig(**distributed.cli.PRESETS["tiny"])
+    sizes = dict(data=1, fsdp=4, tensor=1)
+    row = distributed.run_variant(run, "fp8", sizes, jax.devices()[:4], 1, baseline=True)
+    assert calls == [4, 1]
+    assert row["ms"] == 10.0 and row["scaling_efficiency"] is None and "error" not in row
+    assert "Out of memory" in row["baseline_error"]
