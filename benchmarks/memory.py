@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -64,10 +65,10 @@ from fp8jax.train._memory import allocator_peak_bytes
 from fp8jax.train._mesh import (
     AXES,
     batch_size_per_shard,
+    build_placed,
     default_mesh,
     make_mesh,
     parse_mesh,
-    place_model,
 )
 from fp8jax.train._model import REMAT
 
@@ -128,9 +129,11 @@ def measure(
     """One case: the trainer's step of ``run`` (its ``remat`` among the rest) in
     ``precision`` on ``mesh``; its memory, residuals and speed (and ``max_batch`` when
     ``limit_bytes`` is given)."""
-    model = cli.build_model(run, precision)
-    if mesh is not None:  # as `fp8jax-train`: placed, the unplaced arrays freed, first
-        model = place_model(model, mesh, run.sequence_parallel, run.tp_overlap)
+    if mesh is None:
+        model = cli.build_model(run, precision)
+    else:  # as `fp8jax-train`: each device makes its own shards
+        build = functools.partial(cli.build_model, run, precision)
+        model = build_placed(build, mesh, run.sequence_parallel, run.tp_overlap)
     trainer = cli.Trainer(
         model, cli.make_optimizer(run), mesh, run.sequence_parallel, run.tp_overlap
     )

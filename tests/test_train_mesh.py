@@ -23,7 +23,14 @@ from fp8jax.train._trainer import Trainer
 from fp8jax.train._checkpoint import restore_checkpoint
 from fp8jax.train._data import load_corpus
 from fp8jax.train._memory import compiled_bytes
-from fp8jax.train._mesh import default_mesh, make_mesh, parse_mesh, shard_embedding
+from fp8jax.train._mesh import (
+    build_placed,
+    default_mesh,
+    make_mesh,
+    parse_mesh,
+    place_model,
+    shard_embedding,
+)
 from fp8jax.train._model import ModelConfig
 
 pytestmark = pytest.mark.skipif(
@@ -128,10 +135,11 @@ def test_embedding_and_its_moments_are_split_over_fsdp():
 
 
 def test_unplaced_model_is_freed_before_the_optimizer_state(monkeypatch, tmp_path):
-    """On a mesh the trainer builds the whole float32 model on one device, then places it:
-    the unplaced arrays must be gone before the optimizer state is made (8b fsdp=4: they
-    held device 0 at 55 GB where the step needs 46; benchmarks/RESULTS.md, twenty-fifth
-    session). Device 0's live bytes when `_init_sharded` runs, against the model's."""
+    """On a mesh no whole float32 model may sit on one device when the optimizer state is
+    made (8b fsdp=4: built whole on device 0 and held there, it set device 0's peak at 55 GB
+    where the step needs 46; benchmarks/RESULTS.md, twenty-fifth session). The trainer now
+    makes each device's shards only (`build_placed`). Device 0's live bytes when
+    `_init_sharded` runs, against the model's."""
     run = dataclasses.replace(cli.run_config(cli.parse_args(ARGS)), steps=1)
     dev0 = jax.devices()[0]
 
@@ -157,6 +165,29 @@ def test_unplaced_model_is_freed_before_the_optimizer_state(monkeypatch, tmp_pat
     assert seen, "the trainer made no sharded optimizer state"
     # placed: an eighth of the weights and the replicated norms and FP8 state
     assert seen[0] - before < 0.5 * model_bytes, (seen[0] - before, model_bytes)
+
+
+@pytest.mark.parametrize("mesh_text", ["data=2,fsdp=4", "fsdp=2,tensor=4"])
+def test_build_placed_makes_each_shard_where_place_model_puts_it(mesh_text):
+    """The trainer's sharded init: the model placed abstractly, then made by one jitted
+    build with those shardings: the same tree (weight shardings recorded), each array where
+    `place_model` puts it, the values of the eager build up to the init's fusion (the last
+    bit of the embedding's normal draws)."""
+    import functools
+
+    import equinox as eqx
+
+    run = cli.run_config(cli.parse_args(ARGS + ["--fp8-head", "--fp8-attention"]))
+    mesh = make_mesh(parse_mesh(mesh_text))
+    tp = mesh.shape["tensor"] > 1
+    build = functools.partial(cli.build_model, run, "fp8")
+    made = build_placed(build, mesh, sequence_parallel=tp)
+    ref = place_model(build(), mesh, sequence_parallel=tp)
+    (a, sa), (b, sb) = eqx.partition(made, eqx.is_array), eqx.partition(ref, eqx.is_array)
+    assert eqx.tree_equal(sa, sb)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (x.sharding, y.sharding)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)
 
 
 def test_tensor_axis_places_megatron_split():

@@ -59,11 +59,26 @@ def _layers(model: Any) -> list[tuple[str, Any]]:
     return [(_path_str(p), x) for p, x in flat if is_layer(x)]
 
 
+def _placeable(x) -> bool:
+    """An array, or its stand-in in a model built abstractly (``eqx.filter_eval_shape``)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _put(x, sharding: NamedSharding):
+    """``x`` placed on ``sharding``: an array put there (``jax.device_put``), or a
+    ``jax.ShapeDtypeStruct`` (a model built abstractly) carrying it, so that `shard_model`
+    can place a model before its arrays exist and the arrays can then be made where they
+    belong (``jax.jit(..., out_shardings=...)``: `fp8jax.train`'s sharded init)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding)
+
+
 def _embedding_tables(model: Any) -> list:
     """The weights of ``model``'s `eqx.nn.Embedding` layers."""
     is_emb = lambda x: isinstance(x, eqx.nn.Embedding)  # noqa: E731
     leaves = jax.tree_util.tree_leaves(model, is_leaf=is_emb)
-    return [x.weight for x in leaves if is_emb(x) and eqx.is_array(x.weight)]
+    return [x.weight for x in leaves if is_emb(x) and _placeable(x.weight)]
 
 
 def _embedding_spec(shape: tuple, mesh: Mesh, fsdp_axis: str | None) -> tuple:
@@ -229,9 +244,9 @@ def shard_model(
     replicated = NamedSharding(mesh, P())
 
     def place(x):
-        if not eqx.is_array(x):
+        if not _placeable(x):
             return x
-        return jax.device_put(x, placements.get(id(x), replicated))
+        return _put(x, placements.get(id(x), replicated))
 
     model = jax.tree_util.tree_map(place, model)
     if expert_axis is not None:

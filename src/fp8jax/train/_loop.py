@@ -3,6 +3,7 @@ progress, on a `fp8jax.train._trainer.Trainer`) and `train` / `train_interleaved
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -16,7 +17,7 @@ from . import _interrupts as interrupts
 from ._checkpoint import restore_checkpoint, save_checkpoint
 from ._config import RunConfig, build_model, make_optimizer
 from ._memory import NO_LIMIT, allocator_peak_bytes, choose_remat
-from ._mesh import check_batch, place_model
+from ._mesh import build_placed, check_batch
 from ._metering import energy_counter, peak_flops
 from ._model import AUTO, AUTO_ORDER
 from ._report import TensorBoardLog
@@ -53,11 +54,11 @@ class TrainRun:
         # the allocator's peak before this run: where it does not grow, an earlier run of
         # this process set it, and `result` reports the compiled step's memory instead
         self.peak_before = allocator_peak_bytes()
-        model = build_model(run, precision)
-        if mesh is not None:  # placed here, the whole float32 model on one device is freed
-            # before the optimizer state is made (`Trainer` would place it with the caller's
-            # reference still alive: 8b fsdp=4, device 0 at 55 GB where the step needs 46)
-            model = place_model(model, mesh, run.sequence_parallel, run.tp_overlap)
+        if mesh is None:
+            model = build_model(run, precision)
+        else:  # each device makes its own shards: the model is never whole on one device
+            build = functools.partial(build_model, run, precision)
+            model = build_placed(build, mesh, run.sequence_parallel, run.tp_overlap)
         self.trainer = Trainer(model, make_optimizer(run), mesh, run.sequence_parallel,
                                run.tp_overlap)  # fmt: skip
         self.start, self.history = (0, [])

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed import _embedding_spec, sequence_sharding, shard_model
+from ..distributed import _embedding_spec, _put, sequence_sharding, shard_model
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over these; replicated over "tensor"
@@ -115,12 +115,30 @@ def place_model(model, mesh: Mesh, sequence_parallel: bool = False, tp_overlap: 
     return model.with_token_split((mesh, BATCH_AXES, "tensor"))
 
 
-def shard_embedding(embed: jax.Array, mesh: Mesh) -> jax.Array:
+def build_placed(build, mesh: Mesh, sequence_parallel: bool = False, tp_overlap: str = "none"):
+    """``build()``'s model made on ``mesh`` where `place_model` puts it, each device computing
+    only its own shards: the model is built and placed abstractly (``eqx.filter_eval_shape``),
+    then one jitted ``build`` makes its arrays with those shardings. Built whole on one
+    device and then placed, a model had to fit one device in float32 with room to spare.
+    The values are ``build()``'s up to XLA fusing the initialisation (the last bit of some
+    normal draws: the embedding's, the MoE router's)."""
+    abstract = place_model(eqx.filter_eval_shape(build), mesh, sequence_parallel, tp_overlap)
+    shapes, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    # flat: the placed tree's static records (the weights' shardings) are not build()'s
+    made = jax.jit(
+        lambda: jax.tree_util.tree_leaves(eqx.filter(build(), eqx.is_array)),
+        out_shardings=[x.sharding for x in leaves],
+    )()
+    return eqx.combine(jax.tree_util.tree_unflatten(treedef, made), static)
+
+
+def shard_embedding(embed, mesh: Mesh):
     """``embed`` (``[vocab, dim]``, the trainer's table: a plain array, not an
     `eqx.nn.Embedding`) split over the mesh's ``fsdp`` axis as `fp8jax.shard_model` splits
     an embedding (`fp8jax.distributed._embedding_spec`)."""
     spec = _embedding_spec(embed.shape, mesh, "fsdp")
-    return jax.device_put(embed, NamedSharding(mesh, P(*spec)))
+    return _put(embed, NamedSharding(mesh, P(*spec)))
 
 
 def check_sequence_parallel(run, mesh: Mesh | None) -> None:
