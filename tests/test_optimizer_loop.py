@@ -338,83 +338,12 @@ def test_guardless_state_still_runs():
     assert fp8jax.check_state(model) is None
 
 
-@pytest.mark.parametrize("mode", ["nan", "raise"])
-def test_usual_loop_fails_on_the_gated_mlp_core_too(mode, monkeypatch):
-    """`FusedMLP` on its gated core (what runs on Hopper; here with its plain-JAX activation)
-    checks its linears' guards as `fp8jax.Fp8DotGeneral` does: the usual loop (plain Adam,
-    which a zero guard gradient would not move) gives a NaN loss or an error from the second
-    step (before, the core never read its guards and the loop trained the state silently);
-    `fp8jax.optax_step` keeps the guards cycling."""
-    from fp8jax._kernels.gated_activation import tuning
-    from fp8jax.nn import _mlp_paths
-
-    monkeypatch.setenv("FP8JAX_GUARD", mode)
-    mlp = fp8jax.nn.FusedMLP(64, 128, residual=True, fp8=False, key=jax.random.PRNGKey(0))
-    mlp = fp8jax.fp8_linear_layers(mlp, CFG)
-    x = jax.random.normal(jax.random.PRNGKey(1), (256, 64), jnp.bfloat16)
+def _usual_loop_is_loud(model, loss, guard, mode):
+    """``fp8jax.optax_step`` keeps ``guard(model)`` cycling over three steps with finite
+    losses; the usual equinox loop (plain Adam, which a zero guard gradient would not move)
+    runs its first step, then gives a NaN loss and `fp8jax.check_state`'s message (mode
+    ``nan``) or raises (``raise``)."""
     opt = optax.adam(1e-3)
-
-    def loss(m):
-        return jnp.mean(m(x).astype(jnp.float32) ** 2)
-
-    @eqx.filter_jit
-    def usual(m, s):
-        value, grads = eqx.filter_value_and_grad(loss)(m)
-        updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_inexact_array))
-        return eqx.apply_updates(m, updates), s, value
-
-    @eqx.filter_jit
-    def supported(m, s):
-        value, grads = eqx.filter_value_and_grad(loss)(m)
-        m, s = fp8jax.optax_step(opt, m, grads, s)
-        return m, s, value
-
-    with tuning(activation="xla"):
-        assert _mlp_paths._gated_core_runs(mlp, x)
-        m, s = mlp, opt.init(fp8jax.trainable(mlp))
-        guards = []
-        for _ in range(3):
-            m, s, value = supported(m, s)
-            assert np.isfinite(float(value))
-            guards.append(float(m.fc1.dot_general.guard[0]))
-        assert len(set(guards)) == 3, guards  # cycling
-        m, s = mlp, opt.init(eqx.filter(mlp, eqx.is_inexact_array))
-        m, s, value = usual(m, s)  # the first step runs: the state is still valid
-        assert np.isfinite(float(value))
-        if mode == "nan":
-            assert np.isnan(float(usual(m, s)[2]))
-            with pytest.raises(ValueError, match="changed by an optimizer"):
-                fp8jax.check_state(usual(m, s)[0])
-        else:
-            with pytest.raises(Exception, match="fp8jax.optax_step"):
-                jax.block_until_ready(usual(m, s)[2])
-
-
-@pytest.mark.parametrize("mode", ["nan", "raise"])
-def test_usual_loop_fails_on_an_fp8_attention_state(mode, monkeypatch):
-    """A model whose only FP8 part is attention: its `Fp8AttentionState` carries a guard as
-    `fp8jax.Fp8DotGeneral` does, so the usual loop gives a NaN loss or an error from the
-    second step (before, it trained the scales and histories silently); `fp8jax.optax_step`
-    keeps the guard cycling."""
-    monkeypatch.setenv("FP8JAX_GUARD", mode)
-
-    class Model(eqx.Module):
-        proj: eqx.nn.Linear
-        attn: fp8jax.nn.DotProductAttention
-
-        def __call__(self, x):  # x [B, T, 32] -> q = k = v, 2 heads of 16
-            h = jax.vmap(jax.vmap(self.proj))(x).reshape(x.shape[:2] + (2, 16))
-            return self.attn(h, h, h)
-
-    model = Model(
-        eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0)),
-        fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference"),
-    )
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 32))
-    opt = optax.adam(1e-3)
-
-    def loss(m):
-        return jnp.mean(m(x).astype(jnp.float32) ** 2)
 
     @eqx.filter_jit
     def usual(m, s):
@@ -432,7 +361,7 @@ def test_usual_loop_fails_on_an_fp8_attention_state(mode, monkeypatch):
     for _ in range(3):
         m, s, value = supported(m, s)
         assert np.isfinite(float(value))
-        guards.append(float(m.attn.state.guard[0]))
+        guards.append(float(guard(m)[0]))
     assert len(set(guards)) == 3, guards  # cycling
     fp8jax.check_state(m)
     m, s = model, opt.init(eqx.filter(model, eqx.is_inexact_array))
@@ -447,6 +376,66 @@ def test_usual_loop_fails_on_an_fp8_attention_state(mode, monkeypatch):
             jax.block_until_ready(usual(m, s)[2])
 
 
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_usual_loop_fails_on_the_gated_mlp_core_too(mode, monkeypatch):
+    """`FusedMLP` on its gated core (what runs on Hopper; here with its plain-JAX activation)
+    checks its linears' guards as `fp8jax.Fp8DotGeneral` does (before, the core never read
+    its guards and the loop trained the state silently)."""
+    from fp8jax._kernels.gated_activation import tuning
+    from fp8jax.nn import _mlp_paths
+
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+    mlp = fp8jax.nn.FusedMLP(64, 128, residual=True, fp8=False, key=jax.random.PRNGKey(0))
+    mlp = fp8jax.fp8_linear_layers(mlp, CFG)
+    x = jax.random.normal(jax.random.PRNGKey(1), (256, 64), jnp.bfloat16)
+    with tuning(activation="xla"):
+        assert _mlp_paths._gated_core_runs(mlp, x)
+        _usual_loop_is_loud(
+            mlp, lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
+            lambda m: m.fc1.dot_general.guard, mode,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_usual_loop_fails_on_an_fp8_attention_state(mode, monkeypatch):
+    """A model whose only FP8 part is attention: its `Fp8AttentionState` carries a guard as
+    `fp8jax.Fp8DotGeneral` does (before, the usual loop trained its scales and histories
+    silently)."""
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+
+    class Model(eqx.Module):
+        proj: eqx.nn.Linear
+        attn: fp8jax.nn.DotProductAttention
+
+        def __call__(self, x):  # x [B, T, 32] -> q = k = v, 2 heads of 16
+            h = jax.vmap(jax.vmap(self.proj))(x).reshape(x.shape[:2] + (2, 16))
+            return self.attn(h, h, h)
+
+    model = Model(
+        eqx.nn.Linear(32, 32, key=jax.random.PRNGKey(0)),
+        fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference"),
+    )
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 32))
+    _usual_loop_is_loud(
+        model, lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2), lambda m: m.attn.state.guard,
+        mode,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_usual_loop_fails_on_a_grouped_experts_state(mode, monkeypatch):
+    """A model whose only FP8 part is its experts (`fp8jax.nn.GroupedLinear`): the
+    `Fp8GroupedState` carries a guard (before, the usual loop trained it silently)."""
+    monkeypatch.setenv("FP8JAX_GUARD", mode)
+    experts = fp8jax.nn.GroupedLinear(4, 32, 32, key=jax.random.PRNGKey(0), config=CFG)
+    x = jax.random.normal(jax.random.PRNGKey(1), (256, 32))
+    sizes = jnp.asarray([64, 32, 96, 64], jnp.int32)
+    _usual_loop_is_loud(
+        experts, lambda m: jnp.mean(m(x, sizes).astype(jnp.float32) ** 2),
+        lambda m: m.fp8_state.guard, mode,
+    )  # fmt: skip
+
+
 def test_attention_state_without_a_guard_still_runs():
     """An `Fp8AttentionState` built before it had a guard (``guard=None``) runs unchecked."""
     attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend="reference")
@@ -454,48 +443,3 @@ def test_attention_state_without_a_guard_still_runs():
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 2, 16))
     np.testing.assert_array_equal(old(q, q, q), attn(q, q, q))
 
-
-@pytest.mark.parametrize("mode", ["nan", "raise"])
-def test_usual_loop_fails_on_a_grouped_experts_state(mode, monkeypatch):
-    """A model whose only FP8 part is its experts (`fp8jax.nn.GroupedLinear`): the
-    `Fp8GroupedState` carries a guard, so the usual loop gives a NaN loss or an error from
-    the second step (before, it trained the state silently); `fp8jax.optax_step` keeps the
-    guard cycling."""
-    monkeypatch.setenv("FP8JAX_GUARD", mode)
-    experts = fp8jax.nn.GroupedLinear(4, 32, 32, key=jax.random.PRNGKey(0), config=CFG)
-    x = jax.random.normal(jax.random.PRNGKey(1), (256, 32))
-    sizes = jnp.asarray([64, 32, 96, 64], jnp.int32)
-    opt = optax.adam(1e-3)
-
-    def loss(m):
-        return jnp.mean(m(x, sizes).astype(jnp.float32) ** 2)
-
-    @eqx.filter_jit
-    def usual(m, s):
-        value, grads = eqx.filter_value_and_grad(loss)(m)
-        updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_inexact_array))
-        return eqx.apply_updates(m, updates), s, value
-
-    @eqx.filter_jit
-    def supported(m, s):
-        value, grads = eqx.filter_value_and_grad(loss)(m)
-        m, s = fp8jax.optax_step(opt, m, grads, s)
-        return m, s, value
-
-    m, s, guards = experts, opt.init(fp8jax.trainable(experts)), []
-    for _ in range(3):
-        m, s, value = supported(m, s)
-        assert np.isfinite(float(value))
-        guards.append(float(m.fp8_state.guard[0]))
-    assert len(set(guards)) == 3, guards  # cycling
-    fp8jax.check_state(m)
-    m, s = experts, opt.init(eqx.filter(experts, eqx.is_inexact_array))
-    m, s, value = usual(m, s)  # the first step runs: the state is still valid
-    assert np.isfinite(float(value))
-    if mode == "nan":
-        assert np.isnan(float(usual(m, s)[2]))
-        with pytest.raises(ValueError, match="changed by an optimizer"):
-            fp8jax.check_state(usual(m, s)[0])
-    else:
-        with pytest.raises(Exception, match="fp8jax.optax_step"):
-            jax.block_until_ready(usual(m, s)[2])
