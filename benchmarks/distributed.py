@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import math
 import os
 import re
@@ -73,7 +72,7 @@ from fp8jax._ops.tp_ring import OVERLAPS
 from fp8jax.nn import cross_entropy
 from fp8jax.train import _cli as cli
 from fp8jax.train._memory import compiled_bytes, saved_cell, saved_residuals
-from fp8jax.train._mesh import build_placed, check_sequence_parallel
+from fp8jax.train._mesh import check_sequence_parallel
 from fp8jax.train._model import REMAT, ModelConfig, cast_for_compute
 from fp8jax.train._trainer import _init_sharded, _shardings
 
@@ -150,8 +149,8 @@ def _loss(model, batch):
 def build_step(run: cli.RunConfig, precision: str, mesh: Mesh):
     """(jitted step, params, opt_state, static) of ``run``'s model sharded on ``mesh``."""
     sequence_parallel = run.sequence_parallel and mesh.shape["tensor"] > 1
-    build = functools.partial(cli.build_model, run, precision)  # each device its own shards
-    model = build_placed(build, mesh, sequence_parallel, run.tp_overlap)
+    run = dataclasses.replace(run, sequence_parallel=sequence_parallel)
+    model = cli.build_model(run, precision, mesh)  # each device makes its own shards
     optimizer = cli.make_optimizer(run)
     params, static = eqx.partition(model, eqx.is_array)
     opt_state = _init_sharded(optimizer, fp8jax.trainable(model), mesh)  # as the trainer

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -65,7 +64,6 @@ from fp8jax.train._memory import allocator_peak_bytes
 from fp8jax.train._mesh import (
     AXES,
     batch_size_per_shard,
-    build_placed,
     default_mesh,
     make_mesh,
     parse_mesh,
@@ -129,11 +127,7 @@ def measure(
     """One case: the trainer's step of ``run`` (its ``remat`` among the rest) in
     ``precision`` on ``mesh``; its memory, residuals and speed (and ``max_batch`` when
     ``limit_bytes`` is given)."""
-    if mesh is None:
-        model = cli.build_model(run, precision)
-    else:  # as `fp8jax-train`: each device makes its own shards
-        build = functools.partial(cli.build_model, run, precision)
-        model = build_placed(build, mesh, run.sequence_parallel, run.tp_overlap)
+    model = cli.build_model(run, precision, mesh)  # as `fp8jax-train`: placed as it is made
     trainer = cli.Trainer(
         model, cli.make_optimizer(run), mesh, run.sequence_parallel, run.tp_overlap
     )

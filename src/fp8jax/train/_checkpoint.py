@@ -102,10 +102,10 @@ def _missing_guards(stored, target) -> set:
     return {p for p in want if p[-1] == "guard" and p not in have}
 
 
-def _check_shapes(path: Path, target) -> None:
-    """Refuse a checkpoint whose arrays have other shapes than ``target``'s, before orbax
-    tries (it fails with a ValueError per array, logged again by asyncio as tracebacks)."""
-    tree = _stored_tree(path)
+def _check_shapes(path: Path, tree, target) -> None:
+    """Refuse the checkpoint at ``path`` (its metadata ``tree``, `_stored_tree`'s) whose arrays
+    have other shapes than ``target``'s, before orbax tries (it fails with a ValueError per
+    array, logged again by asyncio as tracebacks)."""
     if tree is None:
         return
 
@@ -140,13 +140,14 @@ def restore_checkpoint(out: Path, precision: str, trainer) -> tuple[int, list[di
     target = jax.tree_util.tree_map(_target, state)
     where = out / f"ckpt-{precision}" / str(step)
     item = "default" if _legacy(out, precision, step) else "state"
+    stored = _stored_tree((where / item).resolve())
     # FP8 state guards the checkpoint predates: restored without them, then fresh ones
-    missing = _missing_guards(_stored_tree((where / item).resolve()), target)
+    missing = _missing_guards(stored, target)
     if missing:
         target = jax.tree_util.tree_map_with_path(
             lambda p, x: None if _names(p) in missing else x, target
         )
-    _check_shapes((where / item).resolve(), target)
+    _check_shapes((where / item).resolve(), stored, target)
     try:
         if _legacy(out, precision, step):
             restored = mngr.restore(step, args=ocp.args.StandardRestore(target))

@@ -4,6 +4,7 @@ batch, schedule, FP8 options), and the model and optimizer built from it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import optax
 
 from .._config import Fp8Config
 from .._convert import fp8_linear_layers
+from ._mesh import build_placed
 from ._model import AUTO, LLAMA3_VOCAB, ModelConfig, Transformer
 
 PRESETS = {
@@ -152,9 +154,14 @@ def fp8_config(run: RunConfig) -> Fp8Config:
     )
 
 
-def build_model(run: RunConfig, precision: str):
+def build_model(run: RunConfig, precision: str, mesh=None):
     """The run's transformer, converted to FP8 for ``precision == "fp8"``; same weights
-    (same seed) in both precisions."""
+    (same seed) in both precisions. With ``mesh``: made already placed on it as the trainer
+    places it, each device computing only its own shards (`fp8jax.train._mesh.build_placed`;
+    the model is never whole on one device)."""
+    if mesh is not None:
+        build = functools.partial(build_model, run, precision)
+        return build_placed(build, mesh, run.sequence_parallel, run.tp_overlap)
     cfg = run.model
     if precision == "fp8" and run.fp8_attention:
         # same weights: the FP8 core has no parameters

@@ -3,7 +3,6 @@ progress, on a `fp8jax.train._trainer.Trainer`) and `train` / `train_interleaved
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import time
@@ -17,7 +16,7 @@ from . import _interrupts as interrupts
 from ._checkpoint import restore_checkpoint, save_checkpoint
 from ._config import RunConfig, build_model, make_optimizer
 from ._memory import NO_LIMIT, allocator_peak_bytes, choose_remat
-from ._mesh import build_placed, check_batch
+from ._mesh import check_batch
 from ._metering import energy_counter, peak_flops
 from ._model import AUTO, AUTO_ORDER
 from ._report import TensorBoardLog
@@ -54,11 +53,7 @@ class TrainRun:
         # the allocator's peak before this run: where it does not grow, an earlier run of
         # this process set it, and `result` reports the compiled step's memory instead
         self.peak_before = allocator_peak_bytes()
-        if mesh is None:
-            model = build_model(run, precision)
-        else:  # each device makes its own shards: the model is never whole on one device
-            build = functools.partial(build_model, run, precision)
-            model = build_placed(build, mesh, run.sequence_parallel, run.tp_overlap)
+        model = build_model(run, precision, mesh)  # on a mesh: each device its own shards
         self.trainer = Trainer(model, make_optimizer(run), mesh, run.sequence_parallel,
                                run.tp_overlap)  # fmt: skip
         self.start, self.history = (0, [])
