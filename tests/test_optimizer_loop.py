@@ -2,6 +2,8 @@
 loss that `fp8jax.check_state` explains (``FP8JAX_GUARD=nan``, the default, no device->host
 sync) or an error (``FP8JAX_GUARD=raise``); the supported loops train as before."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.extend
@@ -14,6 +16,7 @@ import fp8jax
 from fp8jax import _guard
 from fp8jax._config import Fp8Config
 
+CALLBACK = r"custom_call @\w*callback"  # a host callback in StableHLO text
 CFG = Fp8Config(selective=False, amax_history_length=4, on_unsupported="silent")
 
 
@@ -127,7 +130,9 @@ def test_off_mode_neither_checks_nor_poisons(monkeypatch):
 
 
 def test_nan_mode_output_is_bit_identical(monkeypatch):
-    """The poison added to a valid layer's output is -0.0: an exact identity."""
+    """The poison added to a valid layer's output is -0.0: an exact identity. The loss is
+    bit-identical; the gradients too on the CPU. On a GPU the added op moves XLA's fusions,
+    which reorders float32 sums in the backward (seen: 1e-8 apart, 2.5e-6 relative)."""
     model, (x, y) = _model(), _data(0)
     fn = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
     loss, grads = fn(model, x, y)
@@ -136,7 +141,10 @@ def test_nan_mode_output_is_bit_identical(monkeypatch):
     loss_off, grads_off = fn(model, x, y)
     assert float(loss) == float(loss_off)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_off)):
-        np.testing.assert_array_equal(a, b)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def _primitives(jaxpr) -> set[str]:
@@ -148,7 +156,7 @@ def _primitives(jaxpr) -> set[str]:
     return names
 
 
-def test_nan_mode_step_has_no_cond_or_callback():
+def test_nan_mode_step_has_no_cond_or_callback(monkeypatch):
     """The default mode adds no ``lax.cond`` and no host callback to a training step (no
     device->host sync); ``raise`` mode does."""
     model, opt = _model(), optax.adamw(1e-3)
@@ -168,9 +176,14 @@ def test_nan_mode_step_has_no_cond_or_callback():
         assert not [n for n in names if "cond" in n or "callback" in n], sorted(names)
         text = eqx.filter_jit(fn).lower(*args, *_data(0)).as_text()
         assert "stablehlo.case" not in text and "stablehlo.if" not in text
-        assert "callback" not in text
+        # a host callback is a custom call (a kernel's serialized source names this test)
+        assert not re.search(CALLBACK, text)
     (model, opt_state), loss = eqx.filter_jit(step)(model, opt_state, *_data(0))
     assert np.isfinite(float(loss)) and fp8jax.check_state(model) is None
+    monkeypatch.setenv("FP8JAX_GUARD", "raise")
+    jax.clear_caches()
+    text = eqx.filter_jit(step).lower(model, opt_state, *_data(0)).as_text()
+    assert re.search(CALLBACK, text)  # the check above can see one
 
 
 def test_raise_mode_step_has_conds(raise_mode):
