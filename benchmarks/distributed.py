@@ -67,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 import fp8jax
 from benchmarks import comm_profile, common
 from fp8jax import _compilation as compilation
-from fp8jax import distributed
+from fp8jax import distributed, tuning
 from fp8jax._ops.tp_ring import OVERLAPS
 from fp8jax.nn import cross_entropy
 from fp8jax.train import _cli as cli
@@ -519,6 +519,12 @@ def main(argv=None):
         "matmuls (fp8jax-train's option)",
     )
     p.add_argument(
+        "--sequence-cast",
+        action="store_true",
+        help="with --sequence-parallel: the FP8 casts that write a transposed copy run per "
+        "device (fp8jax.tuning.gemm(sequence_cast=True); off by default until measured)",
+    )
+    p.add_argument(
         "--vocab", type=int, default=None, help="vocabulary size (default: the preset's)"
     )
     p.add_argument("--fp8-head", action="store_true", help="the LM head's GEMMs in FP8 too")
@@ -587,6 +593,8 @@ def main(argv=None):
     )
     if args.tp_overlap != "none" and not args.sequence_parallel:
         p.error(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")
+    if args.sequence_cast and not args.sequence_parallel:
+        p.error("--sequence-cast needs --sequence-parallel")
     if args.sequence_parallel:
         check_sequence_parallel(run, make_mesh(sizes, devices))
     steps = args.steps or (2 if args.quick else 10)
@@ -615,10 +623,13 @@ def main(argv=None):
     bf16_ms = []
 
     def run_one(precision):
-        row = run_variant(
-            run, precision, sizes, devices, steps, not args.no_baseline, args.top_kernels
-        )
+        with tuning.gemm(sequence_cast=args.sequence_cast):
+            row = run_variant(
+                run, precision, sizes, devices, steps, not args.no_baseline, args.top_kernels
+            )
         row["params"] = dict(preset=preset, **row["params"])
+        if args.sequence_cast:
+            row["params"]["sequence_cast"] = True
         if precision == "bf16":
             bf16_ms.append(row.get("ms"))
         elif row.get("ms") and bf16_ms and bf16_ms[-1]:

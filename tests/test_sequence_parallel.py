@@ -3,7 +3,9 @@ tokens outside the tensor-parallel pair are split over the tensor axis; the colu
 layer all-gathers its FP8 input, the row-parallel one reduce-scatters its output, and
 training matches the single-device run (`fp8jax._ops.sequence_parallel`)."""
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -11,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax
 import test_distributed as td
+from fp8jax import tuning
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 8, reason="needs 8 devices (conftest's XLA_FLAGS)"
@@ -114,3 +117,44 @@ def test_sequence_parallel_bad_arguments():
         fp8jax.distributed.sequence_sharding(mesh, (2, 6, 64))
     with pytest.raises(ValueError, match=r"2 sequences per batch shard .* size 4"):
         fp8jax.distributed.sequence_sharding(mesh, (4, 8, 64))
+
+
+def _fresh_step():
+    """`test_distributed.step` traced anew: the tuning in effect is read at trace time."""
+
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        model, opt_state = fp8jax.optax_step(td.OPT, model, grads, opt_state)
+        return model, opt_state, loss, fp8jax.trainable(grads)
+
+    return step
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 4), (1, 1, 8)])
+def test_sequence_casts_per_device_keep_the_bits(shape):
+    """`Tuning.sequence_cast`: the casts that write a transposed copy run per device under
+    shard_map, where the Pallas cast kernel can run on a GPU (l1's input on its tokens,
+    l1's output gradient and l2's input on their features over ``tensor``; l2's output
+    gradient stays XLA's, gathered then transposed), each amax one scalar pmax over the
+    split's axes. The cast is elementwise with a scale known before it: two steps give the
+    same bits as XLA's partitioned casts, and the FP8 gathers are the same."""
+    mesh = td._mesh(*shape)
+    x, y = (jax.device_put(a, NamedSharding(mesh, TOKENS)) for a in td._data())
+    runs, gathers = [], []
+    for on in (False, True):
+        with tuning.gemm(sequence_cast=on):
+            step, model = _fresh_step(), _sp_model(mesh)
+            opt_state = td.OPT.init(fp8jax.trainable(model))
+            cs = fp8jax.distributed.hlo_collectives(step.lower(model, opt_state, x, y))
+            pmax = [c for c in cs if c.op_name == "pmax"]
+            assert [c.shape for c in pmax] == (["[]"] * 3 if on else []), pmax
+            gathers.append(sorted((c.dtype, c.shape) for c in cs if c.kind == "all-gather"))
+            out = []
+            for _ in range(2):
+                model, opt_state, loss, grads = step(model, opt_state, x, y)
+                out.append((loss, grads))
+            runs.append((out, fp8jax.fp8_state(model)))
+    assert gathers[0] == gathers[1]
+    for a, b in zip(jax.tree_util.tree_leaves(runs[0]), jax.tree_util.tree_leaves(runs[1])):
+        np.testing.assert_array_equal(a, b)

@@ -43,6 +43,11 @@ class Tuning:
             device casts its own tokens of the activations and output gradients (delayed
             per-tensor scaling: `fp8jax._recipe.PerTensor.quantize_rows`), so that the cast
             kernel can run; False: XLA partitions its own cast (True).
+        sequence_cast: under Megatron sequence parallelism, the casts that write a
+            transposed copy (a column-parallel layer's input and output gradient, a
+            row-parallel layer's input) run per device the same way, their tokens or
+            features split over the tensor axis; False: XLA's partitioned cast and
+            transpose (False until measured on GPUs).
     """
 
     # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
@@ -61,6 +66,8 @@ class Tuning:
     # Activation and output-gradient casts per device on its tokens under shard_map, where
     # the Pallas kernel can run (XLA cannot partition its custom call): `fp8jax._ops.rows`.
     per_device_cast: bool = True
+    # The same under sequence parallelism, on the tensor axis too (`fp8jax._ops.dot`).
+    sequence_cast: bool = False
 
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gemm", default=Tuning())

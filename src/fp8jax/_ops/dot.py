@@ -31,6 +31,7 @@ from jax.custom_batching import custom_vmap
 from .. import _quant as q
 from .. import _state
 from .._config import Fp8Config, warn_below_min_tokens
+from .._kernels import dispatch as _dispatch
 from .._kernels import gemm as _gemm
 from .._recipe_base import Cast, Recipe
 from . import fsdp as _fsdp_op
@@ -173,6 +174,28 @@ def _rows(spec: Spec, m: int) -> _split.RowSplit | None:
     return rows if rows and m % (rows.count * tile) == 0 else None
 
 
+def _sequence_cast(spec: Spec, side: str, m: int) -> _split.RowSplit | None:
+    """Under sequence parallelism (`fp8jax._kernels.gemm.Tuning.sequence_cast`, delayed
+    per-tensor scaling), the split a cast that writes a transposed copy runs per device
+    on (``side``: ``"input"`` or ``"grad"``): a column-parallel layer's input has its
+    ``m`` tokens split over the batch axes and the tensor axis, its output gradient and a
+    row-parallel layer's input their tokens over the batch axes and features over the
+    tensor axis. None elsewhere: a row-parallel layer's output gradient is gathered and
+    transposed once (`_bwd_impl`), a ring moves its own (`fp8jax._ops.tp_ring`)."""
+    sp = spec.sequence
+    if sp is None or sp.overlap != "none" or not spec.config.recipe.per_device_casts:
+        return None
+    if not _gemm.current_tuning().sequence_cast or _dispatch.unpartitioned_reason() is None:
+        return None
+    if (sp.kind, side) == ("column", "input"):
+        split = _split.RowSplit(sp.mesh, (*sp.batch, sp.axis))
+    elif (sp.kind, side) in (("column", "grad"), ("row", "input")):
+        split = _split.RowSplit(sp.mesh, sp.batch, features=(sp.axis,))
+    else:
+        return None
+    return split if m % split.count == 0 else None
+
+
 def _cast_rows(rows, recipe: Recipe, t3, dtype, scale=None) -> Cast:
     """An activation or output gradient ``[B, M, K]`` in both layouts, per device on its
     tokens (``rows``): `fp8jax._recipe_base.Recipe.quantize_rows` (``scale``: delayed)."""
@@ -213,7 +236,7 @@ def _cast_input(spec: Spec, n: int, x3, state):
     if _scales_in_forward(spec):  # all three in one small computation; sg to the backward
         scales = recipe.gemm_scales(*scale_inputs(cfg, state))
         sx, sw, sg = scales[0:1], scales[1:2], scales[2:3]
-    rows = _rows(spec, x3.shape[1])
+    rows = _rows(spec, x3.shape[1]) or _sequence_cast(spec, "input", x3.shape[1])
     if rows is None:
         x = recipe.quantize_both(x3, in_s, in_h, cfg.input_dtype, scale=sx)
     else:
@@ -307,10 +330,11 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
         return dx, dw, jnp.zeros((), F32), g_scale
     known = g_scale if _scales_in_forward(spec) else None
     rows = _rows(spec, g3.shape[1])  # as the forward's: the same token count
-    if rows is None:
+    cast_rows = rows or _sequence_cast(spec, "grad", g3.shape[1])
+    if cast_rows is None:
         g = recipe.quantize_both(g3, g_scale, g_history, cfg.grad_dtype, scale=known)
     else:
-        g = _cast_rows(rows, recipe, g3, cfg.grad_dtype, known)
+        g = _cast_rows(cast_rows, recipe, g3, cfg.grad_dtype, known)
     # Sequence parallel (`_sp`): column gathers its input again and reduce-scatters dgrad;
     # row gathers the FP8 output gradient's tokens: one layout where one scale covers the
     # tensor (wgrad's copy is the gathered one transposed on each device), else both.

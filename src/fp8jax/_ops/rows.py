@@ -24,10 +24,13 @@ from .._kernels import dispatch
 
 
 class RowSplit(NamedTuple):
-    """Token rows split over ``axes`` of ``mesh``, in that order (hashable: a static field)."""
+    """Token rows split over ``axes`` of ``mesh``, in that order (hashable: a static field);
+    ``features``: mesh axes that split the other dim of a ``[B, rows, cols]`` operand (a
+    tensor-parallel layer's features; `on_rows` then takes 3-D operands only)."""
 
     mesh: jax.sharding.Mesh
     axes: tuple[str, ...]
+    features: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -64,18 +67,28 @@ def on_rows(rows: RowSplit | None, fn: Callable, args: tuple, in_dims: tuple, ou
     """``fn(*args)`` per device on its token rows. ``in_dims``: each arg's token dim (None:
     the whole array on every device). ``out_dims``: a pytree like ``fn``'s output with,
     per array, its token dim, ``"max"`` (an amax: ``pmax``) or ``"sum"`` (a partial sum
-    over the tokens: ``psum``). A plain call when ``rows`` is None."""
+    over the tokens: ``psum``). With ``rows.features`` a token dim of 1 or 2 names a
+    ``[B, rows, cols]`` array whose other dim is split over those axes, and the reductions
+    span both splits. A plain call when ``rows`` is None."""
     if rows is None:
         return fn(*args)
+    every = (*rows.axes, *rows.features)
 
     def spec(dim):
-        return P(*(None,) * dim, rows.axes) if isinstance(dim, int) else P()
+        if not isinstance(dim, int):
+            return P()
+        if not rows.features:
+            return P(*(None,) * dim, rows.axes)
+        if dim not in (1, 2):
+            raise ValueError(f"on_rows: a feature split needs [B, rows, cols], got dim {dim}.")
+        entries = [None, rows.axes or None, rows.features]
+        return P(*(entries if dim == 1 else (None, rows.features, rows.axes or None)))
 
     def reduce(out, dim):
         if dim == "max":
-            return jax.lax.pmax(out, rows.axes)
+            return jax.lax.pmax(out, every)
         if dim == "sum":
-            return jax.lax.psum(out, rows.axes)
+            return jax.lax.psum(out, every)
         return out
 
     def local(*local_args):
