@@ -10,8 +10,9 @@ bf16 run; ``fp8-store``: the same with the MLP's fc1 output kept in FP8 in the f
 reports per case:
 
 * ``peak_mem_mb``: on a GPU the allocator's peak (``peak_bytes_in_use``, the largest of the
-  mesh's devices) over building the model and optimizer as the trainer does (on a mesh the
-  model is built on one device before it is placed), compiling and running the step; on a
+  mesh's devices) over building the model and optimizer as the trainer does (on a mesh
+  each device makes only its own shards: `fp8jax.train._mesh.build_placed`), compiling and
+  running the step; on a
   CPU the compiled step's memory analysis (arguments + outputs + temporaries);
   ``peak_mem_source`` says which;
 * ``compiled_mem_mb`` and ``temp_mem_mb``: the compiled step's memory analysis, all of it and
