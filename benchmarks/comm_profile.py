@@ -140,12 +140,37 @@ def top_kernels(
     return [(name, t / d / 1e6, calls[name] / d) for name, t in ns.most_common(n)]
 
 
+def collective_exposure(
+    kernels_by_gpu: dict, steps: int, n: int = 20
+) -> list[tuple[str, float, float, float]]:
+    """The ``n`` collective kernels (by name, without their argument list) that take the most
+    time: ``(name, ms per step, exposed ms per step, launches per step)``, the mean over
+    `device_kernels`' ``kernels_by_gpu``. A kernel's exposed part is the time no compute
+    kernel of its GPU covers (`exposed` of that kernel alone): which collectives the step
+    waits for (a reduce-scatter feeding the next norm, say), not only how long all take."""
+    total, shown, calls = collections.Counter(), collections.Counter(), collections.Counter()
+    for kernels in kernels_by_gpu.values():
+        compute = merge((s, e) for name, s, e in kernels if kernel_kind(name) != "collective")
+        for name, start, end in kernels:
+            if kernel_kind(name) == "collective":
+                key = name.split("(")[0]
+                total[key] += end - start
+                shown[key] += exposed([(start, end)], compute)[0]
+                calls[key] += 1
+    d = max(len(kernels_by_gpu), 1) * steps
+    return [
+        (name, t / d / 1e6, shown[name] / d / 1e6, calls[name] / d)
+        for name, t in total.most_common(n)
+    ]
+
+
 def profile_step(
     run_step: Callable[[], object], steps: int = 3, top: int = 0, kind: str | None = "other"
 ) -> dict[str, float] | None:
     """``run_step()`` ``steps`` times under the profiler (it must block until its step is
     done); returns `breakdown_ms` of the trace, and prints the ``top`` costliest kernels of
-    ``kind`` (`top_kernels`; None: every kind) when ``top`` > 0."""
+    ``kind`` (`top_kernels`; None: every kind) and the collectives with their exposed time
+    (`collective_exposure`) when ``top`` > 0."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
@@ -154,4 +179,6 @@ def profile_step(
     for name, ms, calls in top_kernels(kernels, steps, kind, n=top) if top else ():
         label = kind or kernel_kind(name)
         print(f"  {label} {ms:8.3f} ms/step  x{calls:<6.1f} {name[:110]}", flush=True)
+    for name, ms, shown, calls in collective_exposure(kernels, steps, n=top) if top else ():
+        print(f"  collective {ms:8.3f} ms/step, {shown:8.3f} exposed  x{calls:<6.1f} {name[:90]}")
     return breakdown_ms(kernels, steps)

@@ -544,7 +544,8 @@ def main(argv=None):
         type=int,
         default=0,
         help="GPU: print this many of the costliest kernels besides GEMMs, attention and "
-        "collectives (by kernel name, from the step's profile)",
+        "collectives, and of the collectives with their exposed time (by kernel name, from "
+        "the step's profile)",
     )
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps; writes no records")

@@ -405,6 +405,30 @@ def test_step_breakdown_sorts_kernels_and_counts_idle_time():
     assert cp.top_kernels(two, steps=1, n=1) == [("fusion_1", 2.0, 1.0)]
 
 
+def test_collective_exposure_names_the_collectives_the_step_waits_for():
+    """`collective_exposure`: per collective kernel (its name without the argument list),
+    its time and the part no compute kernel of its GPU covers, mean over GPUs and steps."""
+    from benchmarks import comm_profile as cp
+
+    ms = 1_000_000
+    kernels = {
+        "/device:GPU:0": [
+            ("nvjet_gemm", 0, 10 * ms),
+            ("ncclDevKernel_AllGather_RING_LL(args)", 2 * ms, 5 * ms),  # under the GEMM
+            ("ncclDevKernel_ReduceScatter_Sum_bf16(args)", 10 * ms, 13 * ms),  # waited for
+            ("fusion_1", 12 * ms, 14 * ms),  # covers 1 ms of it
+        ],
+        "/device:GPU:1": [("ncclDevKernel_ReduceScatter_Sum_bf16(args)", 0, ms)],
+    }
+    got = cp.collective_exposure(kernels, steps=1)
+    # ReduceScatter: (3 + 1) ms over 2 GPUs, exposed (2 + 1) / 2; AllGather 3 / 2, none shown
+    assert got == [
+        ("ncclDevKernel_ReduceScatter_Sum_bf16", 2.0, 1.5, 1.0),
+        ("ncclDevKernel_AllGather_RING_LL", 1.5, 0.0, 0.5),
+    ]
+    assert cp.collective_exposure(kernels, steps=2, n=1)[0][1:] == (1.0, 0.75, 0.5)
+
+
 def test_distributed_vocab_option(tmp_path):
     """``--vocab`` sizes the embedding and head (the tokens drawn from all of it); the FP8
     head and attention (split over fsdp x tensor) run and are recorded."""
