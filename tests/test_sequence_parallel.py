@@ -131,14 +131,19 @@ def _fresh_step():
     return step
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 4), (1, 1, 8)])
-def test_sequence_casts_per_device_keep_the_bits(shape):
+@pytest.mark.parametrize(
+    "shape, recipe", [((2, 1, 4), None), ((1, 1, 8), None), ((2, 1, 4), "rowwise")]
+)
+def test_sequence_casts_per_device_keep_the_bits(shape, recipe, monkeypatch):
     """`Tuning.sequence_cast`: the casts that write a transposed copy run per device under
     shard_map, where the Pallas cast kernel can run on a GPU (l1's input on its tokens,
     l1's output gradient and l2's input on their features over ``tensor``; l2's output
     gradient stays XLA's, gathered then transposed), each amax one scalar pmax over the
     split's axes. The cast is elementwise with a scale known before it: two steps give the
-    same bits as XLA's partitioned casts, and the FP8 gathers are the same."""
+    same bits as XLA's partitioned casts, and the FP8 gathers are the same. The row-wise
+    recipe keeps XLA's casts (a row's scale spans the features the tensor axis splits)."""
+    if recipe is not None:
+        monkeypatch.setattr(td, "CFG", fp8jax.Fp8Config(recipe=recipe, selective=False))
     mesh = td._mesh(*shape)
     x, y = (jax.device_put(a, NamedSharding(mesh, TOKENS)) for a in td._data())
     runs, gathers = [], []
@@ -148,7 +153,7 @@ def test_sequence_casts_per_device_keep_the_bits(shape):
             opt_state = td.OPT.init(fp8jax.trainable(model))
             cs = fp8jax.distributed.hlo_collectives(step.lower(model, opt_state, x, y))
             pmax = [c for c in cs if c.op_name == "pmax"]
-            assert [c.shape for c in pmax] == (["[]"] * 3 if on else []), pmax
+            assert [c.shape for c in pmax] == (["[]"] * 3 if on and not recipe else []), pmax
             gathers.append(sorted((c.dtype, c.shape) for c in cs if c.kind == "all-gather"))
             out = []
             for _ in range(2):

@@ -182,8 +182,10 @@ def _sequence_cast(spec: Spec, side: str, m: int) -> _split.RowSplit | None:
     row-parallel layer's input their tokens over the batch axes and features over the
     tensor axis. None elsewhere: a row-parallel layer's output gradient is gathered and
     transposed once (`_bwd_impl`), a ring moves its own (`fp8jax._ops.tp_ring`)."""
-    sp = spec.sequence
-    if sp is None or sp.overlap != "none" or not spec.config.recipe.per_device_casts:
+    sp, recipe = spec.sequence, spec.config.recipe
+    if sp is None or sp.overlap != "none" or not recipe.per_device_casts:
+        return None
+    if not recipe.per_tensor_scale or recipe.per_device_rows:  # a row's scale spans features
         return None
     if not _gemm.current_tuning().sequence_cast or _dispatch.unpartitioned_reason() is None:
         return None
