@@ -175,3 +175,52 @@ def test_moe_all_to_all_dispatch_runs_the_grouped_kernels_per_gpu():
                          strict=True):  # fmt: skip
             g, rg = np.asarray(g, np.float32), np.asarray(rg, np.float32)
             assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))
+
+
+def test_sequence_casts_run_the_cast_kernel_per_gpu():
+    """`tuning.gemm(sequence_cast=True)` on a tensor=2 sequence-parallel pair: the casts that
+    write a transposed copy (l1's input and output gradient, l2's input) run as the Pallas
+    cast kernel on each GPU, every GEMM stays a cuBLASLt FP8 GEMM, and two steps give the
+    bits of XLA's partitioned casts."""
+    from fp8jax import tuning
+
+    triton = 'custom_call_target="__gpu$xla.gpu.triton"'
+    devices = np.array(jax.devices()[:2]).reshape(1, 1, 2)
+    mesh = Mesh(devices, ("data", "fsdp", "tensor"))
+    x, y = _data()
+    tokens = NamedSharding(mesh, P(("data", "fsdp", "tensor")))
+    xs, ys = jax.device_put(x, tokens), jax.device_put(y, tokens)
+    runs, kernels = [], []
+    for on in (False, True):
+        with tuning.gemm(sequence_cast=on):
+            model = fp8jax.shard_model(
+                fp8jax.fp8_linear_layers(MLP(jax.random.PRNGKey(0)), CFG), mesh,
+                tensor_axis="tensor", column_parallel=["l1"], row_parallel=["l2"],
+                sequence_parallel=True, fsdp_axis=None,
+            )  # fmt: skip
+            fresh = _fresh_step()  # the tuning is read at trace time
+            opt_state = OPT.init(fp8jax.trainable(model))
+            lowered = fresh.lower(model, opt_state, xs, ys)
+            report = fp8jax.fp8_gemm_report(lowered.compile())
+            assert report.gemms and all(g.is_fp8 for g in report.gemms), report
+            kernels.append(lowered.lowered.compile().as_text().count(triton))
+            out = []
+            for _ in range(2):
+                model, opt_state, loss, grads = fresh(model, opt_state, xs, ys)
+                out.append((loss, grads))
+            runs.append(out)
+    assert kernels[1] >= kernels[0] + 3, kernels
+    for a, b in zip(jax.tree_util.tree_leaves(runs[0]), jax.tree_util.tree_leaves(runs[1])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _fresh_step():
+    """`step`, traced anew (a new function: no cache shared with an earlier tuning)."""
+
+    @eqx.filter_jit
+    def fresh(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+        model, opt_state = fp8jax.optax_step(OPT, model, grads, opt_state)
+        return model, opt_state, loss, fp8jax.trainable(grads)
+
+    return fresh
