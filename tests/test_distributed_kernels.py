@@ -251,3 +251,43 @@ def test_per_tensor_cast_kernel_runs_inside_the_split(monkeypatch):
         whole, _ = _two_steps(sharded, loss, xs, cs)
     assert not calls
     _assert_same_bits(got, whole)
+
+
+@pytest.mark.parametrize("gate_block", [64, 128])
+def test_fused_mlp_core_runs_per_device_under_sequence_parallelism(gate_block):
+    """`FusedMLP`'s gated core (Pallas kernels in interpret mode) under Megatron sequence
+    parallelism with `Tuning.sequence_cast` (data=2 x tensor=4): x's and g's casts run per
+    device on their tokens, the activation kernels on each device's features of fc1's
+    output; only FP8 tokens are gathered, fc1's rows move in place (``gate_block`` 128 to
+    the kernels' 64 within each group), and loss and gradients match one device. Without
+    the option the block takes XLA's path."""
+    from fp8jax._ops import gated
+    from fp8jax.nn import _mlp_paths as paths
+
+    kx, km, kc = jax.random.split(jax.random.PRNGKey(8), 3)
+    mlp = fp8jax.nn.FusedMLP(64, 1024, config=CFG, gate_block=gate_block, key=km)
+    x, c = (jax.random.normal(k, (8, 64, 64)) for k in (kx, kc))
+
+    def fresh():
+        return eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, c: jnp.sum(m(x) * c)))
+
+    with gated.tuning(activation="interpret"):
+        ref_loss, ref_grads = fresh()(mlp, x, c)
+        mesh = _mesh(2, 1, 4)
+        model = fp8jax.shard_model(
+            mlp, mesh, tensor_axis="tensor", column_parallel=["fc1"], row_parallel=["fc2"],
+            sequence_parallel=True, fsdp_axis=None,
+        )  # fmt: skip
+        tokens = fp8jax.distributed.sequence_sharding(mesh, x.shape)
+        xs, cs = jax.device_put(x, tokens), jax.device_put(c, tokens)
+        assert not paths._gated_core_runs(model, xs)  # off by default: XLA's path
+        with tuning.gemm(sequence_cast=True):
+            assert paths._gated_core_runs(model, xs)
+            step = fresh()
+            collectives = distributed.hlo_collectives(step.lower(model, xs, cs))
+            loss, grads = step(model, xs, cs)
+    gathers = {c.dtype for c in collectives if c.kind == "all-gather"}
+    assert gathers == {"f8e4m3fn", "f8e5m2"}, collectives  # x's and g's FP8 tokens only
+    assert not [c for c in collectives if c.kind in ("all-to-all", "collective-permute")]
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    assert_grads_match(grads, ref_grads)

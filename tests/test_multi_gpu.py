@@ -224,3 +224,43 @@ def _fresh_step():
         return model, opt_state, loss, fp8jax.trainable(grads)
 
     return fresh
+
+
+def test_fused_mlp_core_runs_per_gpu_under_sequence_parallelism():
+    """With `tuning.gemm(sequence_cast=True)` the gated core runs on a tensor=2 sequence-
+    parallel pair (fc1's rows interleaved in blocks of 128, the trainer's): its Pallas
+    kernels per GPU, every GEMM FP8, and the step matches one GPU."""
+    from fp8jax import tuning
+    from fp8jax.nn import _mlp_paths as paths
+
+    kx, km, kc = jax.random.split(jax.random.PRNGKey(6), 3)
+    mlp = fp8jax.nn.FusedMLP(512, 1024, config=CFG, gate_block=128, dtype=BF16, key=km)
+    x, c = (jax.random.normal(k, (4, 1024, 512), BF16) for k in (kx, kc))
+
+    def fresh():
+        return eqx.filter_jit(eqx.filter_value_and_grad(
+            lambda m, x, c: jnp.mean((m(x) - c).astype(jnp.float32) ** 2)))  # fmt: skip
+
+    ref_loss, ref_grads = fresh()(mlp, x, c)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 1, 2), ("data", "fsdp", "tensor"))
+    model = fp8jax.shard_model(
+        mlp, mesh, tensor_axis="tensor", column_parallel=["fc1"], row_parallel=["fc2"],
+        sequence_parallel=True, fsdp_axis=None,
+    )  # fmt: skip
+    tokens = distributed.sequence_sharding(mesh, x.shape)
+    xs, cs = jax.device_put(x, tokens), jax.device_put(c, tokens)
+    with tuning.gemm(sequence_cast=True):
+        assert paths._gated_core_runs(model, xs)
+        step = fresh()
+        lowered = step.lower(model, xs, cs)
+        report = fp8jax.fp8_gemm_report(lowered.compile())
+        assert report.gemms and all(g.is_fp8 for g in report.gemms), report
+        text = lowered.lowered.compile().as_text()
+        assert text.count('custom_call_target="__gpu$xla.gpu.triton"') >= 4  # casts, kernels
+        loss, grads = step(model, xs, cs)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
+    trained, reference = fp8jax.trainable(grads), fp8jax.trainable(ref_grads)
+    for g, rg in zip(jax.tree_util.tree_leaves(trained), jax.tree_util.tree_leaves(reference),
+                     strict=True):  # fmt: skip
+        g, rg = np.asarray(g, np.float32), np.asarray(rg, np.float32)
+        assert np.max(np.abs(g - rg)) <= GRAD_OF_MAX * np.max(np.abs(rg))

@@ -53,6 +53,7 @@ from .._kernels.gated_activation import (  # noqa: F401  (re-exported: the core'
 from . import dot as _dot
 from . import rows as _split
 from . import saved_fp8 as _saved
+from . import sequence_parallel as _sp
 
 BF16 = jnp.bfloat16
 # fc1's output (``h``, bf16; or its FP8 copy and scale, `FusedMLP.fc1_out_fp8`): the checkpoint
@@ -74,6 +75,9 @@ class Spec(NamedTuple):
     gate_block: int | None = None  # fc1's row layout (`fp8jax.nn.FusedMLP.gate_block`)
     rows: _split.RowSplit | None = None  # the kernels' token split on a mesh (`fp8jax._ops.rows`)
     fc1_out_fp8: bool = False  # keep ``h`` for the backward as e4m3 + scale (`saved_fp8`)
+    # Megatron sequence parallelism: fc1's column-parallel record (fc2 is its row-parallel
+    # pair); the kernels then run per device (`_sequence_splits`), ``rows`` is None
+    sequence: _sp.SequenceParallel | None = None
 
 
 def usable(
@@ -105,6 +109,36 @@ def usable(
         and config1.recipe.scale_known_before_cast
         and config2.recipe.scale_known_before_cast
     )
+
+
+def _sequence_splits(spec: Spec):
+    """``(column, row, tokens, features, dims)`` under sequence parallelism: fc1's and fc2's
+    records, the token split of x's and g's casts (batch axes and the tensor axis), the
+    activation kernels' split (tokens over the batch axes, fc1's output features over the
+    tensor axis) and the explicit dims of its 2-D operands; without it ``(None, None,
+    spec.rows, spec.rows, 0)``: one token split for all."""
+    col = spec.sequence
+    if col is None:
+        return None, None, spec.rows, spec.rows, 0
+    tokens = _split.RowSplit(col.mesh, (*col.batch, col.axis))
+    features = _split.RowSplit(col.mesh, col.batch, features=(col.axis,))
+    return col, col._replace(kind="row"), tokens, features, _split.Dims(0, 1)
+
+
+def _relayout(a, src: int | None, dst: int | None, local: bool):
+    """fc1's rows (``a``'s dim 0, or dim 1 of ``[1, 2F, C]``-like 3-D arrays: pass ``a[0]``)
+    from gate/up layout ``src`` to ``dst`` (`relayout_rows`); with ``local``, both blocks,
+    ``src`` a multiple of ``dst`` or the other way round, the move stays inside each group
+    of ``2 * max(src, dst)`` rows, so a tensor-parallel split of the rows moves nothing."""
+    if not local or src == dst:
+        return relayout_rows(a, 0, src, dst)
+    big, small = max(src, dst), min(src, dst)
+    n, rest = a.shape[0] // (2 * big), a.shape[1:]
+    if src == big:  # [g(big) u(big)] -> [g0 u0 g1 u1 ...] in blocks of small
+        a = a.reshape(n, 2, big // small, small, *rest).swapaxes(1, 2)
+    else:
+        a = a.reshape(n, big // small, 2, small, *rest).swapaxes(1, 2)
+    return a.reshape(-1, *rest)
 
 
 def _scales(spec: Spec, state1, state2) -> tuple[Array, ...]:
@@ -165,31 +199,36 @@ def _forward(spec: Spec, x, w1, state1, w2, state2, save_fp8: bool = False):
     (`Spec.fc1_out_fp8`), cast before fc2's GEMM runs (`saved_fp8.save_fp8_before`, tied to
     fc2's FP8 input: ``h`` dies in the forward, and no bf16 rounding moves)."""
     c1, c2 = spec.config1, spec.config2
+    col, row, tokens, features, dims = _sequence_splits(spec)
     chosen = _scales(spec, state1, state2)  # what the states record
     sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)  # what casts and GEMMs take
-    xq, xTq, ax = _cast(spec.rows, x, sx, c1.input_dtype, c1.cast_kernel)
-    w1c = relayout_rows(w1, 0, spec.gate_block, BLOCK)[None]  # the core's layout
+    xq, xTq, ax = _cast(tokens, x, sx, c1.input_dtype, c1.cast_kernel)
+    w1c = _relayout(w1, spec.gate_block, BLOCK, col is not None)[None]  # the core's layout
     w1q, w1Tq, aw1 = _gemm.quantize_both(w1c, sw1, c1.kernel_dtype, c1.cast_kernel)
+    # sequence parallel: x's FP8 tokens gathered, fc1 split over its output features
+    xq, w1q = _sp.pin_operands(col, _sp.gather(col, xq, 1), w1q, None, 1)
     h = _gemm.gemm(xq, w1q, BF16, _gemm.gemm_precision(c1.fast_forward))[
         0
     ]  # [M, 2F] interleaved, not dequantized
     h_scale = (sx * sw1).reshape(())
     aq, _, aa = _split.on_rows(
-        spec.rows,
+        features,
         _local_amax(
-            spec.rows,
+            features,
             lambda h, hs, s: activation_fp8(h, hs, s, c2.input_dtype, spec.activation, False),
             2,
         ),
         (h, h_scale, sa),
-        (0, None, None),
-        (0, None, "max"),
+        (dims, None, None),
+        (dims, None, "max"),
     )
     saved_h = h
     if save_fp8:
         aq, saved_h = _saved.save_fp8_before(h, _saved.margin(c1), aq)
     w2q, w2Tq, aw2 = _gemm.quantize_both(w2[None], sw2, c2.kernel_dtype, c2.cast_kernel)
-    y = _scaled_gemm(aq[None], sa, w2q, sw2, spec.x_dtype, c2.fast_forward, c2)[0]
+    a3, w2q = _sp.pin_operands(row, aq[None], w2q, 2, 2)  # fc2 split over its inputs
+    y = _sp.scatter(row, _scaled_gemm(a3, sa, w2q, sw2, spec.x_dtype, c2.fast_forward, c2), 1)
+    y = y[0]
     # fc2's wgrad operand aq^T is not kept: the backward kernel recomputes it from h
     residuals = (xTq, w1Tq, saved_h, w2Tq, *chosen, ax, aw1, aa, aw2)
     return y, residuals
@@ -238,15 +277,23 @@ def _bwd(spec, saved, g):
     (xTq, w1Tq, h, w2Tq, *chosen, ax, aw1, aa, aw2), state1, state2 = saved
     c1, c2 = spec.config1, spec.config2
     sx, sw1, sdh, sa, sw2, sg = map(_gemm.gemm_scale, chosen)
-    gq, gTq, ag = _cast(spec.rows, g, sg, c2.grad_dtype, c2.cast_kernel)
+    col, row, tokens, features, dims = _sequence_splits(spec)
+    gq, gTq, ag = _cast(tokens, g, sg, c2.grad_dtype, c2.cast_kernel)
+    if row is not None:  # g's FP8 tokens gathered once; fc2's wgrad reads them transposed
+        gq = _sp.gather(row, gq, 1)
+        gTq = jnp.swapaxes(gq, 1, 2)
+    gq, w2Tq = _sp.pin_operands(col, gq, w2Tq, None, 1)  # da split over fc2's inputs
     da = _gemm.gemm(gq, w2Tq, BF16, _gemm.gemm_precision(c2.fast_backward))[
         0
     ]  # [M, F], not dequantized
+    # per device under sequence parallelism: fc1's transposed gradient in the kernels' own
+    # blocks (a `[gate | up]` of each device's rows is not the weight's), moved locally
+    dht_block = BLOCK if col is not None else _dht_block(spec.gate_block)
 
     def grad(h, hs, da, das, sdh, sa):
         return activation_grad_fp8(
             h, hs, da, das, sdh, c1.grad_dtype, sa, c2.input_dtype, spec.activation,
-            dht_block=_dht_block(spec.gate_block),
+            dht_block=dht_block,
         )  # fmt: skip
 
     h_scale = (sx * sw1).reshape(())
@@ -254,13 +301,19 @@ def _bwd(spec, saved, g):
         (h, h8_scale), da = _saved.read_after(h, da)
         h, h_scale = h.astype(BF16), h_scale * h8_scale.reshape(())
     args = (h, h_scale, da, (sg * sw2).reshape(()), sdh, sa)
-    in_dims = (0, None, 0, None, None, None)
-    grad = _local_amax(spec.rows, grad, 2)
-    dhq, dhTq, adh, aTq = _split.on_rows(spec.rows, grad, args, in_dims, (0, 1, "max", 1))
+    in_dims = (dims, None, dims, None, None, None)
+    t_dims = _split.Dims(1, 0) if col is not None else 1  # the transposed outputs
+    grad = _local_amax(features, grad, 2)
+    dhq, dhTq, adh, aTq = _split.on_rows(
+        features, grad, args, in_dims, (dims, t_dims, "max", t_dims)
+    )
     dw2 = _scaled_gemm(gTq, sg, aTq[None], sa, spec.w2_dtype, c2.fast_backward, c2)[0]
-    dx = _scaled_gemm(dhq[None], sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward, c1)[0]
+    d3, w1Tq = _sp.pin_operands(col, dhq[None], w1Tq, 2, 2)  # contracts fc1's split rows
+    dx = _sp.scatter(col, _scaled_gemm(d3, sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward, c1), 1)
+    dx = dx[0]
+    xTq = _sp.gather(col, xTq, 2)  # x's transposed FP8 tokens, kept split, gathered again
     dw1 = _scaled_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward, c1)[0]
-    dw1 = relayout_rows(dw1, 0, _dht_block(spec.gate_block), spec.gate_block)  # as stored
+    dw1 = _relayout(dw1, dht_block, spec.gate_block, col is not None)  # as stored
 
     amaxes = q.combined_max(ax, aw1, adh, aa, aw2, ag)  # both layers' in one reduction
     cx, cw1, cdh, ca, cw2, cg = chosen

@@ -37,6 +37,14 @@ class RowSplit(NamedTuple):
         return math.prod(self.mesh.shape[a] for a in self.axes)
 
 
+class Dims(NamedTuple):
+    """An `on_rows` operand's two split dims: ``token`` over ``RowSplit.axes``, ``feature``
+    over ``RowSplit.features`` (one leaf of ``out_dims``, not a pytree of two)."""
+
+    token: int
+    feature: int
+
+
 def splits_features(ws) -> bool:
     """Whether a layer placed as ``ws`` (`fp8jax._ops.dot.WeightSharding`) is tensor or
     sequence parallel: its weight split over a mesh axis it does not all-gather, or its
@@ -68,13 +76,18 @@ def on_rows(rows: RowSplit | None, fn: Callable, args: tuple, in_dims: tuple, ou
     the whole array on every device). ``out_dims``: a pytree like ``fn``'s output with,
     per array, its token dim, ``"max"`` (an amax: ``pmax``) or ``"sum"`` (a partial sum
     over the tokens: ``psum``). With ``rows.features`` a token dim of 1 or 2 names a
-    ``[B, rows, cols]`` array whose other dim is split over those axes, and the reductions
-    span both splits. A plain call when ``rows`` is None."""
+    ``[B, rows, cols]`` array whose other dim is split over those axes, a `Dims` any
+    array's two split dims, and the reductions span both splits. A plain call when ``rows``
+    is None."""
     if rows is None:
         return fn(*args)
     every = (*rows.axes, *rows.features)
 
     def spec(dim):
+        if isinstance(dim, Dims):
+            entries: list = [None] * (max(dim) + 1)
+            entries[dim.token], entries[dim.feature] = rows.axes or None, rows.features or None
+            return P(*entries)
         if not isinstance(dim, int):
             return P()
         if not rows.features:
@@ -98,6 +111,6 @@ def on_rows(rows: RowSplit | None, fn: Callable, args: tuple, in_dims: tuple, ou
         local,
         mesh=rows.mesh,
         in_specs=tuple(spec(d) for d in in_dims),
-        out_specs=jax.tree.map(spec, out_dims),
+        out_specs=jax.tree.map(spec, out_dims, is_leaf=lambda d: isinstance(d, Dims)),
         check_vma=False,
     )(*args)

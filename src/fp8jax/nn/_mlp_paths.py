@@ -10,6 +10,8 @@ import equinox as eqx
 import jax
 
 from .. import _guard
+from .._kernels import dispatch as _dispatch
+from .._kernels import gemm as _gemm
 from .._ops import dot as _dot
 from .._ops import gated as _gated
 from .._ops import rows as _rows
@@ -32,7 +34,9 @@ def _gated_core_runs(mlp: eqx.Module, x) -> bool:
     fc1, fc2 = mlp.fc1, mlp.fc2
     if not (isinstance(fc1, Linear) and isinstance(fc2, Linear)):
         return False
-    if any(_rows.splits_features(f.dot_general.weight_sharding) for f in (fc1, fc2)):
+    sequence = _sequence_core(mlp)
+    splits = any(_rows.splits_features(f.dot_general.weight_sharding) for f in (fc1, fc2))
+    if splits and sequence is None:
         return False
     if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
         return False
@@ -43,8 +47,41 @@ def _gated_core_runs(mlp: eqx.Module, x) -> bool:
     cfg1, cfg2 = states[0].config, states[1].config
     if any(c.selective and m < c.min_tokens for c in (cfg1, cfg2)):
         return False
+    if sequence is not None:  # x's tokens split over the batch and tensor axes for its cast;
+        # the kernels see every token of a batch shard and 1/tp of the features
+        tp = sequence.mesh.shape[sequence.axis]
+        rows = _rows.RowSplit(sequence.mesh, sequence.batch)
+        if m % (rows.count * tp) or mlp.ffn % (tp * 2 * max(mlp.gate_block, _gated.BLOCK)):
+            return False
+        ffn = mlp.ffn // tp
+        return _gated.usable(cfg1, cfg2, m, mlp.hidden, ffn, fc2.out_features, mlp.activation, rows)
     rows = _row_split(mlp)
     return _gated.usable(cfg1, cfg2, m, mlp.hidden, mlp.ffn, fc2.out_features, mlp.activation, rows)
+
+
+def _sequence_core(mlp: eqx.Module):
+    """fc1's column-parallel record (`fp8jax._ops.sequence_parallel.SequenceParallel`) where
+    the gated core runs under Megatron sequence parallelism, per device
+    (`fp8jax._kernels.gemm.Tuning.sequence_cast`, off by default until measured on GPUs):
+    fc1 column- and fc2 row-parallel over one tensor axis, no FSDP gather, no ring, delayed
+    per-tensor scaling, fc1's rows interleaved (``gate_block``), fc1's output kept in bf16,
+    a program over several devices. Else None."""
+    if not _gemm.current_tuning().sequence_cast or _dispatch.unpartitioned_reason() is None:
+        return None
+    if mlp.gate_block is None or mlp.fc1_out_fp8:
+        return None
+    ws1, ws2 = (getattr(f.dot_general, "weight_sharding", None) for f in (mlp.fc1, mlp.fc2))
+    if ws1 is None or ws2 is None or ws1.sequence is None or ws2.sequence is None:
+        return None
+    col, row = ws1.sequence, ws2.sequence
+    if (col.kind, row.kind) != ("column", "row") or col._replace(kind="row") != row:
+        return None
+    if col.overlap != "none" or ws1.gather or ws2.gather:
+        return None
+    for recipe in (mlp.fc1.dot_general.config.recipe, mlp.fc2.dot_general.config.recipe):
+        if not (recipe.per_device_casts and recipe.per_tensor_scale) or recipe.per_device_rows:
+            return None
+    return col
 
 
 def _row_split(mlp: eqx.Module) -> _rows.RowSplit | None:
@@ -90,6 +127,7 @@ def _core_call(mlp: eqx.Module, x):
         mlp.gate_block,
         _row_split(mlp),
         mlp.fc1_out_fp8,
+        _sequence_core(mlp),
     )
     # Each linear's state with its guard, as `fp8jax.Fp8DotGeneral` takes it: checked, cycled
     # through the gradient, and (FP8JAX_GUARD=nan) a NaN output where an optimizer moved it
