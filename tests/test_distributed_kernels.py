@@ -253,14 +253,15 @@ def test_per_tensor_cast_kernel_runs_inside_the_split(monkeypatch):
     _assert_same_bits(got, whole)
 
 
-@pytest.mark.parametrize("gate_block", [64, 128])
-def test_fused_mlp_core_runs_per_device_under_sequence_parallelism(gate_block):
+@pytest.mark.parametrize("gate_block, fsdp_axis", [(64, None), (128, "fsdp")])
+def test_fused_mlp_core_runs_per_device_under_sequence_parallelism(gate_block, fsdp_axis):
     """`FusedMLP`'s gated core (Pallas kernels in interpret mode) under Megatron sequence
     parallelism with `Tuning.sequence_cast` (data=2 x tensor=4): x's and g's casts run per
     device on their tokens, the activation kernels on each device's features of fc1's
     output; only FP8 tokens are gathered, fc1's rows move in place (``gate_block`` 128 to
     the kernels' 64 within each group), and loss and gradients match one device. Without
-    the option the block takes XLA's path."""
+    the option the block takes XLA's path. FSDP over an axis of size 1 (the trainer's
+    placement on a tensor-only mesh) gathers nothing and keeps the core."""
     from fp8jax._ops import gated
     from fp8jax.nn import _mlp_paths as paths
 
@@ -276,7 +277,7 @@ def test_fused_mlp_core_runs_per_device_under_sequence_parallelism(gate_block):
         mesh = _mesh(2, 1, 4)
         model = fp8jax.shard_model(
             mlp, mesh, tensor_axis="tensor", column_parallel=["fc1"], row_parallel=["fc2"],
-            sequence_parallel=True, fsdp_axis=None,
+            sequence_parallel=True, fsdp_axis=fsdp_axis,
         )  # fmt: skip
         tokens = fp8jax.distributed.sequence_sharding(mesh, x.shape)
         xs, cs = jax.device_put(x, tokens), jax.device_put(c, tokens)

@@ -63,7 +63,7 @@ def _sequence_core(mlp: eqx.Module):
     """fc1's column-parallel record (`fp8jax._ops.sequence_parallel.SequenceParallel`) where
     the gated core runs under Megatron sequence parallelism, per device
     (`fp8jax._kernels.gemm.Tuning.sequence_cast`, off by default until measured on GPUs):
-    fc1 column- and fc2 row-parallel over one tensor axis, no FSDP gather, no ring, delayed
+    fc1 column- and fc2 row-parallel over one tensor axis, no FSDP split, no ring, delayed
     per-tensor scaling, fc1's rows interleaved (``gate_block``), fc1's output kept in bf16,
     a program over several devices. Else None."""
     if not _gemm.current_tuning().sequence_cast or _dispatch.unpartitioned_reason() is None:
@@ -76,8 +76,8 @@ def _sequence_core(mlp: eqx.Module):
     col, row = ws1.sequence, ws2.sequence
     if (col.kind, row.kind) != ("column", "row") or col._replace(kind="row") != row:
         return None
-    if col.overlap != "none" or ws1.gather or ws2.gather:
-        return None
+    if col.overlap != "none" or any(col.mesh.shape[a] > 1 for a in ws1.gather + ws2.gather):
+        return None  # a ring, or FSDP gathers (axes of size 1 gather nothing)
     for recipe in (mlp.fc1.dot_general.config.recipe, mlp.fc2.dot_general.config.recipe):
         if not (recipe.per_device_casts and recipe.per_tensor_scale) or recipe.per_device_rows:
             return None
