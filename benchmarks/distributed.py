@@ -521,8 +521,9 @@ def main(argv=None):
     p.add_argument(
         "--sequence-cast",
         action="store_true",
-        help="with --sequence-parallel: the FP8 casts that write a transposed copy run per "
-        "device (fp8jax.tuning.gemm(sequence_cast=True); off by default until measured)",
+        help="with --sequence-parallel: the FP8 casts that write a transposed copy, and the "
+        "gated MLP core, run per device (fp8jax.tuning.gemm(sequence_cast=True); off by "
+        "default until measured)",
     )
     p.add_argument(
         "--vocab", type=int, default=None, help="vocabulary size (default: the preset's)"

@@ -46,8 +46,10 @@ class Tuning:
         sequence_cast: under Megatron sequence parallelism, the casts that write a
             transposed copy (a column-parallel layer's input and output gradient, a
             row-parallel layer's input) run per device the same way, their tokens or
-            features split over the tensor axis; False: XLA's partitioned cast and
-            transpose (False until measured on GPUs).
+            features split over the tensor axis, and `fp8jax.nn.FusedMLP`'s gated core
+            runs per device (its activation kernels on each device's features); False:
+            XLA's partitioned casts, transposes and activation (False until measured on
+            GPUs).
     """
 
     # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
@@ -66,7 +68,8 @@ class Tuning:
     # Activation and output-gradient casts per device on its tokens under shard_map, where
     # the Pallas kernel can run (XLA cannot partition its custom call): `fp8jax._ops.rows`.
     per_device_cast: bool = True
-    # The same under sequence parallelism, on the tensor axis too (`fp8jax._ops.dot`).
+    # The same under sequence parallelism, on the tensor axis too (`fp8jax._ops.dot`), and
+    # the gated MLP core there (`fp8jax._ops.gated`).
     sequence_cast: bool = False
 
 
