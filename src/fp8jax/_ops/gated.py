@@ -126,10 +126,10 @@ def _sequence_splits(spec: Spec):
 
 
 def _relayout(a, src: int | None, dst: int | None, local: bool):
-    """fc1's rows (``a``'s dim 0, or dim 1 of ``[1, 2F, C]``-like 3-D arrays: pass ``a[0]``)
-    from gate/up layout ``src`` to ``dst`` (`relayout_rows`); with ``local``, both blocks,
-    ``src`` a multiple of ``dst`` or the other way round, the move stays inside each group
-    of ``2 * max(src, dst)`` rows, so a tensor-parallel split of the rows moves nothing."""
+    """fc1's rows (``a``'s dim 0) from gate/up layout ``src`` to ``dst`` (`relayout_rows`).
+    With ``local`` (both are blocks, one a multiple of the other) the move stays inside each
+    group of ``2 * max(src, dst)`` rows: a tensor-parallel split of the rows moves nothing,
+    where `relayout_rows` passes through ``[gate | up]``, a permutation across devices."""
     if not local or src == dst:
         return relayout_rows(a, 0, src, dst)
     big, small = max(src, dst), min(src, dst)
@@ -311,7 +311,9 @@ def _bwd(spec, saved, g):
     d3, w1Tq = _sp.pin_operands(col, dhq[None], w1Tq, 2, 2)  # contracts fc1's split rows
     dx = _sp.scatter(col, _scaled_gemm(d3, sdh, w1Tq, sw1, spec.x_dtype, c1.fast_backward, c1), 1)
     dx = dx[0]
-    xTq = _sp.gather(col, xTq, 2)  # x's transposed FP8 tokens, kept split, gathered again
+    if col is not None:  # x's transposed FP8 tokens, kept split, gathered again only once
+        # g's amax exists (`fp8jax._ops.dot._after`: else XLA may gather in the forward)
+        xTq = _sp.gather(col, _dot._after(_sp.constrain(col, xTq, 2, True), ag), 2)
     dw1 = _scaled_gemm(dhTq[None], sdh, xTq, sx, spec.w1_dtype, c1.fast_backward, c1)[0]
     dw1 = _relayout(dw1, dht_block, spec.gate_block, col is not None)  # as stored
 
