@@ -31,7 +31,6 @@ from jax.custom_batching import custom_vmap
 from .. import _quant as q
 from .. import _state
 from .._config import Fp8Config, warn_below_min_tokens
-from .._kernels import dispatch as _dispatch
 from .._kernels import gemm as _gemm
 from .._recipe_base import Cast, Recipe
 from . import fsdp as _fsdp_op
@@ -182,17 +181,14 @@ def _sequence_cast(spec: Spec, side: str, m: int) -> _split.RowSplit | None:
     row-parallel layer's input their tokens over the batch axes and features over the
     tensor axis. None elsewhere: a row-parallel layer's output gradient is gathered and
     transposed once (`_bwd_impl`), a ring moves its own (`fp8jax._ops.tp_ring`)."""
-    sp, recipe = spec.sequence, spec.config.recipe
-    if sp is None or sp.overlap != "none" or not recipe.per_device_casts:
+    sp = spec.sequence
+    if not _split.sequence_casts(sp, spec.config.recipe):
         return None
-    if not recipe.per_tensor_scale or recipe.per_device_rows:  # a row's scale spans features
-        return None
-    if not _gemm.current_tuning().sequence_cast or _dispatch.unpartitioned_reason() is None:
-        return None
+    tokens, features = _split.sequence_splits(sp)
     if (sp.kind, side) == ("column", "input"):
-        split = _split.RowSplit(sp.mesh, (*sp.batch, sp.axis))
+        split = tokens
     elif (sp.kind, side) in (("column", "grad"), ("row", "input")):
-        split = _split.RowSplit(sp.mesh, sp.batch, features=(sp.axis,))
+        split = features
     else:
         return None
     return split if m % split.count == 0 else None

@@ -120,8 +120,7 @@ def _sequence_splits(spec: Spec):
     col = spec.sequence
     if col is None:
         return None, None, spec.rows, spec.rows, 0
-    tokens = _split.RowSplit(col.mesh, (*col.batch, col.axis))
-    features = _split.RowSplit(col.mesh, col.batch, features=(col.axis,))
+    tokens, features = _split.sequence_splits(col)
     return col, col._replace(kind="row"), tokens, features, _split.Dims(0, 1)
 
 

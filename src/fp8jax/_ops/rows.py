@@ -21,6 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .._kernels import dispatch
+from .._kernels import gemm as _gemm
 
 
 class RowSplit(NamedTuple):
@@ -71,6 +72,31 @@ def of_weight(ws) -> RowSplit | None:
     return RowSplit(ws.mesh, tuple(a for a in ws.mesh.axis_names if ws.mesh.shape[a] > 1))
 
 
+def sequence_splits(sp) -> tuple[RowSplit, RowSplit]:
+    """``(tokens, features)`` under Megatron sequence parallelism (``sp``: a layer's
+    `fp8jax._ops.sequence_parallel.SequenceParallel`): the split of an activation outside
+    the tensor-parallel pair (its tokens over the batch axes and the tensor axis) and of one
+    inside it (its tokens over the batch axes, its features over the tensor axis)."""
+    return RowSplit(sp.mesh, (*sp.batch, sp.axis)), RowSplit(sp.mesh, sp.batch, (sp.axis,))
+
+
+def sequence_casts(sp, recipe) -> bool:
+    """Whether a sequence-parallel layer (``sp``; None: not one) casts per device on
+    `sequence_splits` (`fp8jax._kernels.gemm.Tuning.sequence_cast`): in a program over
+    several devices outside ``shard_map``, without the ring (`fp8jax._ops.tp_ring` moves its
+    own), for delayed per-tensor scaling (a row-wise cast's row scale spans the features the
+    tensor axis splits)."""
+    return (
+        sp is not None
+        and sp.overlap == "none"
+        and recipe.per_device_casts
+        and recipe.per_tensor_scale
+        and not recipe.per_device_rows
+        and _gemm.current_tuning().sequence_cast
+        and dispatch.unpartitioned_reason() is not None
+    )
+
+
 def on_rows(rows: RowSplit | None, fn: Callable, args: tuple, in_dims: tuple, out_dims: Any):
     """``fn(*args)`` per device on its token rows. ``in_dims``: each arg's token dim (None:
     the whole array on every device). ``out_dims``: a pytree like ``fn``'s output with,
@@ -84,18 +110,15 @@ def on_rows(rows: RowSplit | None, fn: Callable, args: tuple, in_dims: tuple, ou
     every = (*rows.axes, *rows.features)
 
     def spec(dim):
+        if isinstance(dim, int) and rows.features:  # [B, rows, cols]: the other dim's
+            if dim not in (1, 2):
+                raise ValueError(f"on_rows: a feature split needs [B, rows, cols], got dim {dim}.")
+            dim = Dims(dim, 3 - dim)
         if isinstance(dim, Dims):
             entries: list = [None] * (max(dim) + 1)
             entries[dim.token], entries[dim.feature] = rows.axes or None, rows.features or None
             return P(*entries)
-        if not isinstance(dim, int):
-            return P()
-        if not rows.features:
-            return P(*(None,) * dim, rows.axes)
-        if dim not in (1, 2):
-            raise ValueError(f"on_rows: a feature split needs [B, rows, cols], got dim {dim}.")
-        entries = [None, rows.axes or None, rows.features]
-        return P(*(entries if dim == 1 else (None, rows.features, rows.axes or None)))
+        return P(*(None,) * dim, rows.axes) if isinstance(dim, int) else P()
 
     def reduce(out, dim):
         if dim == "max":

@@ -10,8 +10,6 @@ import equinox as eqx
 import jax
 
 from .. import _guard
-from .._kernels import dispatch as _dispatch
-from .._kernels import gemm as _gemm
 from .._ops import dot as _dot
 from .._ops import gated as _gated
 from .._ops import rows as _rows
@@ -50,7 +48,7 @@ def _gated_core_runs(mlp: eqx.Module, x) -> bool:
     if sequence is not None:  # x's tokens split over the batch and tensor axes for its cast;
         # the kernels see every token of a batch shard and 1/tp of the features
         tp = sequence.mesh.shape[sequence.axis]
-        rows = _rows.RowSplit(sequence.mesh, sequence.batch)
+        rows = _rows.sequence_splits(sequence)[1]  # the kernels' split: its token count
         if m % (rows.count * tp) or mlp.ffn % (tp * 2 * max(mlp.gate_block, _gated.BLOCK)):
             return False
         ffn = mlp.ffn // tp
@@ -65,9 +63,7 @@ def _sequence_core(mlp: eqx.Module):
     (`fp8jax._kernels.gemm.Tuning.sequence_cast`, off by default until measured on GPUs):
     fc1 column- and fc2 row-parallel over one tensor axis, no FSDP split, no ring, delayed
     per-tensor scaling, fc1's rows interleaved (``gate_block``), fc1's output kept in bf16,
-    a program over several devices. Else None."""
-    if not _gemm.current_tuning().sequence_cast or _dispatch.unpartitioned_reason() is None:
-        return None
+    a program over several devices (`fp8jax._ops.rows.sequence_casts` of both). Else None."""
     if mlp.gate_block is None or mlp.fc1_out_fp8:
         return None
     ws1, ws2 = (getattr(f.dot_general, "weight_sharding", None) for f in (mlp.fc1, mlp.fc2))
@@ -76,12 +72,10 @@ def _sequence_core(mlp: eqx.Module):
     col, row = ws1.sequence, ws2.sequence
     if (col.kind, row.kind) != ("column", "row") or col._replace(kind="row") != row:
         return None
-    if col.overlap != "none" or any(col.mesh.shape[a] > 1 for a in ws1.gather + ws2.gather):
-        return None  # a ring, or FSDP gathers (axes of size 1 gather nothing)
-    for recipe in (mlp.fc1.dot_general.config.recipe, mlp.fc2.dot_general.config.recipe):
-        if not (recipe.per_device_casts and recipe.per_tensor_scale) or recipe.per_device_rows:
-            return None
-    return col
+    if any(col.mesh.shape[a] > 1 for a in ws1.gather + ws2.gather):
+        return None  # FSDP gathers (axes of size 1 gather nothing)
+    recipes = (mlp.fc1.dot_general.config.recipe, mlp.fc2.dot_general.config.recipe)
+    return col if all(_rows.sequence_casts(col, r) for r in recipes) else None
 
 
 def _row_split(mlp: eqx.Module) -> _rows.RowSplit | None:
