@@ -388,6 +388,8 @@ def run_params(run, sizes, devices) -> dict:
         params["sequence_parallel"] = True
     if run.tp_overlap != "none":
         params["tp_overlap"] = run.tp_overlap
+    if tuning.current_gemm().sequence_cast:  # --sequence-cast, in effect where it measures
+        params["sequence_cast"] = True
     if run.fp8_head:
         params["fp8_head"] = True
     if run.fp8_attention:
@@ -608,7 +610,8 @@ def main(argv=None):
         interrupt_on_sigterm()
 
         def probe_one(precision):
-            row = probe_variant(run, precision, sizes, devices, limit, args.max_batch_from)
+            with tuning.gemm(sequence_cast=args.sequence_cast):
+                row = probe_variant(run, precision, sizes, devices, limit, args.max_batch_from)
             row["params"] = dict(preset=preset, **row["params"])
             return [dict(meta, **row)]
 
@@ -630,8 +633,6 @@ def main(argv=None):
                 run, precision, sizes, devices, steps, not args.no_baseline, args.top_kernels
             )
         row["params"] = dict(preset=preset, **row["params"])
-        if args.sequence_cast:
-            row["params"]["sequence_cast"] = True
         if precision == "bf16":
             bf16_ms.append(row.get("ms"))
         elif row.get("ms") and bf16_ms and bf16_ms[-1]:
