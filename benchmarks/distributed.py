@@ -388,8 +388,8 @@ def run_params(run, sizes, devices) -> dict:
         params["sequence_parallel"] = True
     if run.tp_overlap != "none":
         params["tp_overlap"] = run.tp_overlap
-    if tuning.current_gemm().sequence_cast:  # --sequence-cast, in effect where it measures
-        params["sequence_cast"] = True
+    if run.sequence_parallel:  # --no-sequence-cast, in effect where it measures
+        params["sequence_cast"] = tuning.current_gemm().sequence_cast
     if run.fp8_head:
         params["fp8_head"] = True
     if run.fp8_attention:
@@ -521,11 +521,10 @@ def main(argv=None):
         "matmuls (fp8jax-train's option)",
     )
     p.add_argument(
-        "--sequence-cast",
+        "--no-sequence-cast",
         action="store_true",
-        help="with --sequence-parallel: the FP8 casts that write a transposed copy, and the "
-        "gated MLP core, run per device (fp8jax.tuning.gemm(sequence_cast=True); off by "
-        "default until measured)",
+        help="with --sequence-parallel: XLA's partitioned FP8 casts and gated MLP core, not "
+        "fp8jax's per-device ones (fp8jax.tuning.gemm(sequence_cast=False); for comparison)",
     )
     p.add_argument(
         "--vocab", type=int, default=None, help="vocabulary size (default: the preset's)"
@@ -597,8 +596,8 @@ def main(argv=None):
     )
     if args.tp_overlap != "none" and not args.sequence_parallel:
         p.error(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")
-    if args.sequence_cast and not args.sequence_parallel:
-        p.error("--sequence-cast needs --sequence-parallel")
+    if args.no_sequence_cast and not args.sequence_parallel:
+        p.error("--no-sequence-cast needs --sequence-parallel")
     if args.sequence_parallel:
         check_sequence_parallel(run, make_mesh(sizes, devices))
     steps = args.steps or (2 if args.quick else 10)
@@ -610,7 +609,7 @@ def main(argv=None):
         interrupt_on_sigterm()
 
         def probe_one(precision):
-            with tuning.gemm(sequence_cast=args.sequence_cast):
+            with tuning.gemm(sequence_cast=not args.no_sequence_cast):
                 row = probe_variant(run, precision, sizes, devices, limit, args.max_batch_from)
             row["params"] = dict(preset=preset, **row["params"])
             return [dict(meta, **row)]
@@ -628,7 +627,7 @@ def main(argv=None):
     bf16_ms = []
 
     def run_one(precision):
-        with tuning.gemm(sequence_cast=args.sequence_cast):
+        with tuning.gemm(sequence_cast=not args.no_sequence_cast):
             row = run_variant(
                 run, precision, sizes, devices, steps, not args.no_baseline, args.top_kernels
             )

@@ -259,8 +259,8 @@ def test_fused_mlp_core_runs_per_device_under_sequence_parallelism(gate_block, f
     parallelism with `Tuning.sequence_cast` (data=2 x tensor=4): x's and g's casts run per
     device on their tokens, the activation kernels on each device's features of fc1's
     output; only FP8 tokens are gathered, fc1's rows move in place (``gate_block`` 128 to
-    the kernels' 64 within each group), and loss and gradients match one device. Without
-    the option the block takes XLA's path. FSDP over an axis of size 1 (the trainer's
+    the kernels' 64 within each group), and loss and gradients match one device. With the
+    option off the block takes XLA's path. FSDP over an axis of size 1 (the trainer's
     placement on a tensor-only mesh) gathers nothing and keeps the core."""
     from fp8jax._ops import gated
     from fp8jax.nn import _mlp_paths as paths
@@ -281,9 +281,10 @@ def test_fused_mlp_core_runs_per_device_under_sequence_parallelism(gate_block, f
         )  # fmt: skip
         tokens = fp8jax.distributed.sequence_sharding(mesh, x.shape)
         xs, cs = jax.device_put(x, tokens), jax.device_put(c, tokens)
-        assert not paths._gated_core_runs(model, xs)  # off by default: XLA's path
+        with tuning.gemm(sequence_cast=False):  # the switch off: XLA's path
+            assert not paths._gated_core_runs(model, xs)
+        assert paths._gated_core_runs(model, xs)  # on by default
         with tuning.gemm(sequence_cast=True):
-            assert paths._gated_core_runs(model, xs)
             step = fresh()
             collectives = distributed.hlo_collectives(step.lower(model, xs, cs))
             loss, grads = step(model, xs, cs)

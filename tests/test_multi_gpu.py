@@ -180,8 +180,10 @@ def test_moe_all_to_all_dispatch_runs_the_grouped_kernels_per_gpu():
 def test_sequence_casts_run_the_cast_kernel_per_gpu():
     """`tuning.gemm(sequence_cast=True)` on a tensor=2 sequence-parallel pair: the casts that
     write a transposed copy (l1's input and output gradient, l2's input) run as the Pallas
-    cast kernel on each GPU, every GEMM stays a cuBLASLt FP8 GEMM, and two steps give the
-    bits of XLA's partitioned casts."""
+    cast kernel on each GPU, every GEMM stays a cuBLASLt FP8 GEMM, and two steps match XLA's
+    partitioned casts. Not to the bit, as on the CPU (`tests/test_sequence_parallel.py`):
+    each program is compiled and its GEMMs autotuned on its own, so the GPUs may sum the
+    same FP8 products in another order."""
     from fp8jax import tuning
 
     triton = 'custom_call_target="__gpu$xla.gpu.triton"'
@@ -210,8 +212,12 @@ def test_sequence_casts_run_the_cast_kernel_per_gpu():
                 out.append((loss, grads))
             runs.append(out)
     assert kernels[1] >= kernels[0] + 3, kernels
-    for a, b in zip(jax.tree_util.tree_leaves(runs[0]), jax.tree_util.tree_leaves(runs[1])):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for (loss, grads), (ref_loss, ref_grads) in zip(runs[1], runs[0]):
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-3)
+        for g, rg in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads),
+                         strict=True):  # fmt: skip
+            g, rg = np.asarray(g, np.float32), np.asarray(rg, np.float32)
+            assert np.max(np.abs(g - rg)) <= 1e-2 * np.max(np.abs(rg))
 
 
 def _fresh_step():

@@ -90,7 +90,8 @@ def test_sequence_parallel_collectives_are_fp8_gathers_and_output_reductions():
         c for c in fwd if c.kind in ("all-reduce", "reduce-scatter") and "dot_general" in c.op_name
     ]
     assert [(c.dtype, c.shape) for c in out] == [("f32", "[64,64]")]
-    amax = [c for c in cs if "reduce_max" in c.op_name]
+    # amaxes: scalars only, XLA's partitioned reduce_max or the per-device casts' pmax
+    amax = [c for c in cs if "reduce_max" in c.op_name or c.op_name.endswith("pmax")]
     assert len(amax) >= 6 and all(c.kind == "all-reduce" and c.shape == "[]" for c in amax)
 
 

@@ -25,10 +25,10 @@ runs all five on e4m3 ``wgmma`` (Mosaic GPU wants A and B of one type, so dO and
 too: dO with its amax scale, dS with a bound's, P^T as ``P^T * 448``). FP8 ``wgmma`` takes
 only K-major operands: ``S = Q K^T``, ``dP = dO V^T`` and their transposes read Q, K, V, dO
 tiles as they are (``D`` minor), but ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ += dS K``
-contract over the rows of dO, Q and K, which XLA transposes before the kernels (dO^T, Q^T
-``[B, Hq, D, Sq]``, K^T ``[B, Hkv, D, Sk]``, each 16 rows reordered as `_p_operand` reads the
-P^T, dS^T and dS registers: `flash_fp8_mgpu._vt`). Causal (``Sq == Sk``, top-left): blocks
-past the diagonal are skipped, the ones it crosses masked.
+contract over the rows of dO, Q and K, transposed before the kernels by `key_transpose`
+(dO^T, Q^T ``[B, Hq, D, Sq]``, K^T ``[B, Hkv, D, Sk]``, each 16 rows reordered as
+`_p_operand` reads the P^T, dS^T and dS registers: `flash_fp8_mgpu._vt`). Causal
+(``Sq == Sk``, top-left): blocks past the diagonal are skipped, the ones it crosses masked.
 
 `flash_fp8_bwd_reference` is the math in plain float32 JAX. ``interpret=True`` runs the
 kernels in Pallas' GPU interpret mode (CPU, tests), a dot standing in for each ``wgmma``.

@@ -21,9 +21,9 @@ warpgroup's softmax runs while the other's matmuls do. Per KV block:
 * ``acc += P V``: P (float32 in [0, 1]) is rounded to e4m3 ``P * 448`` (`P_SCALE`) and
   stays in registers as the ``wgmma``'s A operand: `_p_operand` reads its registers as
   Mosaic GPU's 8-bit ``wgmma`` layout, which reorders each 16 keys, and V comes
-  pre-transposed with its keys reordered to match (``vT [B, Hkv, D, Sk]``, `_vt`, one XLA
-  op in `flash_fp8`) so its ``[D, block_kv]`` tile is the K-major B operand FP8 ``wgmma``
-  needs.
+  pre-transposed with its keys reordered to match (``vT [B, Hkv, D, Sk]``, `_vt`: one
+  pass of `key_transpose` in `flash_fp8`) so its ``[D, block_kv]`` tile is the K-major B
+  operand FP8 ``wgmma`` needs.
 
 The output is ``acc * v_scale / 448 / l``. Causal (``Sq == Sk``, top-left aligned): KV
 blocks past the diagonal are skipped, the blocks the diagonal crosses masked.
@@ -49,6 +49,7 @@ from jax import lax
 
 from .. import _jax_compat, _quant
 from . import grouped_gemm as _gg
+from . import key_transpose as _kt
 
 pl, plgpu = _gg.pl, _gg.plgpu
 E4M3 = jnp.float8_e4m3fn
@@ -201,6 +202,8 @@ def _vt(v, permute_keys: bool):
     """``v [B, Sk, Hkv, D]`` as ``vT [B, Hkv, D, Sk]`` (the PV operand K-major); with
     ``permute_keys`` (the GPU) each 16 keys reordered as `_p_operand` presents P's: the
     register position ``4t + 2a + b`` holds key ``8a + 2t + b``."""
+    if permute_keys and _kt.reason(v.shape) is None:  # one pass, not XLA's byte loop
+        return _kt.transpose_keys(v, permute_keys=True)
     vt = jnp.transpose(v, (0, 2, 3, 1))
     if not permute_keys:
         return vt

@@ -48,8 +48,7 @@ class Tuning:
             row-parallel layer's input) run per device the same way, their tokens or
             features split over the tensor axis, and `fp8jax.nn.FusedMLP`'s gated core
             runs per device (its activation kernels on each device's features); False:
-            XLA's partitioned casts, transposes and activation (False until measured on
-            GPUs).
+            XLA's partitioned casts, transposes and activation (True).
     """
 
     # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
@@ -69,8 +68,9 @@ class Tuning:
     # the Pallas kernel can run (XLA cannot partition its custom call): `fp8jax._ops.rows`.
     per_device_cast: bool = True
     # The same under sequence parallelism, on the tensor axis too (`fp8jax._ops.dot`), and
-    # the gated MLP core there (`fp8jax._ops.gated`).
-    sequence_cast: bool = False
+    # the gated MLP core there (`fp8jax._ops.gated`). The 1b step on 2 H200s (tensor=2,
+    # batch 8) went from 0.98x bf16 to 1.23x (benchmarks/RESULTS.md, twenty-seventh session).
+    sequence_cast: bool = True
 
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gemm", default=Tuning())

@@ -60,7 +60,7 @@ def _gated_core_runs(mlp: eqx.Module, x) -> bool:
 def _sequence_core(mlp: eqx.Module):
     """fc1's column-parallel record (`fp8jax._ops.sequence_parallel.SequenceParallel`) where
     the gated core runs under Megatron sequence parallelism, per device
-    (`fp8jax._kernels.gemm.Tuning.sequence_cast`, off by default until measured on GPUs):
+    (`fp8jax._kernels.gemm.Tuning.sequence_cast`, on by default):
     fc1 column- and fc2 row-parallel over one tensor axis, no FSDP split, no ring, delayed
     per-tensor scaling, fc1's rows interleaved (``gate_block``), fc1's output kept in bf16,
     a program over several devices (`fp8jax._ops.rows.sequence_casts` of both). Else None."""
