@@ -74,6 +74,40 @@ def test_mgpu_interpret_matches_reference_fp8(key):
     _compare("mgpu-interpret", "reference", key, (1, 128, 2, 1, 64))
 
 
+def test_mgpu_output_and_gradients_are_not_rounded_to_e4m3(key):
+    """The kernels write bf16 O, dQ, dK, dV; the backend passes them on as they are (cuDNN
+    writes e4m3): off the e4m3 grid of their recorded scales, and at least as close to
+    float32 attention as the reference backend's e4m3-rounded ones."""
+    _cpu_only()
+    q, k, v, g = _inputs(key, 1, 128, 2, 1, 64)
+    base = DotProductAttention("fp8_dpa", is_causal=True, backend="reference")
+    calibrated = calibrated_attention(base, q, k, v, g)
+    runs = {}
+    for backend in ("reference", "mgpu-interpret"):
+        attn = DotProductAttention("fp8_dpa", is_causal=True, backend=backend,
+                                   state=calibrated.state)  # fmt: skip
+        runs[backend] = _step(attn, q, k, v, g)
+    out, grads, new = runs["mgpu-interpret"]
+    for name, x in zip(("o", "dq", "dk", "dv"), (out, *grads)):
+        scale = new.state.scales[TENSORS.index(name)]
+        x8 = (x.astype(F32) / scale).astype(jnp.float8_e4m3fn)
+        grid = (x8.astype(F32) * scale).astype(x.dtype)  # as the backend dequantizes
+        assert float(jnp.mean(grid != x)) > 0.5, name  # most values off the grid
+
+    def exact(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, 2, 2)) / 8.0
+        s = jnp.where(jnp.tril(jnp.ones((128, 128), bool)), s, -jnp.inf)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), jnp.repeat(v, 2, 2))
+
+    f32 = tuple(x.astype(F32) for x in (q, k, v))
+    want, vjp = jax.vjp(exact, *f32)
+    want_grads = vjp(g)
+    ref_out, ref_grads, _ = runs["reference"]
+    assert sqnr_db(out, want) >= sqnr_db(ref_out, want)
+    for a, r, w in zip(grads, ref_grads, want_grads):
+        assert sqnr_db(a, w) >= sqnr_db(r, w) - 0.5
+
+
 def test_mha_fp8_mha_on_mgpu_interpret(key):
     """`MultiHeadAttention` hands its backend to the core: fp8_mha on the kernels gives the
     reference backend's output (the same weights, a fresh state; the forward)."""

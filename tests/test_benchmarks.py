@@ -465,6 +465,20 @@ def test_distributed_max_batch_finds_each_variants_largest_batch(tmp_path):
     assert not out.exists()
 
 
+def test_distributed_max_batch_under_sequence_parallelism_steps_in_whole_splits(tmp_path):
+    """Under sequence parallelism more than one sequence per batch shard splits over the
+    tensor axis as whole sequences, so the search steps in ``dp x tensor`` (it had compiled
+    2 sequences per shard on tensor=4 and failed)."""
+    from benchmarks import distributed
+
+    args = ["--quick", "--max-batch", "--memory-limit-gb", "0.003", "--mesh", "data=2,tensor=4",
+            "--sequence-parallel", "--variants", "fp8", "--out", str(tmp_path / "d.jsonl")]
+    (row,) = distributed.main(args)
+    assert row.get("error") is None, row.get("error")
+    assert row["max_batch"] >= 8 and row["max_batch"] % 8 == 0, row
+    assert row["params"]["sequence_cast"] is True
+
+
 def test_distributed_max_batch_search_matches_a_linear_scan():
     """The search on made-up memory curves (linear, steeper at large batches, with a jump,
     flat): the largest multiple of ``dp`` under the limit, as a scan finds it, in few

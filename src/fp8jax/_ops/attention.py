@@ -295,7 +295,10 @@ def _forward_impl(spec: AttnSpec, training: bool, q, k, v, q_len, kv_len, state)
     sc = sc.at[IDX["s"]].set(S_SCALE)
     q8, k8, v8 = (cfg.recipe.quantize(x, sc[i], E4M3) for i, x in enumerate((q, k, v)))
     o8, amax_s, amax_o, stats = _backend_forward(spec, q8, k8, v8, sc, q_len, kv_len, training)
-    o = cfg.recipe.dequantize(o8, sc[IDX["o"]], spec.out_dtype)
+    if o8.dtype == E4M3:
+        o = cfg.recipe.dequantize(o8, sc[IDX["o"]], spec.out_dtype)
+    else:  # the kernel's own output (`attention_mgpu`): e4m3 only as the backward's residual
+        o, o8 = o8.astype(spec.out_dtype), cfg.recipe.quantize(o8, sc[IDX["o"]], E4M3)
     fwd_amax = jnp.concatenate([in_amax, jnp.stack([amax_s, amax_o])])
     return o, ((q8, k8, v8, o8, stats, q_len, kv_len), (sc, fwd_amax))
 
@@ -311,8 +314,10 @@ def _backward_impl(spec: AttnSpec, tensors, scalars, state, g):
     dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp = _backend_backward(
         spec, q8, k8, v8, o8, do8, stats, sc, q_len, kv_len
     )
-    grads = tuple(
+    grads = tuple(  # e4m3 from cuDNN; bf16 from `attention_mgpu`, passed on as it is
         cfg.recipe.dequantize(x8, sc[IDX[name]], spec.in_dtype)
+        if x8.dtype == E4M3
+        else x8.astype(spec.in_dtype)
         for x8, name in zip((dq8, dk8, dv8), ("dq", "dk", "dv"))
     )
     amaxes = jnp.concatenate([fwd_amax, jnp.stack([amax_do, amax_dp, amax_dq, amax_dk, amax_dv])])

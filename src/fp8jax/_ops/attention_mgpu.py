@@ -4,10 +4,12 @@ the pair `fp8jax._kernels.flash_fp8_vjp` joins) in the place of cuDNN's.
 
 The op's custom VJP stays the same (the same casts of q, k, v and dO with the state's
 scales, the same state update); only the kernel calls differ. The kernels return bf16 O and
-dQ, dK, dV where cuDNN writes them in e4m3: they are cast here with the state's scales, as
-cuDNN casts them, so the amaxes of o, dq, dk and dv are recorded as on cuDNN. P and dS stay
-inside the kernels (P's scale is fixed, dS's comes from a bound: `BWD_CONFIG`): ``s`` and
-``dp`` record no amax (0, "not observed": their scales stay as they are).
+dQ, dK, dV where cuDNN writes them in e4m3. They are passed on as they are: rounding them to
+e4m3 and back would cost a pass each and the gradients' precision, where cuDNN has no
+choice. Their amaxes are recorded as on cuDNN, and O is cast to e4m3 for the backward's
+residual (`fp8jax._ops.attention._forward_impl`). P and dS stay inside the kernels (P's
+scale is fixed, dS's comes from a bound: `BWD_CONFIG`): ``s`` and ``dp`` record no amax
+(0, "not observed": their scales stay as they are).
 """
 
 from __future__ import annotations
@@ -39,22 +41,24 @@ def reason(q_shape, k_shape, causal: bool, interpret: bool) -> str | None:
 
 
 def forward(spec, q8, k8, v8, s_q, s_k, s_v, s_o):
-    """``(o8, amax_s, amax_o, lse)`` as cuDNN's forward returns them (``amax_s``: 0)."""
+    """``(o, amax_s, amax_o, lse)`` as cuDNN's forward returns them, but ``o`` the kernel's
+    bf16 output (``amax_s``: 0)."""
     out, lse = _fwd.flash_fp8(
         q8, k8, v8, s_q, s_k, s_v, causal=spec.causal, softmax_scale=spec.softmax_scale,
         interpret=spec.backend == "mgpu-interpret",
     )  # fmt: skip
-    return qt.quantize(out, s_o, E4M3), jnp.zeros((), jnp.float32), qt.amax(out), lse
+    del s_o  # o is not rounded to e4m3 here (the caller casts its residual)
+    return out, jnp.zeros((), jnp.float32), qt.amax(out), lse
 
 
 def backward(spec, q8, k8, v8, o8, do8, lse, scales: dict):
-    """``(dq8, dk8, dv8, amax_dq, amax_dk, amax_dv, amax_dp)`` as cuDNN's backward returns
-    them (``amax_dp``: 0); ``scales`` maps the tensors' names to their scales."""
+    """``(dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp)`` as cuDNN's backward returns
+    them, but the gradients bf16, as the kernels write them (``amax_dp``: 0); ``scales`` maps
+    the tensors' names to their scales."""
     grads = _bwd.flash_fp8_bwd(  # o8, do8 with their scales: dO is not cast a second time
         q8, k8, v8, scales["q"], scales["k"], scales["v"], o8, lse, do8, causal=spec.causal,
         softmax_scale=spec.softmax_scale, config=BWD_CONFIG,
         interpret=spec.backend == "mgpu-interpret", out_scale=scales["o"],
         dout_scale=scales["do"],
     )  # fmt: skip
-    casts = tuple(qt.quantize(g, scales[n], E4M3) for g, n in zip(grads, ("dq", "dk", "dv")))
-    return (*casts, *(qt.amax(g) for g in grads), jnp.zeros((), jnp.float32))
+    return (*grads, *(qt.amax(g) for g in grads), jnp.zeros((), jnp.float32))
