@@ -202,10 +202,13 @@ def test_sequence_casts_run_the_cast_kernel_per_gpu():
             )  # fmt: skip
             fresh = _fresh_step()  # the tuning is read at trace time
             opt_state = OPT.init(fp8jax.trainable(model))
-            lowered = fresh.lower(model, opt_state, xs, ys)
-            report = fp8jax.fp8_gemm_report(lowered.compile())
+            # compiled once: a second compile of the same program may come from JAX's
+            # persistent cache, whose executable's text held no Pallas call (RESULTS.md,
+            # twenty-seventh session)
+            compiled = fresh.lower(model, opt_state, xs, ys).lowered.compile()
+            report = fp8jax.fp8_gemm_report(compiled)
             assert report.gemms and all(g.is_fp8 for g in report.gemms), report
-            kernels.append(lowered.lowered.compile().as_text().count(triton))
+            kernels.append(compiled.as_text().count(triton))
             out = []
             for _ in range(2):
                 model, opt_state, loss, grads = fresh(model, opt_state, xs, ys)
@@ -258,10 +261,10 @@ def test_fused_mlp_core_runs_per_gpu_under_sequence_parallelism():
     with tuning.gemm(sequence_cast=True):
         assert paths._gated_core_runs(model, xs)
         step = fresh()
-        lowered = step.lower(model, xs, cs)
-        report = fp8jax.fp8_gemm_report(lowered.compile())
+        compiled = step.lower(model, xs, cs).lowered.compile()  # once, as above
+        report = fp8jax.fp8_gemm_report(compiled)
         assert report.gemms and all(g.is_fp8 for g in report.gemms), report
-        text = lowered.lowered.compile().as_text()
+        text = compiled.as_text()
         assert text.count('custom_call_target="__gpu$xla.gpu.triton"') >= 4  # casts, kernels
         loss, grads = step(model, xs, cs)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)

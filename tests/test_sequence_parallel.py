@@ -132,6 +132,28 @@ def _fresh_step():
     return step
 
 
+def test_op_traces_are_built_per_tuning_and_fsdp_context():
+    """The FP8 dot's ``custom_vmap`` ops are built per `Spec` and per trace context (the
+    GEMM tuning, the FSDP axes): jax 0.11 caches a ``custom_vmap``'s trace by its function
+    and shapes alone, so one object for every context replayed its first trace in the next
+    (on 2 GPUs, ``tuning.gemm(sequence_cast=...)`` was ignored after the first trace; jax
+    0.10 traces each call, so this checks the objects)."""
+    from fp8jax._ops import dot
+    from fp8jax.distributed import fsdp_axes
+
+    spec = dot.Spec(fp8jax.Fp8Config(), *(np.dtype(jnp.bfloat16),) * 3, False)
+    for build in (dot.fwd_fn, dot.gemm_fn, dot.bwd_fn, lambda s: dot.cast_fn(s, 64)):
+        first = build(spec)
+        assert build(spec) is first  # cached within a context
+        with tuning.gemm(sequence_cast=False):
+            assert build(spec) is not first
+            off = build(spec)
+        with tuning.gemm(sequence_cast=False):
+            assert build(spec) is off  # the same context again: the same object
+        with fsdp_axes(("shard",)):
+            assert build(spec) is not first
+
+
 @pytest.mark.parametrize(
     "shape, recipe", [((2, 1, 4), None), ((1, 1, 8), None), ((2, 1, 4), "rowwise")]
 )

@@ -68,8 +68,8 @@ class Tuning:
     # the Pallas kernel can run (XLA cannot partition its custom call): `fp8jax._ops.rows`.
     per_device_cast: bool = True
     # The same under sequence parallelism, on the tensor axis too (`fp8jax._ops.dot`), and
-    # the gated MLP core there (`fp8jax._ops.gated`). The 1b step on 2 H200s (tensor=2,
-    # batch 8) went from 0.98x bf16 to 1.23x (benchmarks/RESULTS.md, twenty-seventh session).
+    # the gated MLP core there (`fp8jax._ops.gated`): the tensor-parallel FP8 step on GPUs
+    # sped up by a fifth (benchmarks/RESULTS.md, twenty-seventh session).
     sequence_cast: bool = True
 
 

@@ -445,13 +445,34 @@ def _traced_once(impl, name: str):
 
     @functools.wraps(impl)
     def call(*args):
-        settings = (bool(_QUIET.get()), _gemm.current_tuning(), _fsdp_op.current_axes())
-        return jitted(settings, *args)
+        return jitted((bool(_QUIET.get()), *_trace_context()), *args)
 
     return call
 
 
-@functools.lru_cache(maxsize=None)
+def _trace_context() -> tuple:
+    """What an op's trace reads besides its arguments and `Spec`: the GEMM tuning
+    (`fp8jax._kernels.gemm.tuning`) and the FSDP axes (`fp8jax.distributed.fsdp_axes`)."""
+    return (_gemm.current_tuning(), _fsdp_op.current_axes())
+
+
+def _per_context(build):
+    """``build(*key)`` cached per key and per `_trace_context`. The ``custom_vmap`` ops it
+    builds are traced once per function object where JAX caches that trace by the function
+    and its shapes alone (jax 0.11; 0.10 traced each call): one object for every context
+    would replay its first trace in another (on 2 GPUs a program traced after
+    ``tuning.gemm(sequence_cast=False)`` kept XLA's casts inside ``sequence_cast=True``, and
+    the reverse: benchmarks/RESULTS.md, twenty-seventh session)."""
+    cached = functools.lru_cache(maxsize=None)(lambda context, *key: build(*key))
+
+    @functools.wraps(build)
+    def get(*key):
+        return cached(_trace_context(), *key)
+
+    return get
+
+
+@_per_context
 def fwd_fn(spec: Spec):
     """Forward compute (`_fwd_impl`) as two ``custom_vmap`` ops (`cast_fn`, `gemm_fn`):
     under ``jax.vmap`` over the activations the vmapped axis becomes GEMM rows (one GEMM,
@@ -469,7 +490,7 @@ def _rows_scale(scale, m: int) -> bool:
     return scale.ndim == 3 and scale.shape[1] == m
 
 
-@functools.lru_cache(maxsize=None)
+@_per_context
 def cast_fn(spec: Spec, n: int):
     """`_cast_input` as a ``custom_vmap``: under ``jax.vmap`` over the activations the
     vmapped axis becomes rows of one cast (one amax); its copies come back split again."""
@@ -501,7 +522,7 @@ def cast_fn(spec: Spec, n: int):
     return fn
 
 
-@functools.lru_cache(maxsize=None)
+@_per_context
 def gemm_fn(spec: Spec):
     """`_weight_gemm` as a ``custom_vmap``: activations vmapped (the weight and state not)
     are one GEMM over all their rows."""
@@ -524,7 +545,7 @@ def gemm_fn(spec: Spec):
     return fn
 
 
-@functools.lru_cache(maxsize=None)
+@_per_context
 def bwd_fn(spec: Spec):
     """Backward compute as a ``custom_vmap`` (mirror of `fwd_fn`)."""
 
