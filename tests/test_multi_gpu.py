@@ -202,9 +202,7 @@ def test_sequence_casts_run_the_cast_kernel_per_gpu():
             )  # fmt: skip
             fresh = _fresh_step()  # the tuning is read at trace time
             opt_state = OPT.init(fp8jax.trainable(model))
-            # compiled once: a second compile of the same program may come from JAX's
-            # persistent cache, whose executable's text held no Pallas call (RESULTS.md,
-            # twenty-seventh session)
+            # compiled once: the report and the kernel count read the same program
             compiled = fresh.lower(model, opt_state, xs, ys).lowered.compile()
             report = fp8jax.fp8_gemm_report(compiled)
             assert report.gemms and all(g.is_fp8 for g in report.gemms), report
