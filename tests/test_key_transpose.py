@@ -49,9 +49,17 @@ def test_reference_is_the_xla_layout_the_kernels_read(key):
     np.testing.assert_array_equal(_bits(kt.reference(x, True)), perm)
 
 
-def test_reason_names_shapes_the_kernel_does_not_take():
-    assert kt.reason((2, 100, 4, 64)) is not None
-    assert kt.reason((2, 128, 4)) is not None
+def test_reason_names_shapes_and_types_the_kernel_does_not_take(monkeypatch):
+    from fp8jax._kernels import cast
+
+    monkeypatch.setattr(cast, "device_reason", lambda device=None, local=False: None)
+    assert kt.reason((2, 128, 4, 64), E4M3) is None
+    for shape, dtype, why in (
+        ((2, 100, 4, 64), E4M3, "S % 64"),
+        ((2, 128, 4), E4M3, "not [B, S, H, D]"),
+        ((2, 128, 4, 64), jnp.bfloat16, "not a 1-byte type"),
+    ):
+        assert why in kt.reason(shape, dtype)
 
 
 @gpu

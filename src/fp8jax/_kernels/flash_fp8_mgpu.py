@@ -202,7 +202,7 @@ def _vt(v, permute_keys: bool):
     """``v [B, Sk, Hkv, D]`` as ``vT [B, Hkv, D, Sk]`` (the PV operand K-major); with
     ``permute_keys`` (the GPU) each 16 keys reordered as `_p_operand` presents P's: the
     register position ``4t + 2a + b`` holds key ``8a + 2t + b``."""
-    if permute_keys and _kt.reason(v.shape) is None:  # one pass, not XLA's byte loop
+    if permute_keys and _kt.reason(v.shape, v.dtype) is None:  # one pass, not XLA's byte loop
         return _kt.transpose_keys(v, permute_keys=True)
     vt = jnp.transpose(v, (0, 2, 3, 1))
     if not permute_keys:

@@ -37,10 +37,12 @@ def reference(x, permute_keys: bool):
     return xt[..., key_order(np.arange(x.shape[1]))] if permute_keys else xt
 
 
-def reason(shape, block: int = BLOCK) -> str | None:
-    """Why `transpose_keys` cannot take a ``[B, S, H, D]`` tensor on this device (None: it
-    can)."""
+def reason(shape, dtype=jnp.float8_e4m3fn, block: int = BLOCK) -> str | None:
+    """Why `transpose_keys` cannot take a ``[B, S, H, D]`` tensor of ``dtype`` on this device
+    (None: it can)."""
     why = _cast.device_reason(local=True)
+    if why is None and jnp.dtype(dtype).itemsize != 1:
+        why = f"{jnp.dtype(dtype).name} is not a 1-byte type"
     if why is None and (len(shape) != 4 or shape[1] % block or shape[3] % 16):
         why = f"shape {shape} is not [B, S, H, D] with S % {block} == 0 and D % 16 == 0"
     return why
