@@ -112,7 +112,7 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def monkeypatch(monkeypatch):
     """pytest's ``monkeypatch`` with JAX's trace caches cleared before and after the test:
     an FP8 op's forward and backward are jitted functions traced once per config and shapes
-    (`fp8jax._ops.dot._traced_once`), so a function patched after an earlier test traced the
+    (`fp8jax._ops.traced.traced_once`), so a function patched after an earlier test traced the
     same shapes would not be called, and a trace made with the patch must not outlive it."""
     jax.clear_caches()
     yield monkeypatch

@@ -156,7 +156,7 @@ def test_fp8_step_compiles_within_2x_bf16_with_default_flags():
 
 def test_identical_layers_lower_their_fp8_gemm_once():
     """Layers that share a config and shapes trace and lower an FP8 GEMM's forward and
-    backward once (`fp8jax._ops.dot._traced_once`): the step calls one function per
+    backward once (`fp8jax._ops.traced.traced_once`): the step calls one function per
     distinct layer instead of inlining a copy per layer (issue 21: lowering time)."""
     import re
 

@@ -201,7 +201,7 @@ def _gathered_over(model) -> set:
 
 def test_set_fsdp_axes_after_a_trace_is_not_served_a_stale_trace():
     """`set_fsdp_axes` after a step was traced under other axes: the next trace gathers over
-    the new ones. The op's cached trace (`fp8jax._ops.dot._traced_once`) is keyed by the FSDP
+    the new ones. The op's cached trace (`fp8jax._ops.traced.traced_once`) is keyed by the FSDP
     axes; it used to be reused, gathering over the old axes."""
     model = _model()
     assert _gathered_over(model) == {("fsdp",)}

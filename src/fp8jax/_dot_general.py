@@ -16,6 +16,7 @@ from . import _guard, _state
 from ._config import Fp8Config, resolve_config
 from ._ops import dot as _dot
 from ._ops import fsdp as _fsdp
+from ._ops import traced as _traced
 from ._state import (
     STATE_FIELDS,
     Fp8GemmState,
@@ -164,7 +165,7 @@ class Fp8DotGeneral(Fp8GemmState):
             w3 = jnp.transpose(rhs, rb + rf + rc).reshape(b, n, k)
         # Rows pad to the alignment with zeros (no effect on the amax), except under vmap,
         # where the vmap rule makes the vmapped axis rows and checks the total.
-        pad = -m % cfg.alignment if not _dot._under_vmap(x3) else 0
+        pad = -m % cfg.alignment if not _traced.under_vmap(x3) else 0
         if pad:
             x3 = jnp.pad(x3, ((0, 0), (0, pad), (0, 0)))
         ws = self.weight_sharding

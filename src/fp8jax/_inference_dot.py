@@ -18,7 +18,7 @@ from jaxtyping import Array
 from . import _checks as checks
 from . import _quant as q
 from ._kernels import gemm as _gemm
-from ._ops.dot import _under_vmap
+from ._ops.traced import under_vmap as _under_vmap
 from ._state import from_history
 
 E4M3 = jnp.float8_e4m3fn

@@ -383,7 +383,7 @@ def history_stats(stacked, with_valid: bool = False):
     entries (NaN and Inf as 0: `from_history`'s ``"max"``) and 1.0 where an entry is corrupt
     (`valid_amax` rejects it; else 0.0). One reduction for both: the forward's delayed
     scales (`fp8jax._recipe.PerTensor.gemm_scales`) and the backward's repair check
-    (`fp8jax._ops.dot.new_state`) compute this same expression of the same histories, which
+    (`fp8jax._ops.state_update.new_state`) compute this same expression of the same histories, which
     XLA then computes once. ``with_valid``: ``(stats, valid_amax(stacked))``."""
     h = jnp.asarray(stacked, F32)
     below_inf = lax.lt(h, F32(np.inf))  # False for NaN too

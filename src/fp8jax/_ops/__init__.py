@@ -2,6 +2,8 @@
 and `fp8jax.Fp8DotGeneral` call them.
 
 - `dot`: the linear layers' FP8 GEMM (forward, dgrad, wgrad) on 3-D operands.
+- `traced`: how the ops are traced (once per context; vmapped axes folded into rows).
+- `state_update`: the FP8 state a use proposes after its step (scales, amaxes, anomalies).
 - `gated`: the FusedMLP core (fc1 -> gated activation -> fc2) as one custom VJP.
 - `saved_fp8`: an activation kept for the backward as e4m3 + scale (fc1's output).
 - `attention`: FP8 flash attention (cuDNN; plain-JAX reference).

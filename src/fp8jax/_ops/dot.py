@@ -16,7 +16,6 @@ one layer in a step combine their proposals by max.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import warnings
 from typing import NamedTuple
@@ -28,7 +27,6 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
-from .. import _quant as q
 from .. import _state
 from .._config import Fp8Config, warn_below_min_tokens
 from .._kernels import gemm as _gemm
@@ -36,7 +34,9 @@ from .._recipe_base import Cast, Recipe
 from . import fsdp as _fsdp_op
 from . import rows as _split
 from . import sequence_parallel as _sp
+from . import state_update as _update
 from . import tp_ring as _ring
+from . import traced as _traced
 
 F32 = jnp.float32
 STATE_FIELDS = _state.STATE_FIELDS
@@ -107,7 +107,7 @@ def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
     sharding (weights placed by the user), gathering is `_fsdp_op.gather_fsdp`'s, decided
     from the real sharding when compiling; identity on one device."""
     if spec.w_shardings is None:
-        return _fsdp_op.gather_fsdp(a) if gathered and not _under_vmap(a) else a
+        return _fsdp_op.gather_fsdp(a) if gathered and not _traced.under_vmap(a) else a
     if not spec.w_shardings:
         return a
     s = spec.w_shardings[gathered]
@@ -118,13 +118,11 @@ def _fsdp(spec: Spec, a, transposed: bool, gathered: bool):
 
 
 _WARNED: set[str] = set()
-# >0 while custom_vmap traces the per-example function only to get its shapes
-_QUIET: contextvars.ContextVar[int] = contextvars.ContextVar("fp8jax_quiet", default=0)
 
 
 def unsupported(config: Fp8Config, message: str) -> None:
     """Apply ``config.on_unsupported`` to a call FP8 cannot run (raise, warn once, or not)."""
-    if _QUIET.get():
+    if _traced.QUIET.get():
         return
     if config.on_unsupported == "raise":
         raise ValueError(message)
@@ -144,7 +142,7 @@ def uses_fp8(spec: Spec, m: int, k: int = 0, n: int = 0) -> bool:
         )
         return False
     if cfg.selective and m < cfg.min_tokens:
-        if not _QUIET.get():
+        if not _traced.QUIET.get():
             warn_below_min_tokens(cfg, m, k, n, spec.x_dtype)
         return False
     return True
@@ -370,109 +368,8 @@ def _bwd_impl(spec: Spec, res, g_scale, g_history, g3):
     return dx, dw, g.amax, recipe.summary(g.scale)
 
 
-# ----------------------------------------------------------------------------- vmap rules
-def _merge(a, axis_size):
-    """[V, B, M, C] -> [B, V*M, C]: fold a vmapped axis into the GEMM rows."""
-    _, b, m, c = a.shape
-    return lax.transpose(a, (1, 0, 2, 3)).reshape(b, axis_size * m, c)
-
-
-def _split_rows(a, axis_size):
-    """[B, V*M, C] -> [V, B, M, C]."""
-    b, vm, c = a.shape
-    return lax.transpose(a.reshape(b, axis_size, vm // axis_size, c), (1, 0, 2, 3))
-
-
-def _split_cols(a, axis_size):
-    """[B, C, V*M] -> [V, B, C, M]."""
-    b, c, vm = a.shape
-    return lax.transpose(a.reshape(b, c, axis_size, vm // axis_size), (2, 0, 1, 3))
-
-
-def _fallback_vmap(impl, in_batched, args):
-    axes = jax.tree_util.tree_map(lambda b: 0 if b else None, in_batched)
-    out = jax.vmap(impl, in_axes=tuple(axes))(*args)
-    return out, jax.tree_util.tree_map(lambda _: True, out)
-
-
-def _under_vmap(x) -> bool:
-    trace = getattr(x, "_trace", None)
-    return trace is not None and "Batch" in type(trace).__name__
-
-
-def _quiet_when_vmapped(fn, probe_arg):
-    """Call ``fn``; when its input is vmapped, the per-example trace custom_vmap makes
-    for shapes must not warn or raise (the vmap rule decides on the merged rows)."""
-
-    @functools.wraps(fn)
-    def call(*args):
-        quiet = _under_vmap(jax.tree_util.tree_leaves(args[probe_arg])[0])
-        token = _QUIET.set(_QUIET.get() + quiet)
-        try:
-            return fn(*args)
-        finally:
-            _QUIET.reset(token)
-
-    return call
-
-
-def _decide_loudly(probe, fn, *args):
-    """``fn(*args)`` from a vmap rule (the real rows known): the policy's warnings are not
-    muted there, unless ``probe`` is still vmapped (an outer ``jax.vmap`` decides)."""
-    token = _QUIET.set(int(_under_vmap(probe)))
-    try:
-        return fn(*args)
-    finally:
-        _QUIET.reset(token)
-
-
-def _traced_once(impl, name: str):
-    """``impl`` under ``jax.jit`` (named ``name`` in the HLO): the layers of a model that
-    share a `Spec` and shapes (a transformer's blocks) trace and lower it once, and the step
-    calls that one function (issue 21: tracing and lowering are much of a small FP8 step's
-    extra compile time). What the trace reads besides its arguments is part of the cache key:
-    whether warnings are muted (`_QUIET`, so custom_vmap's per-example trace is never the one
-    a real call reuses), `fp8jax._kernels.gemm.tuning` and the FSDP axes
-    (`fp8jax.distributed.fsdp_axes`). ``vmap`` over the state or the weight
-    (`_fallback_vmap`) maps the plain ``impl``."""
-
-    def run(settings: tuple, *args):
-        del settings
-        return impl(*args)
-
-    run.__name__ = run.__qualname__ = name
-    jitted = jax.jit(run, static_argnums=0)
-
-    @functools.wraps(impl)
-    def call(*args):
-        return jitted((bool(_QUIET.get()), *_trace_context()), *args)
-
-    return call
-
-
-def _trace_context() -> tuple:
-    """What an op's trace reads besides its arguments and `Spec`: the GEMM tuning
-    (`fp8jax._kernels.gemm.tuning`) and the FSDP axes (`fp8jax.distributed.fsdp_axes`)."""
-    return (_gemm.current_tuning(), _fsdp_op.current_axes())
-
-
-def _per_context(build):
-    """``build(*key)`` cached per key and per `_trace_context`. The ``custom_vmap`` ops it
-    builds are traced once per function object where JAX caches that trace by the function
-    and its shapes alone (jax 0.11; 0.10 traced each call): one object for every context
-    would replay its first trace in another (on 2 GPUs a program traced after
-    ``tuning.gemm(sequence_cast=False)`` kept XLA's casts inside ``sequence_cast=True``, and
-    the reverse: benchmarks/RESULTS.md, twenty-seventh session)."""
-    cached = functools.lru_cache(maxsize=None)(lambda context, *key: build(*key))
-
-    @functools.wraps(build)
-    def get(*key):
-        return cached(_trace_context(), *key)
-
-    return get
-
-
-@_per_context
+# ----------------------------------------------------------------------------- ops
+@_traced.per_context
 def fwd_fn(spec: Spec):
     """Forward compute (`_fwd_impl`) as two ``custom_vmap`` ops (`cast_fn`, `gemm_fn`):
     under ``jax.vmap`` over the activations the vmapped axis becomes GEMM rows (one GEMM,
@@ -481,16 +378,10 @@ def fwd_fn(spec: Spec):
     def impl(x3, w3, state):
         return _fwd_impl(spec, x3, w3, state)
 
-    return _quiet_when_vmapped(_traced_once(impl, "fp8_gemm_forward"), 0)
+    return _traced.quiet_when_vmapped(_traced.traced_once(impl, "fp8_gemm_forward"), 0)
 
 
-def _rows_scale(scale, m: int) -> bool:
-    """Whether an activation's scale ``scale`` has one row per token (row- and block-wise
-    recipes: ``[B, M, ...]``), so that a vmapped axis folded into the ``m`` rows splits it."""
-    return scale.ndim == 3 and scale.shape[1] == m
-
-
-@_per_context
+@_traced.per_context
 def cast_fn(spec: Spec, n: int):
     """`_cast_input` as a ``custom_vmap``: under ``jax.vmap`` over the activations the
     vmapped axis becomes rows of one cast (one amax); its copies come back split again."""
@@ -509,20 +400,20 @@ def cast_fn(spec: Spec, n: int):
                 f"{tuple(x3.shape[1:])}): no rows, so no amax for the FP8 scales."
             )
         if not xb or any(jax.tree_util.tree_leaves(sb)):
-            return _decide_loudly(x3, _fallback_vmap, impl, in_batched, (x3, state))
-        merged = _merge(x3, axis_size)
-        data, scale, xr, *others = _decide_loudly(x3, fn, merged, state)
+            return _traced.decide_loudly(x3, _traced.fallback_vmap, impl, in_batched, (x3, state))
+        merged = _traced.merge(x3, axis_size)
+        data, scale, xr, *others = _traced.decide_loudly(x3, fn, merged, state)
         fp8 = xr.dtype == spec.config.input_dtype
-        per_row = fp8 and _rows_scale(scale, merged.shape[1])
-        data = _split_rows(data, axis_size)
-        scale = _split_rows(scale, axis_size) if per_row else scale
-        xr = _split_cols(xr, axis_size) if fp8 else _split_rows(xr, axis_size)
+        per_row = fp8 and _traced.rows_scale(scale, merged.shape[1])
+        data = _traced.split_rows(data, axis_size)
+        scale = _traced.split_rows(scale, axis_size) if per_row else scale
+        xr = _traced.split_cols(xr, axis_size) if fp8 else _traced.split_rows(xr, axis_size)
         return (data, scale, xr, *others), (True, per_row, True) + (False,) * len(others)
 
     return fn
 
 
-@_per_context
+@_traced.per_context
 def gemm_fn(spec: Spec):
     """`_weight_gemm` as a ``custom_vmap``: activations vmapped (the weight and state not)
     are one GEMM over all their rows."""
@@ -536,121 +427,44 @@ def gemm_fn(spec: Spec):
     def rule(axis_size, in_batched, *args):
         xb, scale_b, *others_b = in_batched
         if not xb or any(jax.tree_util.tree_leaves(others_b)):
-            return _fallback_vmap(impl, in_batched, args)
+            return _traced.fallback_vmap(impl, in_batched, args)
         x_data, x_scale, *others = args
-        x_scale = _merge(x_scale, axis_size) if scale_b else x_scale
-        y, *res = fn(_merge(x_data, axis_size), x_scale, *others)
-        return (_split_rows(y, axis_size), *res), (True,) + (False,) * len(res)
+        x_scale = _traced.merge(x_scale, axis_size) if scale_b else x_scale
+        y, *res = fn(_traced.merge(x_data, axis_size), x_scale, *others)
+        return (_traced.split_rows(y, axis_size), *res), (True,) + (False,) * len(res)
 
     return fn
 
 
-@_per_context
+@_traced.per_context
 def bwd_fn(spec: Spec):
     """Backward compute as a ``custom_vmap`` (mirror of `fwd_fn`)."""
 
     def impl(res, g_scale, g_history, g3):
         return _bwd_impl(spec, res, g_scale, g_history, g3)
 
-    fn = custom_vmap(_traced_once(impl, "fp8_gemm_backward"))
+    fn = custom_vmap(_traced.traced_once(impl, "fp8_gemm_backward"))
 
     @fn.def_vmap
     def rule(axis_size, in_batched, res, g_scale, g_history, g3):
         rb, sb, hb, gb = in_batched
         x_b, w_b, *others_b = rb
         if not (x_b and gb) or w_b or any(others_b) or sb or hb:
-            return _fallback_vmap(impl, in_batched, (res, g_scale, g_history, g3))
+            return _traced.fallback_vmap(impl, in_batched, (res, g_scale, g_history, g3))
         xr = res[0]
         fp8 = xr.dtype == spec.config.input_dtype
         if fp8:  # [V, B, K, M] -> [B, K, V*M]
             perm = (*range(1, xr.ndim - 1), 0, xr.ndim - 1)
             xm = lax.transpose(xr, perm).reshape(*xr.shape[1:-1], -1)
         else:
-            xm = _merge(xr, axis_size)
-        dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, _merge(g3, axis_size))
-        return (_split_rows(dx, axis_size), dw, ag, sg), (True, False, False, False)
+            xm = _traced.merge(xr, axis_size)
+        dx, dw, ag, sg = fn((xm, *res[1:]), g_scale, g_history, _traced.merge(g3, axis_size))
+        return (_traced.split_rows(dx, axis_size), dw, ag, sg), (True, False, False, False)
 
-    return _quiet_when_vmapped(fn, 3)
+    return _traced.quiet_when_vmapped(fn, 3)
 
 
 # ----------------------------------------------------------------------------- custom VJP
-def observed_amaxes(ax, aw, ag):
-    """What one use saw: ``[amax_x, amax_w, amax_g, nonfinite flag]``, non-finite
-    amaxes zeroed and flagged. Each amax is a scalar or a cast kernel's tile maxima
-    (`q.combined_max`)."""
-    observed, bad = q.sanitize_amax(q.combined_max(ax, aw, ag))
-    # Behind a barrier: the tile maxima's reduction runs once, in its own kernel. Without it
-    # XLA (jax 0.11.2) fused it into the loop over the history update and recomputed it per
-    # history entry, which cost the flax linen step its whole FP8 gain (issue 47;
-    # benchmarks/RESULTS.md, "Front doors (issue 47)").
-    flag = lax.reshape(lax.reduce_max(bad, tuple(range(bad.ndim))), (1,))
-    return jax.lax.optimization_barrier(lax.concatenate([observed, flag], 0))
-
-
-def new_state(state, sx, sw, sg, observed, config: Fp8Config | None = None):
-    """The float32 state one use proposes: the scales it used, its amaxes recorded
-    (`_state.record`), its non-finite flag counted. Histories of one length are recorded
-    as one ``[3, L]`` update (one kernel where three separate ones compiled three).
-
-    With ``config``, an outlier amax is recorded as 0 where its recipe says so (delayed
-    scaling: `fp8jax._recipe.PerTensor.screen`). Corrupt fields of the old state (NaN, Inf or
-    negative history entries, scales not finite and positive: `_state.needs_repair`) come
-    out repaired: the scales used were computed without them, the histories record them as
-    0. ``nonfinite_count`` counts one per kind of anomaly in the step: a non-finite amax,
-    a rejected outlier, a repaired state. A few scalar selects and one reduction over the
-    histories, fused with their update: no host callback, no ``lax.cond``."""
-    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
-    histories = (in_h, k_h, g_h)
-    if len({h.shape for h in histories}) == 1 and in_h.ndim == 1:
-        return _new_state_stacked(state, sx, sw, sg, observed, config)
-    repaired = _state.needs_repair((in_s, k_s, g_s), histories, nonfinite)
-    histories = tuple(map(_state.clean_amax, histories))
-    histories = tuple(_state.record(h, a) for h, a in zip(histories, observed[:3]))
-    return (
-        sx.astype(in_s.dtype),
-        sw.astype(k_s.dtype),
-        sg.astype(g_s.dtype),
-        *histories,
-        _state.clean_amax(nonfinite) + observed[3] + repaired,
-    )
-
-
-def _new_state_stacked(state, sx, sw, sg, observed, config: Fp8Config | None):
-    """`new_state` for three ``[L]`` histories: they are stacked once into ``[3, L]`` and
-    checked, cleaned, screened and recorded in one go, and the scalar fields are checked as
-    one vector (the same values as field by field, in about half the ops to trace and
-    lower: issue 21)."""
-    in_s, k_s, g_s, in_h, k_h, g_h, nonfinite = state
-    stacked = jnp.stack((in_h, k_h, g_h)).astype(F32)
-    # Corrupt entries per history: the forward's reduction (`_state.history_stats`, shared).
-    stats, valid = _state.history_stats(stacked, with_valid=True)
-    clean = lax.select(valid, stacked, lax.full_like(stacked, 0))  # `_state.clean_amax`
-    first = lax.slice_in_dim(clean, 0, 1, axis=1)  # the newest entries, [3, 1]
-    # The scales must be positive, the count >= 0 (`_state.needs_repair`): ``s != 0`` for the
-    # scales, ``s != NaN`` (always true) for the count.
-    fields = (in_s, k_s, g_s, nonfinite)
-    scalars = lax.concatenate([jnp.asarray(x, F32).reshape(1) for x in fields], 0)
-    usable, scalars_clean = _state.checked_amax(scalars)
-    nonzero = lax.ne(scalars, np.array([0.0, 0.0, 0.0, np.nan], np.float32))
-    corrupt = lax.squeeze(lax.slice_in_dim(stats, 1, 2, axis=1), (1,))
-    bad = lax.convert_element_type(lax.bitwise_not(lax.bitwise_and(usable, nonzero)), F32)
-    bad = lax.concatenate([bad, corrupt], 0)
-    repaired = functools.reduce(lax.max, lax.split(bad, (1,) * 7))
-    amaxes, rejected = observed[:3], jnp.zeros((), F32)
-    if config is not None:
-        dtypes = (config.input_dtype, config.kernel_dtype, config.grad_dtype)
-        amaxes, rejected = config.recipe.screen(amaxes, lax.squeeze(first, (1,)), dtypes)
-    recorded = lax.split(_state.record(clean, amaxes, axis=1), (1, 1, 1), 0)
-    count = lax.add(lax.slice_in_dim(scalars_clean, 3, 4), lax.slice_in_dim(observed, 3, 4))
-    return (
-        sx.astype(in_s.dtype),
-        sw.astype(k_s.dtype),
-        sg.astype(g_s.dtype),
-        *(lax.squeeze(h, (0,)) for h in recorded),
-        lax.add(lax.add(count, rejected), repaired),
-    )
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def fp8_dot3(spec: Spec, x3, w3, state):
     """FP8 ``[B,M,K] x [B,N,K] -> [B,M,N]``; ``state``: `STATE_FIELDS` as `_state.MAX_GRAD`."""
@@ -678,8 +492,8 @@ def _fp8_dot3_bwd(spec, residuals, g3):
     if xr.dtype != spec.config.input_dtype:  # ran in the input precision: propose nothing
         return dx, dw, _state.no_proposal(state)
     summary = spec.config.recipe.summary  # per-tensor: the scale itself
-    observed = observed_amaxes(ax, aw, ag)
-    proposed = new_state(state, summary(sx), summary(sw), sg, observed, spec.config)
+    observed = _update.observed_amaxes(ax, aw, ag)
+    proposed = _update.new_state(state, summary(sx), summary(sw), sg, observed, spec.config)
     return dx, dw, _state.proposal(proposed)
 
 

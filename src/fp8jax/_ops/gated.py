@@ -54,6 +54,7 @@ from . import dot as _dot
 from . import rows as _split
 from . import saved_fp8 as _saved
 from . import sequence_parallel as _sp
+from . import state_update as _update
 
 BF16 = jnp.bfloat16
 # fc1's output (``h``, bf16; or its FP8 copy and scale, `FusedMLP.fc1_out_fp8`): the checkpoint
@@ -318,8 +319,8 @@ def _bwd(spec, saved, g):
 
     amaxes = q.combined_max(ax, aw1, adh, aa, aw2, ag)  # both layers' in one reduction
     cx, cw1, cdh, ca, cw2, cg = chosen
-    state1_ct = _dot.new_state(state1, cx, cw1, cdh, _dot.observed_amaxes(*amaxes[:3]))
-    state2_ct = _dot.new_state(state2, ca, cw2, cg, _dot.observed_amaxes(*amaxes[3:]))
+    state1_ct = _update.new_state(state1, cx, cw1, cdh, _update.observed_amaxes(*amaxes[:3]))
+    state2_ct = _update.new_state(state2, ca, cw2, cg, _update.observed_amaxes(*amaxes[3:]))
     return dx, dw1, _state.proposal(state1_ct), dw2, _state.proposal(state2_ct)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from .._kernels import dispatch
 from .._kernels import grouped_gemm as gk
-from . import dot as _dot
+from . import traced as _traced
 from .group_layout import GroupLayout
 
 GROUPED_SCOPE = (
@@ -108,7 +108,7 @@ def set_kernel_configs(
 def _ragged(lhs, rhs_kn, layout: GroupLayout):
     """float32 ``lhs[r] . rhs_kn[g(r)]``: ``lax.ragged_dot``, or (under ``jax.vmap``,
     which ragged_dot does not support) one masked dot per group."""
-    if not _dot._under_vmap(lhs):
+    if not _traced.under_vmap(lhs):
         return jax.lax.ragged_dot(lhs, rhs_kn, layout.padded_sizes, preferred_element_type=F32)
     group = layout.row_group()
     out = jnp.zeros((lhs.shape[0], rhs_kn.shape[-1]), F32)

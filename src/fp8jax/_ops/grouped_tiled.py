@@ -19,9 +19,9 @@ from .. import _state
 from .._kernels import blockwise_grouped_mgpu as bgk
 from .._kernels import dispatch
 from .._recipe_base import Recipe
-from . import dot as _dot
 from . import expert_parallel as _ep
 from . import grouped_gemms as _gemms
+from . import traced as _traced
 from .group_layout import _masked, _zero_ct
 
 F32 = jnp.float32
@@ -51,7 +51,7 @@ def kernel_reason(spec, layout, k: int, n: int, operand) -> str | None:
         return why
     if spec.experts is not None:
         return "expert parallelism (the kernels run one device's groups)"
-    if _dot._under_vmap(operand):
+    if _traced.under_vmap(operand):
         return "under jax.vmap"
     if layout.align % bgk.BLOCK:
         return f"the layout's groups are aligned to {layout.align} rows, not {bgk.BLOCK}"

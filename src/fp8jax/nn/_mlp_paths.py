@@ -10,9 +10,9 @@ import equinox as eqx
 import jax
 
 from .. import _guard
-from .._ops import dot as _dot
 from .._ops import gated as _gated
 from .._ops import rows as _rows
+from .._ops import traced as _traced
 from ._elementwise import normalize
 from ._linear import Linear
 from ._remat import remat_policy
@@ -36,7 +36,7 @@ def _gated_core_runs(mlp: eqx.Module, x) -> bool:
     splits = any(_rows.splits_features(f.dot_general.weight_sharding) for f in (fc1, fc2))
     if splits and sequence is None:
         return False
-    if fc1.bias is not None or fc2.bias is not None or _dot._under_vmap(x):
+    if fc1.bias is not None or fc2.bias is not None or _traced.under_vmap(x):
         return False
     states = (fc1.dot_general, fc2.dot_general)
     if any(s.input_scale.ndim != 1 for s in states):
