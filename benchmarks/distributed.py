@@ -53,7 +53,6 @@ import dataclasses
 import math
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -65,7 +64,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from benchmarks import comm_profile, common
+from benchmarks import batch_search, comm_profile, common
 from fp8jax import _compilation as compilation
 from fp8jax import distributed, tuning
 from fp8jax._ops.tp_ring import OVERLAPS
@@ -99,7 +98,7 @@ RECORD_FIELDS = (
     "saved_residual_mb",
     "saved_residuals",
 )
-# A ``--max-batch`` row's fields (`search_row`'s and the limit), here and in
+# A ``--max-batch`` row's fields (`batch_search.search_row`'s and the limit), here and in
 # `benchmarks.memory`; ``max_batch_complete`` False: the search was cut (a timeout), so
 # ``max_batch`` is a lower bound.
 MAX_BATCH_FIELDS = (
@@ -115,7 +114,6 @@ OPTIONAL_FIELDS = (
     *MAX_BATCH_FIELDS,
     "time_breakdown_ms",  # GPU: where the step's time goes (`comm_profile.breakdown_ms`)
 )
-MAX_BATCH_STEPS = 2**16  # --max-batch gives up above this many sequences per rank
 
 
 def parse_mesh(text: str, devices: int) -> dict[str, int]:
@@ -256,7 +254,7 @@ def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) 
     shard splits over the tensor axis as whole sequences (`fp8jax.sequence_sharding`).
 
     Returns:
-        `search_row`'s fields: ``max_batch`` (0: not even ``dp`` fits), its
+        `batch_search.search_row`'s fields: ``max_batch`` (0: not even ``dp`` fits), its
         ``max_batch_mem_mb``, ``next_mem_mb`` (of ``max_batch + dp``, which does not fit),
         the number of ``compiles`` and ``max_batch_complete``.
     """
@@ -269,114 +267,7 @@ def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) 
         spec = jax.ShapeDtypeStruct((batch, run.model.seq + 1), np.int32, sharding=sharding)
         return step.lower(params, opt_state, spec).compile()
 
-    return search_row(batch_bytes(compiled, dp), dp, limit_bytes, start)
-
-
-def batch_bytes(compile_batch, dp: int):
-    """``batch -> bytes`` for `search_row`: `compiled_bytes` of ``compile_batch(batch)``
-    (the step compiled for that global batch; the donated state counted once). It gives up
-    above `MAX_BATCH_STEPS` sequences per rank and where the backend has no memory
-    analysis."""
-
-    def nbytes(batch: int) -> int:
-        if batch > dp * MAX_BATCH_STEPS:
-            raise RuntimeError(f"--max-batch: {batch} sequences would fit; raise the limit")
-        found = compiled_bytes(compile_batch(batch), donated=True)
-        if found is None:
-            raise RuntimeError("--max-batch: this backend has no compiled memory analysis")
-        return found
-
-    return nbytes
-
-
-class SearchCut(Exception):
-    """`search_batch` interrupted (Ctrl-C; SIGTERM, as ``timeout`` sends it, under
-    ``--max-batch``): what it had found (``fit``, ``over``: None where nothing was over yet,
-    ``found``)."""
-
-    def __init__(self, fit: int, over: int | None, found: dict[int, int]):
-        super().__init__(f"--max-batch: cut after {len(found)} compiles: at least {fit} fit")
-        self.fit, self.over, self.found = fit, over, found
-
-
-def search_row(nbytes, dp: int, limit: int, start: int | None = None) -> dict:
-    """`search_batch` as a record's fields. A search that was cut (`SearchCut`) still gives
-    its row, with ``max_batch`` the largest batch that fit so far (a lower bound) and
-    ``max_batch_complete`` False: a long probe cut by a timeout keeps what it measured."""
-    try:
-        (fit, over, found), complete = search_batch(nbytes, dp, limit, start), True
-    except SearchCut as cut:
-        print(cut, flush=True)
-        fit, over, found, complete = cut.fit, cut.over, cut.found, False
-    return dict(
-        max_batch=fit,
-        max_batch_mem_mb=found[fit] / 2**20 if fit else None,
-        next_mem_mb=None if over is None else found[over] / 2**20,
-        compiles=len(found),
-        max_batch_complete=complete,
-    )
-
-
-def interrupt_on_sigterm() -> None:
-    """SIGTERM (``timeout``'s signal) raises KeyboardInterrupt in this process, once the
-    current compile returns: a cut ``--max-batch`` search then writes its row."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-def search_batch(
-    nbytes, dp: int, limit: int, start: int | None = None
-) -> tuple[int, int, dict[int, int]]:
-    """The largest multiple of ``dp`` whose ``nbytes(batch)`` is at most ``limit``, that
-    plus ``dp`` (over it), and the bytes of each batch tried; by the search `max_batch`
-    describes, from ``start`` (rounded down to a multiple of ``dp``; None: ``dp``)."""
-    found: dict[int, int] = {}
-
-    def fits(batch: int) -> bool:
-        found[batch] = nbytes(batch)
-        verdict = "fits" if found[batch] <= limit else "over"
-        print(f"--max-batch: batch {batch}: {found[batch] / 2**20:,.0f} MiB, {verdict}", flush=True)
-        return found[batch] <= limit
-
-    batch = dp if start is None else max(dp, start // dp * dp)
-    fit, over, bisected = 0, None, False
-    while True:
-        width = None if over is None else over - fit
-        try:
-            fit, over = (batch, over) if fits(batch) else (fit, batch)
-        except KeyboardInterrupt:
-            raise SearchCut(fit, over, dict(found)) from None
-        if over is not None and over - fit <= dp:  # over == dp: not even dp fits
-            return fit, over, found
-        bisected = width is not None and not bisected and 2 * (over - fit) > width
-        batch = _middle(fit, over, dp) if bisected else _secant(found, fit, over, dp, limit)
-
-
-def _middle(fit: int, over: int, dp: int) -> int:
-    return fit + (over - fit) // (2 * dp) * dp
-
-
-def _secant(found: dict[int, int], fit: int, over: int | None, dp: int, limit: int) -> int:
-    """The multiple of ``dp`` strictly between ``fit`` and ``over`` (or above ``fit``)
-    where the line through ``fit``'s bytes and ``over``'s (or the two largest batches that
-    fit) meets ``limit``; twice ``fit`` where no rising line is known (the middle of ``0,
-    over`` where nothing fits yet: a search that started above the answer)."""
-    if fit == 0:
-        return _middle(fit, over, dp)
-    if over is not None:
-        (b1, m1), (b2, m2) = (fit, found[fit]), (over, found[over])
-    else:
-        fitting = sorted(b for b in found if found[b] <= limit)
-        if len(fitting) < 2:
-            return 2 * fit
-        (b1, m1), (b2, m2) = ((b, found[b]) for b in fitting[-2:])
-    if m2 <= m1:
-        return _middle(fit, over, dp) if over is not None else 2 * fit
-    target = int(b1 + (limit - m1) * (b2 - b1) / (m2 - m1)) // dp * dp
-    return max(target, fit + dp) if over is None else min(max(target, fit + dp), over - dp)
+    return batch_search.search_row(batch_search.batch_bytes(compiled, dp), dp, limit_bytes, start)
 
 
 def run_params(run, sizes, devices) -> dict:
@@ -427,16 +318,6 @@ def run_variant(
         except Exception as e:  # e.g. a model too large for one device: the mesh's row stays
             row["baseline_error"] = common.error_text(e)
     return dict(params=params, variant=precision, **row)
-
-
-def memory_limit(gb: float | None) -> int:
-    """Bytes of one device's memory: ``gb`` GiB if given, else the GPU's ``bytes_limit``."""
-    if gb is not None:
-        return int(gb * 2**30)
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        raise ValueError("--max-batch: this device reports no memory limit; give --memory-limit-gb")
-    return int(stats["bytes_limit"])
 
 
 def probe_variant(run, precision, sizes, devices, limit_bytes: int, start=None) -> dict:
@@ -609,8 +490,8 @@ def main(argv=None):
     meta = common.run_meta(argv, bench="distributed", prefix=COMMAND_PREFIX)
     preset = "quick" if args.quick else args.preset
     if args.max_batch:
-        limit = memory_limit(args.memory_limit_gb)
-        interrupt_on_sigterm()
+        limit = batch_search.memory_limit(args.memory_limit_gb)
+        batch_search.interrupt_on_sigterm()
 
         def probe_one(precision):
             with tuning.gemm(sequence_cast=not args.no_sequence_cast):

@@ -27,7 +27,7 @@ reports per case:
   a precision the cases' losses differ little); ``mem_vs_none`` and
   ``tokens_per_s_vs_none``: over the same precision's ``--remat none`` case of this run;
 * with ``--max-batch``: ``max_batch``, the largest batch whose compiled step fits a device's
-  memory, found by compiling only (`benchmarks.distributed.search_batch`, the probe of
+  memory, found by compiling only (`benchmarks.batch_search.search_batch`, the probe of
   ``benchmarks.distributed --max-batch``), with its ``max_batch_mem_mb`` and ``compiles``.
 
 On a GPU each case runs in a process of its own (``--isolate``, the default there): the
@@ -59,7 +59,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import common, distributed
+from benchmarks import batch_search, common, distributed
 from fp8jax.train import _cli as cli
 from fp8jax.train._memory import allocator_peak_bytes
 from fp8jax.train._mesh import (
@@ -118,7 +118,7 @@ def probe_max_batch(trainer, run, mesh, limit_bytes: int, start: int | None = No
         spec = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.batch_sharding)
         return trainer.lower(spec).compile()
 
-    row = distributed.search_row(distributed.batch_bytes(compiled, dp), dp, limit_bytes, start)
+    row = batch_search.search_row(batch_search.batch_bytes(compiled, dp), dp, limit_bytes, start)
     return dict(row, memory_limit_gb=limit_bytes / 2**30)
 
 
@@ -170,7 +170,7 @@ def run_case(run, precision, args, isolate: bool, argv: list[str]) -> dict:
     try:
         if isolate:
             return _in_child(argv)
-        limit = distributed.memory_limit(args.memory_limit_gb) if args.max_batch else None
+        limit = batch_search.memory_limit(args.memory_limit_gb) if args.max_batch else None
         mesh = mesh_of(args.mesh)[0]
         return measure(run, precision, mesh, args.steps, limit, args.max_batch_from)
     except Exception as e:  # a case that fails is reported, the others still run
@@ -283,7 +283,7 @@ def main(argv=None):
         os.environ[PREALLOCATE] = "false"
         _ours.add(PREALLOCATE)
     if args.max_batch and args.child:  # a cut search (a timeout) still prints its row
-        distributed.interrupt_on_sigterm()
+        batch_search.interrupt_on_sigterm()
     if args.max_batch and args.memory_limit_gb is None and not common.on_gpu():
         p.error("--max-batch on a CPU needs --memory-limit-gb")
     if args.memory_limit_gb is not None and not args.memory_limit_gb > 0:

@@ -483,7 +483,7 @@ def test_distributed_max_batch_search_matches_a_linear_scan():
     """The search on made-up memory curves (linear, steeper at large batches, with a jump,
     flat): the largest multiple of ``dp`` under the limit, as a scan finds it, in few
     tries."""
-    from benchmarks.distributed import search_batch
+    from benchmarks.batch_search import search_batch
 
     curves = {
         "linear": lambda b: 1000 + 50 * b,
@@ -511,7 +511,7 @@ def test_distributed_max_batch_cut_keeps_what_it_found():
     import os
     import signal
 
-    from benchmarks.distributed import interrupt_on_sigterm, search_row
+    from benchmarks.batch_search import interrupt_on_sigterm, search_row
 
     def nbytes(batch, calls=[]):  # noqa: B006 (counts the compiles)
         calls.append(batch)
