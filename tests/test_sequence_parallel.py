@@ -133,12 +133,12 @@ def _fresh_step():
 
 
 def test_op_traces_are_built_per_tuning_and_fsdp_context():
-    """The FP8 dot's ``custom_vmap`` ops are built per `Spec` and per trace context (the
-    GEMM tuning, the FSDP axes): jax 0.11 caches a ``custom_vmap``'s trace by its function
+    """The FP8 dot's ``custom_vmap`` ops are built per `Spec` and per trace context (muted
+    or not, the GEMM tuning, the FSDP axes): jax 0.11 caches a ``custom_vmap``'s trace by its function
     and shapes alone, so one object for every context replayed its first trace in the next
     (on 2 GPUs, ``tuning.gemm(sequence_cast=...)`` was ignored after the first trace; jax
     0.10 traces each call, so this checks the objects)."""
-    from fp8jax._ops import dot
+    from fp8jax._ops import dot, traced
     from fp8jax.distributed import fsdp_axes
 
     spec = dot.Spec(fp8jax.Fp8Config(), *(np.dtype(jnp.bfloat16),) * 3, False)
@@ -152,6 +152,11 @@ def test_op_traces_are_built_per_tuning_and_fsdp_context():
             assert build(spec) is off  # the same context again: the same object
         with fsdp_axes(("shard",)):
             assert build(spec) is not first
+        token = traced.QUIET.set(1)  # a shape-only per-example trace under jax.vmap
+        try:
+            assert build(spec) is not first
+        finally:
+            traced.QUIET.reset(token)
 
 
 @pytest.mark.parametrize(

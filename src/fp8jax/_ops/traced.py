@@ -92,15 +92,18 @@ def traced_once(impl, name: str):
 
     @functools.wraps(impl)
     def call(*args):
-        return jitted((bool(QUIET.get()), *trace_context()), *args)
+        return jitted(trace_context(), *args)
 
     return call
 
 
 def trace_context() -> tuple:
-    """What an op's trace reads besides its arguments and `Spec`: the GEMM tuning
-    (`fp8jax._kernels.gemm.tuning`) and the FSDP axes (`fp8jax.distributed.fsdp_axes`)."""
-    return (_gemm.current_tuning(), _fsdp_op.current_axes())
+    """What an op's trace reads besides its arguments and `Spec`: whether warnings and
+    errors are muted (`QUIET`: a shape-only per-example trace, replayed for a real call,
+    would let an ``on_unsupported="raise"`` layer run in bf16 without a word), the GEMM
+    tuning (`fp8jax._kernels.gemm.tuning`) and the FSDP axes
+    (`fp8jax.distributed.fsdp_axes`)."""
+    return (bool(QUIET.get()), _gemm.current_tuning(), _fsdp_op.current_axes())
 
 
 def per_context(build):
