@@ -201,15 +201,10 @@ def flash_fp8(
 def _vt(v, permute_keys: bool):
     """``v [B, Sk, Hkv, D]`` as ``vT [B, Hkv, D, Sk]`` (the PV operand K-major); with
     ``permute_keys`` (the GPU) each 16 keys reordered as `_p_operand` presents P's: the
-    register position ``4t + 2a + b`` holds key ``8a + 2t + b``."""
+    register position ``4t + 2a + b`` holds key ``8a + 2t + b`` (`key_transpose.key_order`)."""
     if permute_keys and _kt.reason(v.shape, v.dtype) is None:  # one pass, not XLA's byte loop
         return _kt.transpose_keys(v, permute_keys=True)
-    vt = jnp.transpose(v, (0, 2, 3, 1))
-    if not permute_keys:
-        return vt
-    b, h, d, sk = vt.shape
-    vt = jnp.swapaxes(vt.reshape(b, h, d, sk // 16, 2, 4, 2), -3, -2)
-    return vt.reshape(b, h, d, sk)
+    return _kt.reference(v, permute_keys)
 
 
 def _p_operand(p8, interpret: bool):
