@@ -9,6 +9,7 @@ import signal
 import jax
 
 from fp8jax.train._memory import compiled_bytes
+from fp8jax.train._mesh import batch_size_per_shard
 
 MAX_BATCH_STEPS = 2**16  # --max-batch gives up above this many sequences per rank
 
@@ -128,3 +129,13 @@ def memory_limit(gb: float | None) -> int:
     if "bytes_limit" not in stats:
         raise ValueError("--max-batch: this device reports no memory limit; give --memory-limit-gb")
     return int(stats["bytes_limit"])
+
+
+def batch_unit(mesh, sequence_parallel: bool) -> int:
+    """The step of a search on ``mesh`` (None: one device): one sequence per batch shard,
+    times the tensor axis under sequence parallelism, where more than one sequence per batch
+    shard splits over it as whole sequences (`fp8jax.sequence_sharding`)."""
+    if mesh is None:
+        return 1
+    dp = batch_size_per_shard(mesh)
+    return dp * mesh.shape["tensor"] if sequence_parallel else dp

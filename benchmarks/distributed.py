@@ -250,8 +250,7 @@ def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) 
     range between the largest batch that fits and the smallest that does not, the middle
     of it (bisection); until they are ``dp`` apart. ``start``: the first batch compiled instead
     of ``dp`` (``--max-batch-from``: near the answer, fewer of the slow large compiles).
-    Under sequence parallelism the unit is ``dp x tensor``: more than one sequence per batch
-    shard splits over the tensor axis as whole sequences (`fp8jax.sequence_sharding`).
+    Under sequence parallelism ``dp`` is ``data x fsdp x tensor`` (`batch_search.batch_unit`).
 
     Returns:
         `batch_search.search_row`'s fields: ``max_batch`` (0: not even ``dp`` fits), its
@@ -259,9 +258,7 @@ def max_batch(run, precision, mesh, limit_bytes: int, start: int | None = None) 
         the number of ``compiles`` and ``max_batch_complete``.
     """
     step, params, opt_state, _ = build_step(run, precision, mesh)
-    sharding, dp = batch_sharding(mesh), mesh.shape["data"] * mesh.shape["fsdp"]
-    if run.sequence_parallel:
-        dp *= mesh.shape["tensor"]
+    sharding, dp = batch_sharding(mesh), batch_search.batch_unit(mesh, run.sequence_parallel)
 
     def compiled(batch: int):
         spec = jax.ShapeDtypeStruct((batch, run.model.seq + 1), np.int32, sharding=sharding)

@@ -64,7 +64,6 @@ from fp8jax.train import _cli as cli
 from fp8jax.train._memory import allocator_peak_bytes
 from fp8jax.train._mesh import (
     AXES,
-    batch_size_per_shard,
     default_mesh,
     make_mesh,
     parse_mesh,
@@ -109,9 +108,9 @@ def mesh_of(text: str | None):
 
 def probe_max_batch(trainer, run, mesh, limit_bytes: int, start: int | None = None) -> dict:
     """``benchmarks.distributed``'s ``--max-batch`` probe on the trainer's own step: the
-    largest batch (a multiple of the data-parallel size) whose compiled step fits
+    largest batch (a multiple of `batch_search.batch_unit`) whose compiled step fits
     ``limit_bytes`` per device, by compiling only, from ``start`` (``--max-batch-from``)."""
-    dp = 1 if mesh is None else batch_size_per_shard(mesh)
+    dp = batch_search.batch_unit(mesh, run.sequence_parallel)
 
     def compiled(batch: int):
         shape = (batch, run.model.seq + 1)

@@ -479,6 +479,17 @@ def test_distributed_max_batch_under_sequence_parallelism_steps_in_whole_splits(
     assert row["params"]["sequence_cast"] is True
 
 
+def test_max_batch_unit_is_one_sequence_per_shard_times_tensor_under_sequence_parallelism():
+    """Both ``--max-batch`` probes (`benchmarks.distributed`, `benchmarks.memory`) step in
+    `batch_search.batch_unit`."""
+    from benchmarks.batch_search import batch_unit
+    from helpers import eight_device_mesh
+
+    mesh = eight_device_mesh(2, 1, 4)
+    assert batch_unit(None, True) == 1
+    assert batch_unit(mesh, False) == 2 and batch_unit(mesh, True) == 8
+
+
 def test_distributed_max_batch_search_matches_a_linear_scan():
     """The search on made-up memory curves (linear, steeper at large batches, with a jump,
     flat): the largest multiple of ``dp`` under the limit, as a scan finds it, in few
