@@ -399,8 +399,8 @@ def main(argv=None):
         "--tp-overlap",
         choices=OVERLAPS,
         default="none",
-        help="with --sequence-parallel: 'ring' moves the FP8 layers' tokens as collective "
-        "matmuls (fp8jax-train's option)",
+        help="with --sequence-parallel: 'ring' or 'chunks' moves the FP8 layers' tokens as "
+        "collective matmuls (fp8jax-train's option)",
     )
     p.add_argument(
         "--no-sequence-cast",

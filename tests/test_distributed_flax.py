@@ -61,10 +61,11 @@ def _train(model, variables, x, y, steps=3):
     return state, losses, step
 
 
-@pytest.mark.parametrize("tp_overlap", ["none", "ring"])
+@pytest.mark.parametrize("tp_overlap", ["none", "ring", "chunks"])
 def test_flax_sequence_parallel_matches_single_device(tp_overlap):
-    """Both ways of moving the tokens (``tp_overlap``): constraint pairs, or collective
-    matmul rings (`fp8jax._ops.tp_ring`; ring order sums float32 partials an ulp apart)."""
+    """Each way of moving the tokens (``tp_overlap``): constraint pairs, collective matmul
+    rings (`fp8jax._ops.tp_ring`; ring order sums float32 partials an ulp apart), or chunked
+    collectives (two chunks of each device's 16 tokens)."""
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 32, 64)) * 3.0  # [batch, seq, embed]
     y = jax.random.normal(jax.random.PRNGKey(2), (4, 32, 64))
     variables = Block().init(jax.random.PRNGKey(0), x)
@@ -89,6 +90,15 @@ def test_flax_sequence_parallel_matches_single_device(tp_overlap):
         # Dense_0's input: each device's 16 tokens gathered to its sequence's 32; Dense_1's
         # output
         check_sequence_moves(collectives, "[1,32,64]", "[32,64]")
+    elif tp_overlap == "chunks":  # Dense_0's FP8 input and Dense_1's output gradient in
+        # chunks of 8 tokens gathered to 16; Dense_1's float32 partial sums scattered to 8
+        moves = {(c.kind, c.dtype, c.shape) for c in collectives}
+        assert {
+            ("all-gather", "f8e4m3fn", "[1,16,64]"),
+            ("all-gather", "f8e5m2", "[1,16,64]"),
+            ("reduce-scatter", "f32", "[1,8,64]"),
+        } <= moves, moves
+        assert not [c for c in collectives if c.kind == "collective-permute"]
     else:  # one ring step per chunk: Dense_0's FP8 input, Dense_1's float32 partial sums
         permutes = {(c.dtype, c.shape) for c in collectives if c.kind == "collective-permute"}
         assert {("f8e4m3fn", "[1,16,64]"), ("f32", "[1,16,64]")} <= permutes, permutes

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
+import fp8jax.tuning
 import test_distributed as td
 import test_train_mesh as ttm
 from fp8jax import distributed
@@ -34,8 +35,9 @@ def _placed(mesh, overlap: str):
     return model
 
 
+@pytest.mark.parametrize("overlap", ["ring", "chunks"])
 @pytest.mark.parametrize("shape", [(2, 1, 4), (1, 2, 4), (1, 1, 8)])
-def test_ring_step_matches_unchunked_step(shape):
+def test_ring_step_matches_unchunked_step(shape, overlap):
     """Three float32 train steps, ring against unchunked: the same losses, gradients and
     FP8 state. The wgrads and every FP8 cast are the same computations on the same values
     (bit-identical here); only the reductions (l2's output, l1's dgrad) add the same
@@ -45,7 +47,7 @@ def test_ring_step_matches_unchunked_step(shape):
     relative and replicated) and bit-identical weight gradients, input and kernel state."""
     mesh = td._mesh(*shape)
     x, y = (jax.device_put(a, NamedSharding(mesh, TOKENS)) for a in td._data())
-    ring = td._train(_placed(mesh, "ring"), x, y)
+    ring = td._train(_placed(mesh, overlap), x, y)
     unchunked = td._train(_placed(mesh, "none"), x, y)
     td.check_matches(ring, unchunked)
     (model, _, grads), (ref_model, _, ref_grads) = ring, unchunked
@@ -81,6 +83,40 @@ def test_ring_collectives_move_fp8_tokens_and_output_dtype_sums():
     unchunked = td._collectives(_placed(mesh, "none"), mesh, TOKENS)
     assert [c for c in unchunked if c.kind == "all-gather"]
     assert not [c for c in unchunked if c.kind == "collective-permute"]
+
+
+def test_chunks_collectives_move_fp8_tokens_in_chunks():
+    """``tp_overlap="chunks"`` on data=2, tensor=4 (16 tokens per device, 2 chunks of 8):
+    each token move is two collectives of one chunk each, in the dtypes of the unchunked
+    path: l1's FP8 input (e4m3) and l2's FP8 output gradient (e5m2) all-gathered to 32
+    tokens; l2's output and l1's dgrad partial sums (float32) reduce-scattered to 8 tokens;
+    l1's transposed FP8 input gathered whole for its wgrad. No collective-permute. With
+    ``tp_chunks=1`` each move is one collective again."""
+    mesh = td._mesh(2, 1, 4)
+    cs = td._collectives(_placed(mesh, "chunks"), mesh, TOKENS)
+    moves = sorted((c.kind, c.dtype, c.shape) for c in cs if c.kind != "all-reduce")
+    assert moves == sorted(
+        [("all-gather", "f8e4m3fn", "[1,32,64]")] * 2
+        + [("all-gather", "f8e5m2", "[1,32,64]")] * 2
+        + [("reduce-scatter", "f32", "[1,8,64]")] * 4
+        + [("all-gather", "f8e4m3fn", "[1,64,64]")]
+    ), moves
+    jax.clear_caches()  # the module's step was jitted (traced) outside the block
+    with fp8jax.tuning.gemm(tp_chunks=1):
+        whole = td._collectives(_placed(mesh, "chunks"), mesh, TOKENS)
+    kinds = sorted((c.kind, c.shape) for c in whole if c.kind != "all-reduce")
+    assert kinds == sorted(
+        [("all-gather", "[1,64,64]")] * 3 + [("reduce-scatter", "[1,16,64]")] * 2
+    ), kinds
+
+
+def test_chunk_count_divides_the_tokens():
+    """`tp_ring.chunk_count`: the tuned count, or the largest count below it dividing m."""
+    from fp8jax._ops import tp_ring
+
+    assert tp_ring.chunk_count(16) == 2
+    with fp8jax.tuning.gemm(tp_chunks=4):
+        assert [tp_ring.chunk_count(m) for m in (16, 6, 7)] == [4, 3, 1]
 
 
 def test_trainer_ring_step_in_bfloat16():

@@ -86,7 +86,8 @@ def sequence_parallel(
     same ``batch_axes``; default here, as in `shard_model`: every mesh axis but
     ``tensor_axis``). A layer needs a ``weight`` attribute; a weight without a recorded
     sharding is gathered over the FSDP axes `set_fsdp_axes` names at this call.
-    ``tp_overlap="ring"``: each layer's FP8 GEMMs run as collective matmuls, the tokens
+    ``tp_overlap="ring"`` or ``"chunks"``: each layer's FP8 GEMMs run as collective
+    matmuls, the tokens
     moved in chunks under the GEMMs (`fp8jax._ops.tp_ring`) instead of whole before or
     after them.
 
@@ -98,7 +99,8 @@ def sequence_parallel(
         tensor_axis: the mesh axis the pairs split their weights over.
         batch_axes: the mesh axes the tokens are split over outside the pairs (None:
             every axis but ``tensor_axis``).
-        tp_overlap: ``"none"`` (whole collectives) or ``"ring"`` (collective matmul).
+        tp_overlap: ``"none"`` (whole collectives), ``"ring"`` or ``"chunks"`` (collective
+            matmul).
 
     Returns:
         ``model`` with each matched layer's token movement recorded.

@@ -174,7 +174,8 @@ def shard_model(
     every mesh axis but ``tensor_axis``) and then ``tensor_axis``, as the user's own
     sharding constraints on the activations say; each column-parallel layer all-gathers
     its FP8 input's tokens, each row-parallel one reduce-scatters its output;
-    ``tp_overlap="ring"`` moves them in chunks under the GEMMs (`fp8jax._ops.tp_ring`).
+    ``tp_overlap="ring"`` or ``"chunks"`` moves them in chunks beside the GEMMs
+    (`fp8jax._ops.tp_ring`).
 
     Arguments:
         model: a converted model (`fp8_linear_layers`, `fp8jax.nn` modules).
@@ -188,8 +189,8 @@ def shard_model(
         sequence_parallel: Megatron sequence parallelism between the tensor-parallel pairs.
         batch_axes: the mesh axes the tokens are split over (None: every axis but
             ``tensor_axis``).
-        tp_overlap: with ``sequence_parallel``: ``"none"`` (each collective whole) or
-            ``"ring"`` (collective matmul, per-tensor recipes).
+        tp_overlap: with ``sequence_parallel``: ``"none"`` (each collective whole),
+            ``"ring"`` or ``"chunks"`` (collective matmul, per-tensor recipes).
 
     Returns:
         ``model`` with every array placed on ``mesh`` (and the shardings recorded).

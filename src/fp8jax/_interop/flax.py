@@ -172,8 +172,8 @@ def fp8_dot_general_cls(
     its FP8 input's tokens, a row-parallel one (split along its inputs) reduce-scatters its
     output. Between the pair the tokens are split as
     `fp8jax.distributed.sequence_sharding` says (same ``batch_axes``; default: every mesh
-    axis but ``tensor_axis``). ``tp_overlap="ring"``: those moves as collective matmuls,
-    in chunks under the GEMMs (`fp8jax._ops.tp_ring`).
+    axis but ``tensor_axis``). ``tp_overlap="ring"`` or ``"chunks"``: those moves as
+    collective matmuls, in chunks beside the GEMMs (`fp8jax._ops.tp_ring`).
 
     Linen layers are not converted after the fact, so there is no conversion report: every
     layer given this class is FP8, but with the default (``selective``) config a call on
@@ -187,7 +187,8 @@ def fp8_dot_general_cls(
         mesh: the Auto-axes mesh (needed with ``sequence_parallel``).
         tensor_axis: the mesh axis the pair splits its kernels over.
         batch_axes: the mesh axes the tokens are split over outside the pair.
-        tp_overlap: ``"none"`` (each move whole) or ``"ring"`` (collective matmul).
+        tp_overlap: ``"none"`` (each move whole), ``"ring"`` or ``"chunks"`` (collective
+            matmul).
 
     Returns:
         A `Fp8DotGeneralOp` constructor (a ``functools.partial``).

@@ -49,6 +49,8 @@ class Tuning:
             features split over the tensor axis, and `fp8jax.nn.FusedMLP`'s gated core
             runs per device (its activation kernels on each device's features); False:
             XLA's partitioned casts, transposes and activation (True).
+        tp_chunks: with ``tp_overlap="chunks"``, how many chunks each device's tokens move
+            in (`fp8jax._ops.tp_ring.chunk_count`; 2).
     """
 
     # GEMM writes f32, then the dequant multiply. XLA does not fold that into the
@@ -71,6 +73,10 @@ class Tuning:
     # the gated MLP core there (`fp8jax._ops.gated`): the tensor-parallel FP8 step on GPUs
     # sped up by a fifth (benchmarks/RESULTS.md, twenty-seventh session).
     sequence_cast: bool = True
+    # Chunks per device of a sequence-parallel layer's token moves under
+    # ``tp_overlap="chunks"`` (`fp8jax._ops.tp_ring`): one chunk's collective runs under the
+    # GEMM of the next.
+    tp_chunks: int = 2
 
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gemm", default=Tuning())
@@ -89,7 +95,7 @@ def current_tuning() -> Tuning:
 
 
 @contextlib.contextmanager
-def tuning(**choices: bool) -> Iterator[Tuning]:
+def tuning(**choices: bool | int) -> Iterator[Tuning]:
     """Trace FP8 ops with these `Tuning` fields changed, inside the ``with`` block
     (``with tuning(scaled_gemm=False): ...``). The ops' cached traces are keyed by it
     (`fp8jax._ops.dot`); a step jitted before the block is not traced again by entering it.

@@ -83,12 +83,13 @@ def sequence_splits(sp) -> tuple[RowSplit, RowSplit]:
 def sequence_casts(sp, recipe) -> bool:
     """Whether a sequence-parallel layer (``sp``; None: not one) casts per device on
     `sequence_splits` (`fp8jax._kernels.gemm.Tuning.sequence_cast`): in a program over
-    several devices outside ``shard_map``, without the ring (`fp8jax._ops.tp_ring` moves its
-    own), for delayed per-tensor scaling (a row-wise cast's row scale spans the features the
-    tensor axis splits)."""
+    several devices outside ``shard_map``, without the ppermute ring (`fp8jax._ops.tp_ring`
+    moves its own; its chunked collectives take the same per-device casts), for delayed
+    per-tensor scaling (a row-wise cast's row scale spans the features the tensor axis
+    splits)."""
     return (
         sp is not None
-        and sp.overlap == "none"
+        and sp.overlap in ("none", "chunks")
         and recipe.per_device_casts
         and recipe.per_tensor_scale
         and not recipe.per_device_rows

@@ -1,10 +1,17 @@
-"""Collective matmul for the sequence-parallel FP8 linear (``overlap="ring"``, issue 48).
+"""Collective matmul for the sequence-parallel FP8 linear (``overlap="ring"`` or
+``"chunks"``, issue 48).
 
 `fp8jax._ops.sequence_parallel` moves a tensor-parallel pair's tokens whole, before or
 after the GEMM; XLA then runs the collective exposed. Here each transition is a
-``shard_map`` ring over the tensor axis of ``n`` devices, in ``n`` steps: each step runs
-the local FP8 GEMM on the chunk of tokens it holds while ``ppermute`` passes a chunk to the
-next device, so the transfer of one chunk runs under the GEMM of another.
+``shard_map`` over the tensor axis of ``n`` devices that splits the GEMM by tokens, so
+the transfer of one chunk runs under the GEMM of another:
+
+- ``"ring"``: ``n`` steps; each runs the local FP8 GEMM on the chunk of tokens it holds
+  while ``ppermute`` passes a chunk to the next device.
+- ``"chunks"``: each device's tokens in ``k`` chunks (`fp8jax._kernels.gemm.Tuning`'s
+  ``tp_chunks``); chunk ``j`` of every device moves as one all-gather or reduce-scatter
+  (`gather_chunks`, `scatter_chunks`), NCCL's own collectives on ``1/k`` of the bytes,
+  which XLA's scheduler runs under the GEMM of the chunk beside it.
 
 ================  ========================================  ==============================
 layer             forward                                   backward
@@ -42,16 +49,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from .._kernels import gemm as _gemm
 from .._recipe_base import Cast
 from .sequence_parallel import SequenceParallel
 
-OVERLAPS = ("none", "ring")  # `SequenceParallel.overlap`: constraint pairs, or the ring
+# `SequenceParallel.overlap`: constraint pairs, the ppermute ring, or chunked collectives
+OVERLAPS = ("none", "ring", "chunks")
 Gemm = Callable  # (a, a_scale, b, b_scale) -> a [B,P,C] . b [B,Q,C], the recipe's FP8 GEMM
 
 
 def applies(sp: SequenceParallel | None, recipe) -> bool:
-    """Whether a sequence-parallel layer's FP8 GEMMs run as rings (else the constraints)."""
-    return sp is not None and sp.overlap == "ring" and recipe.per_tensor_scale
+    """Whether a sequence-parallel layer's FP8 GEMMs run chunked (a ring or chunked
+    collectives; else the constraint pairs)."""
+    return sp is not None and sp.overlap in ("ring", "chunks") and recipe.per_tensor_scale
 
 
 def _spec(sp: SequenceParallel, tokens_dim: int, split: bool, tensor_dim=None) -> P:
@@ -124,6 +134,64 @@ def scatter_ring(sp: SequenceParallel, gemm: Gemm, a, sa, b, sb, carry=None):
     return acc, gathered
 
 
+def chunk_count(m: int) -> int:
+    """How many chunks ``m`` tokens per device split into: `Tuning.tp_chunks`, or the
+    largest count below it that divides ``m``."""
+    k = max(1, _gemm.current_tuning().tp_chunks)
+    while m % k:
+        k -= 1
+    return k
+
+
+def _natural(parts: list, n: int) -> jax.Array:
+    """Chunk ``j``'s rows ``[B, n * mc, Q]`` (device-major: device ``d``'s ``mc`` rows
+    of its chunk ``j`` at block ``d``) reassembled in token order ``[B, n * k * mc, Q]``."""
+    b, _, q = parts[0].shape
+    return jnp.stack([p.reshape(b, n, -1, q) for p in parts], axis=2).reshape(b, -1, q)
+
+
+def gather_chunks(sp: SequenceParallel, gemm: Gemm, a, sa, b, sb, keep: bool = False):
+    """`gather_ring`'s result by chunked all-gathers: chunk ``j`` of every device's
+    tokens ``a [B, m, C]`` gathered, then multiplied, while the next chunk moves."""
+    n, m = _size(sp), a.shape[1]
+    k = chunk_count(m)
+    mc = m // k
+    parts = [
+        jax.lax.all_gather(a[:, j * mc : (j + 1) * mc], sp.axis, axis=1, tiled=True)
+        for j in range(k)
+    ]
+    y = _natural([gemm(p, sa, b, sb) for p in parts], n)
+    return y, (_natural(parts, n) if keep else None)
+
+
+def scatter_chunks(sp: SequenceParallel, gemm: Gemm, a, sa, b, sb, carry=None):
+    """`scatter_ring`'s result by chunked reduce-scatters: the rows of chunk ``j`` of
+    every device's tokens (``a [B, M, C]``, ``M = n m``) multiplied, then their partial
+    sums reduce-scattered while the next chunk's GEMM runs. ``carry`` is all-gathered whole
+    on its dim 2 (the scheduler overlaps it with the GEMMs)."""
+    n = _size(sp)
+    bsz, big_m, c = a.shape
+    m = big_m // n
+    k = chunk_count(m)
+    mc = m // k
+    a5 = a.reshape(bsz, n, k, mc, c)
+    outs = []
+    for j in range(k):
+        part = gemm(a5[:, :, j].reshape(bsz, n * mc, c), sa, b, sb)
+        outs.append(jax.lax.psum_scatter(part, sp.axis, scatter_dimension=1, tiled=True))
+    y = outs[0] if k == 1 else jnp.concatenate(outs, axis=1)
+    gathered = None if carry is None else jax.lax.all_gather(carry, sp.axis, axis=2, tiled=True)
+    return y, gathered
+
+
+def _gather(sp: SequenceParallel):
+    return gather_chunks if sp.overlap == "chunks" else gather_ring
+
+
+def _scatter(sp: SequenceParallel):
+    return scatter_chunks if sp.overlap == "chunks" else scatter_ring
+
+
 def _ring(sp: SequenceParallel, body, in_specs: tuple, out_specs):
     return jax.shard_map(
         body, mesh=sp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
@@ -137,10 +205,10 @@ def forward(sp: SequenceParallel, gemm: Gemm, x, sx, w, sw) -> jax.Array:
     tokens split (its partial sums reduced along the ring)."""
     scalars = (P(), P())
     if sp.kind == "column":
-        body = lambda x, w, sx, sw: gather_ring(sp, gemm, x, sx, w, sw)[0]  # noqa: E731
+        body = lambda x, w, sx, sw: _gather(sp)(sp, gemm, x, sx, w, sw)[0]  # noqa: E731
         specs = (_spec(sp, 1, True), _weight(sp, 1), *scalars)
         return _ring(sp, body, specs, _spec(sp, 1, False, 2))(x, w, sx, sw)
-    body = lambda x, w, sx, sw: scatter_ring(sp, gemm, x, sx, w, sw)[0]  # noqa: E731
+    body = lambda x, w, sx, sw: _scatter(sp)(sp, gemm, x, sx, w, sw)[0]  # noqa: E731
     specs = (_spec(sp, 1, False, 2), _weight(sp, 2), *scalars)
     return _ring(sp, body, specs, _spec(sp, 1, True))(x, w, sx, sw)
 
@@ -156,7 +224,7 @@ def backward(sp: SequenceParallel, gemm: Gemm, g: Cast, w_kn, sw, xTq):
     if sp.kind == "column":
 
         def col(gd, w, sg, sw, xt):
-            return scatter_ring(sp, gemm, gd, sg, w, sw, carry=xt)
+            return _scatter(sp)(sp, gemm, gd, sg, w, sw, carry=xt)
 
         specs = (_spec(sp, 1, False, 2), _weight(sp, 2), *scalars, _spec(sp, 2, True))
         outs = (_spec(sp, 1, True), _spec(sp, 2, False))
@@ -164,7 +232,7 @@ def backward(sp: SequenceParallel, gemm: Gemm, g: Cast, w_kn, sw, xTq):
         return dx, xTq, g.data_t
 
     def row(gd, w, sg, sw):
-        return gather_ring(sp, gemm, gd, sg, w, sw, keep=True)
+        return _gather(sp)(sp, gemm, gd, sg, w, sw, keep=True)
 
     specs = (_spec(sp, 1, True), _weight(sp, 1), *scalars)
     outs = (_spec(sp, 1, False, 2), _spec(sp, 1, False))

@@ -195,9 +195,11 @@ def _check_options(args):
         raise UsageError("--overwrite starts afresh: it cannot go with --resume")
     if args.tp_overlap != "none" and not args.sequence_parallel:
         raise UsageError(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")
-    if args.tp_overlap == "ring" and not fp8_config(run).recipe.per_tensor_scale:
-        # the ring takes per-tensor scales only (`fp8jax._ops.tp_ring.applies`)
-        raise UsageError(f"--tp-overlap ring: per-tensor scaling only (--recipe {run.recipe})")
+    if args.tp_overlap != "none" and not fp8_config(run).recipe.per_tensor_scale:
+        # the rings and chunks take per-tensor scales only (`fp8jax._ops.tp_ring.applies`)
+        raise UsageError(
+            f"--tp-overlap {args.tp_overlap}: per-tensor scaling only (--recipe {run.recipe})"
+        )
     multihost = [args.coordinator, args.num_processes, args.process_id]
     if args.processes is not None and any(v is not None for v in multihost):
         raise UsageError(

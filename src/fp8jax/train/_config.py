@@ -102,8 +102,8 @@ class RunConfig:
         scaling, recipe, fast_accumulation, cast_kernel: the `Fp8Config` fields.
         fp8_attention, fp8_head: also run attention / the LM head in FP8 (fp8 run).
         sequence_parallel: Megatron sequence parallelism over the mesh's tensor axis.
-        tp_overlap: with it, ``"none"`` (each token collective whole) or ``"ring"``
-            (collective matmul: `fp8jax._ops.tp_ring`).
+        tp_overlap: with it, ``"none"`` (each token collective whole), ``"ring"`` or
+            ``"chunks"`` (collective matmul: `fp8jax._ops.tp_ring`).
         tokenizer, tokenizer_vocab, tokenizer_sha256: the data's tokens (``--tokenizer``):
             ``"bytes"``, ``"bpe"`` or ``"file"`` (a user's tokenizer.json), its vocabulary
             and its tokenizer.json's hash (None: bytes, or a BPE not trained yet).
@@ -132,7 +132,7 @@ class RunConfig:
     fp8_attention: bool = False  # the fp8 run also runs attention in FP8
     fp8_head: bool = False  # the fp8 run also runs the LM head's GEMMs in FP8
     sequence_parallel: bool = False  # Megatron sequence parallelism over the mesh's tensor axis
-    tp_overlap: str = "none"  # ``--tp-overlap``: "none" or "ring" (collective matmul)
+    tp_overlap: str = "none"  # ``--tp-overlap``: "none", "ring" or "chunks" (collective matmul)
     tokenizer: str = "bytes"  # `tokenizer.BYTES`, `BPE` or `USER`
     tokenizer_vocab: int | None = 256
     tokenizer_sha256: str | None = None

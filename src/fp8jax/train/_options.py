@@ -219,7 +219,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         default="none",
         help="with --sequence-parallel: 'ring' runs the FP8 layers' token gathers and "
         "reduce-scatters as collective matmuls (ppermute rings, each chunk moved under the "
-        "GEMM of another; --recipe tensor); 'none' moves each whole (default)",
+        "GEMM of another; --recipe tensor); 'chunks' moves each device's tokens in two "
+        "chunked all-gathers or reduce-scatters beside the chunks' GEMMs; 'none' moves "
+        "each whole (default, the fastest measured)",
     )
     add(
         "--processes",

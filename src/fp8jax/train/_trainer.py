@@ -90,7 +90,8 @@ class Trainer:
         optimizer: an optax transformation (`make_optimizer`'s).
         mesh: the devices to train on (None: the default device, unsharded).
         sequence_parallel: Megatron sequence parallelism over the mesh's tensor axis.
-        tp_overlap: its token moves whole (``"none"``) or as collective matmuls (``"ring"``).
+        tp_overlap: its token moves whole (``"none"``) or as collective matmuls (``"ring"``,
+            ``"chunks"``).
     """
 
     def __init__(
