@@ -117,6 +117,10 @@ def test_chunk_count_divides_the_tokens():
     assert tp_ring.chunk_count(16) == 2
     with fp8jax.tuning.gemm(tp_chunks=4):
         assert [tp_ring.chunk_count(m) for m in (16, 6, 7)] == [4, 3, 1]
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="tp_chunks must be a positive int"):
+            with fp8jax.tuning.gemm(tp_chunks=bad):
+                pass
 
 
 def test_trainer_ring_step_in_bfloat16():

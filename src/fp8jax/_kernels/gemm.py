@@ -78,6 +78,11 @@ class Tuning:
     # GEMM of the next.
     tp_chunks: int = 2
 
+    def __post_init__(self):
+        chunks = self.tp_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"Tuning: tp_chunks must be a positive int, got {chunks!r}")
+
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fp8jax_gemm", default=Tuning())
 
@@ -99,7 +104,8 @@ def tuning(**choices: bool | int) -> Iterator[Tuning]:
     """Trace FP8 ops with these `Tuning` fields changed, inside the ``with`` block
     (``with tuning(scaled_gemm=False): ...``). The ops' cached traces are keyed by it
     (`fp8jax._ops.dot`); a step jitted before the block is not traced again by entering it.
-    A field `Tuning` does not have raises TypeError.
+    A field `Tuning` does not have raises TypeError; a ``tp_chunks`` that is not a positive
+    int raises ValueError.
 
     Arguments:
         choices: `Tuning` fields and their values.

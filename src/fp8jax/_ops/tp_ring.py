@@ -11,7 +11,9 @@ the transfer of one chunk runs under the GEMM of another:
 - ``"chunks"``: each device's tokens in ``k`` chunks (`fp8jax._kernels.gemm.Tuning`'s
   ``tp_chunks``); chunk ``j`` of every device moves as one all-gather or reduce-scatter
   (`gather_chunks`, `scatter_chunks`), NCCL's own collectives on ``1/k`` of the bytes,
-  which XLA's scheduler runs under the GEMM of the chunk beside it.
+  which XLA's scheduler may place beside another chunk's GEMM (on 2 H200s the step was
+  slower than with whole moves: benchmarks/RESULTS.md, twenty-eighth session). The layers of
+  `fp8jax._ops.dot` take it; `fp8jax.nn.FusedMLP`'s gated core keeps its whole moves.
 
 ================  ========================================  ==============================
 layer             forward                                   backward
@@ -137,7 +139,7 @@ def scatter_ring(sp: SequenceParallel, gemm: Gemm, a, sa, b, sb, carry=None):
 def chunk_count(m: int) -> int:
     """How many chunks ``m`` tokens per device split into: `Tuning.tp_chunks`, or the
     largest count below it that divides ``m``."""
-    k = max(1, _gemm.current_tuning().tp_chunks)
+    k = _gemm.current_tuning().tp_chunks  # a positive int (`Tuning` checks it)
     while m % k:
         k -= 1
     return k
