@@ -11,7 +11,7 @@ the transfer of one chunk runs under the GEMM of another:
 - ``"chunks"``: each device's tokens in ``k`` chunks (`fp8jax._kernels.gemm.Tuning`'s
   ``tp_chunks``); chunk ``j`` of every device moves as one all-gather or reduce-scatter
   (`gather_chunks`, `scatter_chunks`), NCCL's own collectives on ``1/k`` of the bytes,
-  which XLA's scheduler may place beside another chunk's GEMM (on 2 H200s the step was
+  which XLA's scheduler may place beside another chunk's GEMM (on two H200 GPUs the step was
   slower than with whole moves: benchmarks/RESULTS.md, twenty-eighth session). The layers of
   `fp8jax._ops.dot` take it; `fp8jax.nn.FusedMLP`'s gated core keeps its whole moves.
 
