@@ -168,6 +168,31 @@ def test_tp_overlap_bad_options(tmp_path):
                          "--out", str(tmp_path)])  # fmt: skip
 
 
+@pytest.mark.parametrize("overlap", ["ring", "chunks"])
+def test_overlap_with_a_per_token_recipe_is_refused(overlap):
+    """A ring or chunks takes per-tensor recipes only: a row-wise layer asked for one is
+    refused by name (it would otherwise move its tokens whole without a word), from
+    `shard_model`, `distributed.sequence_parallel` and the flax front door alike."""
+    from fp8jax import flax as fp8flax
+
+    mesh = td._mesh(2, 1, 4)
+    rowwise = fp8jax.Fp8Config(recipe="rowwise", selective=False)
+    model = fp8jax.fp8_linear_layers(td.MLP(jax.random.PRNGKey(0)), rowwise)
+    match = rf"tp_overlap='{overlap}' takes per-tensor recipes only; layer 'l1' uses RowWise"
+    with pytest.raises(ValueError, match="shard_model: " + match):
+        fp8jax.shard_model(model, mesh, **SP, sequence_parallel=True, tp_overlap=overlap)
+    placed = fp8jax.shard_model(model, mesh, **SP)
+    with pytest.raises(ValueError, match="sequence_parallel: " + match):
+        distributed.sequence_parallel(placed, mesh, ["l1"], ["l2"], tp_overlap=overlap)
+    with pytest.raises(ValueError, match=r"fp8_dot_general_cls: .* its config uses RowWise"):
+        fp8flax.fp8_dot_general_cls(
+            rowwise, sequence_parallel="row", mesh=mesh, tp_overlap=overlap
+        )
+    # per-tensor (the default recipe) and tp_overlap="none" with row-wise are fine
+    fp8jax.shard_model(model, mesh, **SP, sequence_parallel=True)
+    fp8jax.shard_model(td._model(), mesh, **SP, sequence_parallel=True, tp_overlap=overlap)
+
+
 def test_distributed_benchmark_tp_overlap_flag(capsys):
     """``python -m benchmarks.distributed --sequence-parallel --tp-overlap ring``: the run's
     records say so; the flag alone is a usage error."""

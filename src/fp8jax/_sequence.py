@@ -117,13 +117,25 @@ def sequence_parallel(
     kinds = _kinds(fn, list(layers), column_parallel, row_parallel, "FP8 layer")
     for path, kind in kinds.items():
         _check_split(path, layers[path], kind, mesh, tensor_axis)
-    return _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap)
+    return _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap, fn)
 
 
 def check_overlap(fn: str, tp_overlap) -> None:
     """``tp_overlap`` is one of `OVERLAPS`; raises ``ValueError`` naming ``fn`` otherwise."""
     if tp_overlap not in OVERLAPS:
         raise ValueError(f"{fn}: tp_overlap must be one of {OVERLAPS}, got {tp_overlap!r}.")
+
+
+def check_overlap_recipe(fn: str, tp_overlap: str, recipe, where: str) -> None:
+    """A ring or chunks (`fp8jax._ops.tp_ring.applies`) takes per-tensor recipes only: the
+    row- and block-wise recipes' per-token scales would have to travel with their chunks.
+    Raises ``ValueError`` naming ``fn`` and the layer (``where``) rather than let the layer
+    move its tokens whole without a word."""
+    if tp_overlap != "none" and not recipe.per_tensor_scale:
+        raise ValueError(
+            f"{fn}: tp_overlap={tp_overlap!r} takes per-tensor recipes only; {where} uses "
+            f"{type(recipe).__name__} (use tp_overlap='none', or a per-tensor recipe)."
+        )
 
 
 def _fp8_layers(model: Any) -> list[tuple[str, Any]]:
@@ -193,9 +205,12 @@ def _placed_sharding(path: str, layer, mesh: Mesh) -> WeightSharding:
     return WeightSharding(mesh, spec, tuple(a for a in fsdp.current_axes() if a in mesh.shape))
 
 
-def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis, overlap) -> Any:
+def _record_sequence(
+    model, mesh, kinds: dict[str, str], batch, tensor_axis, overlap, fn: str
+) -> Any:
     """Each FP8 layer in ``kinds`` (path -> "column"/"row") moves its tokens as Megatron's
-    sequence parallelism does (`fp8jax._ops.sequence_parallel`)."""
+    sequence parallelism does (`fp8jax._ops.sequence_parallel`); ``fn`` names the caller
+    in errors (`check_overlap_recipe`)."""
     layers = dict(_fp8_layers(model))
     new = {}
     for path, kind in kinds.items():
@@ -203,6 +218,7 @@ def _record_sequence(model, mesh, kinds: dict[str, str], batch, tensor_axis, ove
         if layer is None:  # not an FP8 layer (shard_model also places plain linears)
             continue
         op = layer.dot_general
+        check_overlap_recipe(fn, overlap, op.config.recipe, f"layer {path!r}")
         ws = op.weight_sharding or _placed_sharding(path, layer, mesh)
         sp = SequenceParallel(mesh, kind, batch, tensor_axis, overlap)
         new[id(layer)] = op.with_weight_sharding(ws._replace(sequence=sp))

@@ -257,7 +257,7 @@ def shard_model(
         model = record_fsdp(model, gather)
     if sequence_parallel:
         batch = _batch_axes(mesh, batch_axes, tensor_axis)
-        model = _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap)
+        model = _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap, "shard_model")
     heads = tensor_axis if (column_parallel or row_parallel) else None
     return _record_attention(model, mesh, _batch_axes(mesh, batch_axes, tensor_axis), heads)
 

@@ -34,7 +34,7 @@ from .._config import Fp8Config
 from .._dot_general import Fp8DotGeneral, fp8_einsum
 from .._ops.dot import WeightSharding
 from .._ops.sequence_parallel import SequenceParallel
-from .._sequence import _sequence_axes, check_overlap
+from .._sequence import _sequence_axes, check_overlap, check_overlap_recipe
 
 # flax's Fp8DotGeneralBase.setup order.
 FLAX_STATE = (
@@ -196,6 +196,8 @@ def fp8_dot_general_cls(
     name = "fp8_dot_general_cls"
     config = checks.config(name, config)
     check_overlap(name, tp_overlap)
+    if sequence_parallel is not None:
+        check_overlap_recipe(name, tp_overlap, config.recipe, "its config")
     if sequence_parallel is None:
         return functools.partial(Fp8DotGeneralOp, config=config)
     if sequence_parallel not in ("column", "row"):
