@@ -196,7 +196,9 @@ def shard_model(
         ``model`` with every array placed on ``mesh`` (and the shardings recorded).
 
     Raises ``ValueError`` naming the layer, the dim and the axis when an axis size does
-    not divide the dim it shards, or when a pattern matches no layer.
+    not divide the dim it shards, or when a pattern matches no layer; and when
+    ``tp_overlap`` is asked without ``sequence_parallel`` or of a layer whose recipe has
+    per-token scales.
     """
     _check_mesh("shard_model", mesh)
     check_overlap("shard_model", tp_overlap)
@@ -211,6 +213,11 @@ def shard_model(
         )
     if (column_parallel or row_parallel) and tensor_axis is None:
         raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
+    if tp_overlap != "none" and not sequence_parallel:
+        raise ValueError(
+            f"shard_model: tp_overlap={tp_overlap!r} moves sequence-parallel tokens; it needs "
+            "sequence_parallel=True."
+        )
     if sequence_parallel and not (column_parallel or row_parallel):
         raise ValueError(
             "shard_model: sequence_parallel needs tensor-parallel layers (column_parallel, "

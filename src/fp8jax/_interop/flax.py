@@ -198,6 +198,8 @@ def fp8_dot_general_cls(
     check_overlap(name, tp_overlap)
     if sequence_parallel is not None:
         check_overlap_recipe(name, tp_overlap, config.recipe, "its config")
+    elif tp_overlap != "none":
+        raise ValueError(f"{name}: tp_overlap={tp_overlap!r} needs sequence_parallel.")
     if sequence_parallel is None:
         return functools.partial(Fp8DotGeneralOp, config=config)
     if sequence_parallel not in ("column", "row"):
