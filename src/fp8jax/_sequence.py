@@ -87,9 +87,8 @@ def sequence_parallel(
     ``tensor_axis``). A layer needs a ``weight`` attribute; a weight without a recorded
     sharding is gathered over the FSDP axes `set_fsdp_axes` names at this call.
     ``tp_overlap="ring"`` or ``"chunks"``: each layer's FP8 GEMMs run as collective
-    matmuls, the tokens
-    moved in chunks under the GEMMs (`fp8jax._ops.tp_ring`) instead of whole before or
-    after them.
+    matmuls, the tokens moved in chunks beside the GEMMs (`fp8jax._ops.tp_ring`) instead
+    of whole before or after them.
 
     Arguments:
         model: a model whose FP8 layers' weights are placed on ``mesh``.

@@ -74,8 +74,9 @@ class Tuning:
     # sped up by a fifth (benchmarks/RESULTS.md, twenty-seventh session).
     sequence_cast: bool = True
     # Chunks per device of a sequence-parallel layer's token moves under
-    # ``tp_overlap="chunks"`` (`fp8jax._ops.tp_ring`): one chunk's collective runs under the
-    # GEMM of the next.
+    # ``tp_overlap="chunks"`` (`fp8jax._ops.tp_ring`): one chunk's collective may run beside
+    # another chunk's GEMM (measured slower than whole moves: benchmarks/RESULTS.md,
+    # twenty-eighth session).
     tp_chunks: int = 2
 
     def __post_init__(self):

@@ -154,7 +154,7 @@ def _natural(parts: list, n: int) -> jax.Array:
 
 def gather_chunks(sp: SequenceParallel, gemm: Gemm, a, sa, b, sb, keep: bool = False):
     """`gather_ring`'s result by chunked all-gathers: chunk ``j`` of every device's
-    tokens ``a [B, m, C]`` gathered, then multiplied, while the next chunk moves."""
+    tokens ``a [B, m, C]`` gathered, then multiplied; the next chunk may move meanwhile."""
     n, m = _size(sp), a.shape[1]
     k = chunk_count(m)
     mc = m // k
@@ -169,8 +169,8 @@ def gather_chunks(sp: SequenceParallel, gemm: Gemm, a, sa, b, sb, keep: bool = F
 def scatter_chunks(sp: SequenceParallel, gemm: Gemm, a, sa, b, sb, carry=None):
     """`scatter_ring`'s result by chunked reduce-scatters: the rows of chunk ``j`` of
     every device's tokens (``a [B, M, C]``, ``M = n m``) multiplied, then their partial
-    sums reduce-scattered while the next chunk's GEMM runs. ``carry`` is all-gathered whole
-    on its dim 2 (the scheduler overlaps it with the GEMMs)."""
+    sums reduce-scattered, which may run beside the next chunk's GEMM. ``carry`` is
+    all-gathered whole on its dim 2."""
     n = _size(sp)
     bsz, big_m, c = a.shape
     m = big_m // n
