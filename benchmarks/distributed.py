@@ -18,7 +18,9 @@ column, ``o``/``fc2`` row; ``--sequence-parallel`` as the trainer's; the batch o
   reduce-scatter, all-reduce, ...): which move FP8 and which bf16/f32;
 * ``exposed_comm_ms`` and ``comm_ms``: per step, the time a collective kernel runs with no
   compute kernel beside it, and all collective time (a profile of 3 steps on the GPUs,
-  `benchmarks.comm_profile`);
+  `benchmarks.comm_profile`), and ``collective_schedule``: per collective kind, how many
+  XLA left synchronous or scheduled beside nothing, XLA's fusions, or a library kernel
+  (`benchmarks.hlo_schedule`; GPUs only);
 * ``speedup_vs_bf16`` (FP8 rows: over the bf16 row of the same run);
 * ``peak_mem_mb`` of the compiled step (arguments + outputs + temporaries, the outputs
   that reuse the donated parameters and optimizer state counted once; records before
@@ -64,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from benchmarks import batch_search, comm_profile, common
+from benchmarks import batch_search, comm_profile, common, hlo_schedule
 from fp8jax import _compilation as compilation
 from fp8jax import distributed, tuning
 from fp8jax._ops.tp_ring import OVERLAPS
@@ -227,6 +229,11 @@ def measure(
 
         breakdown = comm_profile.profile_step(one_step, top=top_kernels)
         params, opt_state = state
+        row["collective_schedule"] = hlo_schedule.collective_schedule(compiled.as_text())
+        if top_kernels:
+            print(
+                f"{precision}: collectives by what runs beside them: {row['collective_schedule']}"
+            )
         if breakdown is not None:  # where the step's time goes: GEMMs, attention, the rest
             row["exposed_comm_ms"], row["comm_ms"] = breakdown["exposed_comm"], breakdown["comm"]
             row["time_breakdown_ms"] = breakdown
