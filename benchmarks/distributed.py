@@ -67,12 +67,13 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax
 from benchmarks import batch_search, comm_profile, common, hlo_schedule
+from benchmarks.distributed_tables import max_batch_table, table
 from fp8jax import _compilation as compilation
 from fp8jax import distributed, tuning
 from fp8jax._ops.tp_ring import OVERLAPS
 from fp8jax.nn import cross_entropy
 from fp8jax.train import _cli as cli
-from fp8jax.train._memory import compiled_bytes, saved_cell, saved_residuals
+from fp8jax.train._memory import compiled_bytes, saved_residuals
 from fp8jax.train._mesh import check_sequence_parallel
 from fp8jax.train._model import REMAT, ModelConfig, cast_for_compute
 from fp8jax.train._trainer import _init_sharded, _shardings
@@ -115,6 +116,7 @@ MAX_BATCH_FIELDS = (
 OPTIONAL_FIELDS = (
     *MAX_BATCH_FIELDS,
     "time_breakdown_ms",  # GPU: where the step's time goes (`comm_profile.breakdown_ms`)
+    "collective_schedule",  # GPU: what runs beside each collective (`hlo_schedule`)
 )
 
 
@@ -287,6 +289,8 @@ def run_params(run, sizes, devices) -> dict:
         params["sequence_parallel"] = True
     if run.tp_overlap != "none":
         params["tp_overlap"] = run.tp_overlap
+    if run.tp_overlap == "chunks":  # --tp-chunks
+        params["tp_chunks"] = tuning.current_gemm().tp_chunks
     if run.sequence_parallel:  # --no-sequence-cast, in effect where it measures
         params["sequence_cast"] = tuning.current_gemm().sequence_cast
     if run.fp8_head:
@@ -335,57 +339,9 @@ def probe_variant(run, precision, sizes, devices, limit_bytes: int, start=None) 
     return dict(params=params, variant=precision, memory_limit_gb=limit_bytes / 2**30, **row)
 
 
-def _max_batch_cell(row: dict) -> str:
-    """``max_batch``, ``>= max_batch`` where the search was cut (a lower bound)."""
-    cut = row.get("max_batch_complete") is False
-    return (">= " if cut else "") + str(row["max_batch"])
-
-
-def max_batch_table(rows) -> str:
-    limit = rows[0]["memory_limit_gb"] if rows else None
-    return "\n".join(
-        common.markdown_rows(
-            # markdown_rows shows a row without a time as its error: a probe has no time
-            [dict(r, ms=0.0 if r.get("max_batch") is not None else None) for r in rows],
-            f"mesh (limit {common.fmt(limit, '.3g')} GiB)",
-            lambda r: r["params"]["mesh"],
-            [
-                ("max batch", _max_batch_cell),
-                ("its MiB", lambda r: common.fmt(r.get("max_batch_mem_mb"), ".1f")),
-                ("next MiB", lambda r: common.fmt(r.get("next_mem_mb"), ".1f")),
-                ("compiles", lambda r: str(r.get("compiles"))),
-            ],
-        )
-    )
-
-
-def table(rows) -> str:
-    return "\n".join(
-        common.markdown_rows(
-            rows,
-            "mesh",
-            lambda r: r["params"]["mesh"],
-            [
-                ("ms", lambda r: common.fmt(r["ms"], ".1f")),
-                ("tokens/s", lambda r: common.fmt(r["tokens_per_s"], ",.0f")),
-                ("vs bf16", lambda r: common.fmt(r.get("speedup_vs_bf16"), ".2f", "x")),
-                ("scaling eff.", lambda r: common.fmt(r.get("scaling_efficiency"), ".2f")),
-                ("exposed comm ms", lambda r: common.fmt(r.get("exposed_comm_ms"), ".1f")),
-                ("comm ms", lambda r: common.fmt(r.get("comm_ms"), ".1f")),
-                ("all-gather MB", lambda r: common.fmt(_mb(r.get("allgather_bytes")), ".2f")),
-                ("all-gathers", lambda r: str(r.get("allgather_dtypes", "-"))),
-                ("peak MiB", lambda r: common.fmt(r.get("peak_mem_mb"), ".0f")),
-                (
-                    "saved MiB",
-                    lambda r: saved_cell(r.get("saved_residual_mb"), r.get("saved_residuals")),
-                ),
-            ],
-        )
-    )
-
-
-def _mb(value):
-    return None if value is None else value / 2**20
+def _tuned(args) -> dict:
+    """The `fp8jax.tuning.gemm` choices the command line makes."""
+    return dict(sequence_cast=not args.no_sequence_cast, tp_chunks=args.tp_chunks)
 
 
 def main(argv=None):
@@ -408,6 +364,12 @@ def main(argv=None):
         default="none",
         help="with --sequence-parallel: 'ring' or 'chunks' moves the FP8 layers' tokens as "
         "collective matmuls (fp8jax-train's option)",
+    )
+    p.add_argument(
+        "--tp-chunks",
+        type=int,
+        default=2,
+        help="with --tp-overlap chunks: chunks per device (fp8jax.tuning.gemm(tp_chunks=K))",
     )
     p.add_argument(
         "--no-sequence-cast",
@@ -487,6 +449,10 @@ def main(argv=None):
         p.error(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")
     if args.no_sequence_cast and not args.sequence_parallel:
         p.error("--no-sequence-cast needs --sequence-parallel")
+    if args.tp_chunks != 2 and args.tp_overlap != "chunks":
+        p.error("--tp-chunks needs --tp-overlap chunks")
+    if args.tp_chunks < 1:
+        p.error(f"--tp-chunks {args.tp_chunks}: a positive number of chunks")
     if args.sequence_parallel:
         check_sequence_parallel(run, make_mesh(sizes, devices))
     steps = args.steps or (2 if args.quick else 10)
@@ -498,7 +464,7 @@ def main(argv=None):
         batch_search.interrupt_on_sigterm()
 
         def probe_one(precision):
-            with tuning.gemm(sequence_cast=not args.no_sequence_cast):
+            with tuning.gemm(**_tuned(args)):
                 row = probe_variant(run, precision, sizes, devices, limit, args.max_batch_from)
             row["params"] = dict(preset=preset, **row["params"])
             return [dict(meta, **row)]
@@ -516,7 +482,7 @@ def main(argv=None):
     bf16_ms = []
 
     def run_one(precision):
-        with tuning.gemm(sequence_cast=not args.no_sequence_cast):
+        with tuning.gemm(**_tuned(args)):
             row = run_variant(
                 run, precision, sizes, devices, steps, not args.no_baseline, args.top_kernels
             )

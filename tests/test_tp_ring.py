@@ -185,9 +185,7 @@ def test_overlap_with_a_per_token_recipe_is_refused(overlap):
     with pytest.raises(ValueError, match="sequence_parallel: " + match):
         distributed.sequence_parallel(placed, mesh, ["l1"], ["l2"], tp_overlap=overlap)
     with pytest.raises(ValueError, match=r"fp8_dot_general_cls: .* its config uses RowWise"):
-        fp8flax.fp8_dot_general_cls(
-            rowwise, sequence_parallel="row", mesh=mesh, tp_overlap=overlap
-        )
+        fp8flax.fp8_dot_general_cls(rowwise, sequence_parallel="row", mesh=mesh, tp_overlap=overlap)
     # without sequence parallelism there is nothing to chunk: refused, not ignored
     with pytest.raises(ValueError, match=f"shard_model: tp_overlap='{overlap}' moves"):
         fp8jax.shard_model(td._model(), mesh, **SP, tp_overlap=overlap)
@@ -210,3 +208,11 @@ def test_distributed_benchmark_tp_overlap_flag(capsys):
     sizes = {"data": 2, "fsdp": 1, "tensor": 4}
     params = bench.run_params(run, sizes, jax.devices())
     assert params["sequence_parallel"] and params["tp_overlap"] == "ring"
+    assert "tp_chunks" not in params
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--mesh", "data=2,tensor=4", "--sequence-parallel",
+                    "--tp-chunks", "4"])  # fmt: skip
+    assert "--tp-chunks needs --tp-overlap chunks" in capsys.readouterr().err
+    run = cli.run_config(cli.parse_args(ARGS + ["--sequence-parallel", "--tp-overlap", "chunks"]))
+    with fp8jax.tuning.gemm(tp_chunks=4):
+        assert bench.run_params(run, sizes, jax.devices())["tp_chunks"] == 4
