@@ -119,10 +119,17 @@ def sequence_parallel(
     return _record_sequence(model, mesh, kinds, batch, tensor_axis, tp_overlap, fn)
 
 
-def check_overlap(fn: str, tp_overlap) -> None:
-    """``tp_overlap`` is one of `OVERLAPS`; raises ``ValueError`` naming ``fn`` otherwise."""
+def check_overlap(fn: str, tp_overlap, sequence_parallel: bool = True) -> None:
+    """``tp_overlap`` is one of `OVERLAPS`, and other than ``"none"`` only with
+    ``sequence_parallel`` (it moves sequence-parallel tokens: without them it would be
+    ignored); raises ``ValueError`` naming ``fn`` otherwise."""
     if tp_overlap not in OVERLAPS:
         raise ValueError(f"{fn}: tp_overlap must be one of {OVERLAPS}, got {tp_overlap!r}.")
+    if tp_overlap != "none" and not sequence_parallel:
+        raise ValueError(
+            f"{fn}: tp_overlap={tp_overlap!r} moves sequence-parallel tokens; it needs "
+            "sequence_parallel."
+        )
 
 
 def check_overlap_recipe(fn: str, tp_overlap: str, recipe, where: str) -> None:

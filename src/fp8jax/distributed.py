@@ -201,7 +201,7 @@ def shard_model(
     per-token scales.
     """
     _check_mesh("shard_model", mesh)
-    check_overlap("shard_model", tp_overlap)
+    check_overlap("shard_model", tp_overlap, sequence_parallel)
     column_parallel = _names("shard_model", "column_parallel", column_parallel)
     row_parallel = _names("shard_model", "row_parallel", row_parallel)
     batch_axes = _names("shard_model", "batch_axes", batch_axes, allow_none=True)
@@ -213,11 +213,6 @@ def shard_model(
         )
     if (column_parallel or row_parallel) and tensor_axis is None:
         raise ValueError("shard_model: column_parallel/row_parallel need a tensor_axis.")
-    if tp_overlap != "none" and not sequence_parallel:
-        raise ValueError(
-            f"shard_model: tp_overlap={tp_overlap!r} moves sequence-parallel tokens; it needs "
-            "sequence_parallel=True."
-        )
     if sequence_parallel and not (column_parallel or row_parallel):
         raise ValueError(
             "shard_model: sequence_parallel needs tensor-parallel layers (column_parallel, "

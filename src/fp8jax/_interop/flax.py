@@ -195,11 +195,7 @@ def fp8_dot_general_cls(
     """
     name = "fp8_dot_general_cls"
     config = checks.config(name, config)
-    check_overlap(name, tp_overlap)
-    if sequence_parallel is not None:
-        check_overlap_recipe(name, tp_overlap, config.recipe, "its config")
-    elif tp_overlap != "none":
-        raise ValueError(f"{name}: tp_overlap={tp_overlap!r} needs sequence_parallel.")
+    check_overlap(name, tp_overlap, sequence_parallel is not None)
     if sequence_parallel is None:
         return functools.partial(Fp8DotGeneralOp, config=config)
     if sequence_parallel not in ("column", "row"):
@@ -210,6 +206,7 @@ def fp8_dot_general_cls(
         raise ValueError(
             f"{name}: sequence_parallel needs mesh=, a jax.sharding.Mesh; got {mesh!r}."
         )
+    check_overlap_recipe(name, tp_overlap, config.recipe, "its config")
     batch = _sequence_axes(name, mesh, tensor_axis, batch_axes)
     sp = SequenceParallel(mesh, sequence_parallel, batch, tensor_axis, tp_overlap)
     return functools.partial(Fp8DotGeneralOp, config=config, sequence=sp)
