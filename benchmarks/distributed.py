@@ -341,7 +341,8 @@ def probe_variant(run, precision, sizes, devices, limit_bytes: int, start=None) 
 
 def _tuned(args) -> dict:
     """The `fp8jax.tuning.gemm` choices the command line makes."""
-    return dict(sequence_cast=not args.no_sequence_cast, tp_chunks=args.tp_chunks)
+    chunks = {} if args.tp_chunks is None else {"tp_chunks": args.tp_chunks}
+    return dict(sequence_cast=not args.no_sequence_cast, **chunks)
 
 
 def main(argv=None):
@@ -368,8 +369,8 @@ def main(argv=None):
     p.add_argument(
         "--tp-chunks",
         type=int,
-        default=2,
-        help="with --tp-overlap chunks: chunks per device (fp8jax.tuning.gemm(tp_chunks=K))",
+        help="with --tp-overlap chunks: chunks per device (fp8jax.tuning.gemm(tp_chunks=K); "
+        "default: its default)",
     )
     p.add_argument(
         "--no-sequence-cast",
@@ -449,9 +450,9 @@ def main(argv=None):
         p.error(f"--tp-overlap {args.tp_overlap} needs --sequence-parallel")
     if args.no_sequence_cast and not args.sequence_parallel:
         p.error("--no-sequence-cast needs --sequence-parallel")
-    if args.tp_chunks != 2 and args.tp_overlap != "chunks":
+    if args.tp_chunks is not None and args.tp_overlap != "chunks":
         p.error("--tp-chunks needs --tp-overlap chunks")
-    if args.tp_chunks < 1:
+    if args.tp_chunks is not None and args.tp_chunks < 1:
         p.error(f"--tp-chunks {args.tp_chunks}: a positive number of chunks")
     if args.sequence_parallel:
         check_sequence_parallel(run, make_mesh(sizes, devices))
