@@ -4,7 +4,7 @@ Two levels, each timed in one process and one run:
 
 * ``attention`` (the core on BTNH q, k, v): ``cudnn-bf16`` (``jax.nn.dot_product_attention``,
   cuDNN) vs ``fp8jax-fp8_dpa`` (`fp8jax.nn.dot_product_attention`, cuDNN FP8 with
-  bf16 in/out, the casts included), ``fp8jax-mgpu`` (the same module with
+  bf16 in/out, the casts included; ``backend="cudnn"``), ``fp8jax-mgpu`` (the same module with
   ``backend="mgpu"``: fp8jax's own FP8 flash attention, forward and backward, in place of
   cuDNN's; the reference backend under ``--quick``) and ``fp8-mgpu``, forward only
   (fp8jax's own Pallas Mosaic GPU kernel, `fp8jax._kernels.flash_fp8_mgpu`, after
@@ -13,15 +13,17 @@ Two levels, each timed in one process and one run:
 * ``mha`` (the `fp8jax.nn.MultiHeadAttention` block: QKV projection, rotary,
   attention, output projection on ``x: [batch, seq, dim]``): ``cudnn-bf16`` (mode
   bf16), ``fp8jax-fp8_dpa`` (FP8 core, bf16 projections) and ``fp8jax-fp8_mha``
-  (FP8 core and FP8 projections, FP8 handed between them).
+  (FP8 core and FP8 projections, FP8 handed between them), both on the default backend
+  (``"auto"``: fp8jax's own kernels where they can run, else cuDNN's).
 
 head_dim 128, 16 heads, batch = 32768 // seq (a fixed token count per step). The
 forward+backward loss is ``sum(out * G)`` (a fixed random projection) and is returned,
 so nothing is dead code. FP8 variants are calibrated (two state updates) before
 timing; inputs rotate among three sets so nothing sits in L2. Reports ms, TFLOP/s
 (causal FLOPs: 4·B·N·S²·D/2 forward, x3.5 forward+backward; projections added for
-``mha``), the ratio to bf16, whether the compiled program runs cuDNN's FP8 attention
-(``__cudnn$fmhaSoftmaxF8``), peak memory and the activations saved for the backward.
+``mha``), the ratio to bf16, whether the compiled program runs an FP8 attention kernel
+(cuDNN's ``__cudnn$fmhaSoftmaxF8`` or fp8jax's, under its named scope), peak memory and
+the activations saved for the backward.
 
     python -m benchmarks.attention            # seq 2048 ... 32768 (H100)
     python -m benchmarks.attention --quick    # CPU smoke run (reference backend), writes nothing
@@ -55,9 +57,11 @@ MODE = {
     "fp8jax-mgpu": "fp8_dpa",
     "fp8jax-fp8_mha": "fp8_mha",
 }
-# Variants that ask for a backend of their own (the --quick runs keep the reference).
-BACKEND = {"fp8jax-mgpu": "mgpu"}
-KERNEL_MARK = {"fp8jax-mgpu": "mosaic_gpu"}  # the compiled program's FP8 attention kernel
+# Variants that ask for a backend of their own (the --quick runs keep the reference): the
+# attention level's fp8_dpa is cuDNN's FP8 path, whatever "auto" picks; the mha level runs
+# the block as users get it ("auto": the mgpu kernels where they can run, else cuDNN).
+BACKEND = {"fp8jax-mgpu": "mgpu", "fp8jax-fp8_dpa": "cudnn"}
+KERNEL_MARKS = ("fmhaSoftmaxF8", "fp8jax_flash_attention")  # cuDNN's FP8 kernel, fp8jax's
 DIRECTIONS = ("fwd", "fwd+bwd")
 FORWARD_ONLY = ("fp8-mgpu",)  # variants without a backward: no fwd+bwd rows
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
@@ -102,7 +106,8 @@ def flops(p: dict, level: str, direction: str) -> float:
 def build(level: str, variant: str, p: dict, key, backend: str):
     """The module (a `DotProductAttention` or `MultiHeadAttention`) and its inputs' shapes."""
     mode = MODE[variant]
-    backend = backend if backend == "reference" else BACKEND.get(variant, backend)
+    if level == "attention" and backend != "reference":
+        backend = BACKEND.get(variant, backend)
     if level == "attention":
         module = DotProductAttention(mode, is_causal=True, backend=backend)
         shapes = [(p["batch"], p["seq"], p["heads"], p["head_dim"])] + [
@@ -206,7 +211,7 @@ def run_case(
                         print(f"{variant} {direction}, seq {seq}:", flush=True)
                         print_kernels(step, input_sets[0], g, kernels)
                     hlo = step.hlo_text(input_sets[0], g)
-                    kernel = KERNEL_MARK.get(variant, "fmhaSoftmaxF8") in hlo
+                    kernel = any(mark in hlo for mark in KERNEL_MARKS)
                     row["fp8_gemms"] = kernel or ("fp8" in variant and not common.on_gpu())
                     row["fp8_attention_kernel"] = kernel
                     row["peak_mem_mb"] = common.peak_mem_mb(step, input_sets[0], g)

@@ -163,3 +163,56 @@ def _hopper_reason():
 @pytest.mark.skipif(not ON_GPU or _hopper_reason() is not None, reason="needs a Hopper GPU")
 def test_mgpu_matches_cudnn_fp8_on_hopper(key):
     _compare("mgpu", "cudnn", key, (2, 1024, 8, 8, 128))
+
+
+def test_auto_picks_mgpu_for_causal_calls_it_can_run(monkeypatch):
+    """"auto" runs the mgpu kernels for a causal call on one device's arrays where they can
+    run it (a Hopper GPU, pretended on a CPU), cuDNN's path (the reference on a CPU)
+    otherwise: not causal, a split over devices, padding, or several devices and no
+    shard_map around the call."""
+    from fp8jax._kernels import dispatch
+    from fp8jax._ops import attention_mgpu
+    from fp8jax.nn import _attention as A
+
+    q = k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    choose = A._choose_backend
+    cudnn = "cudnn" if ON_GPU else "reference"  # auto's choice without the mgpu kernels
+    assert choose("auto", q, k, False, True, None) == ("mgpu" if ON_GPU else "reference")
+    monkeypatch.setattr(attention_mgpu, "reason", lambda *a: None)
+    monkeypatch.setattr(dispatch, "unpartitioned_reason", lambda: None)
+    assert choose("auto", q, k, False, True, None) == "mgpu"
+    assert choose("auto", q, k, False, False, None) == cudnn
+    assert choose("auto", q[:, :128], k, False, False, None) == cudnn
+    split = object()
+    assert choose("auto", q, k, False, True, split) == cudnn
+    if ON_GPU:  # cuDNN asked for: no override
+        assert choose("cudnn", q, k, False, True, None) == "cudnn"
+    else:
+        with pytest.raises(ValueError, match="cannot run"):
+            choose("cudnn", q, k, False, True, None)
+    monkeypatch.setattr(dispatch, "unpartitioned_reason", lambda: "8 devices, no shard_map")
+    assert choose("auto", q, k, False, True, None) == cudnn
+    monkeypatch.setattr(A, "AUTO_MGPU", False)
+    monkeypatch.setattr(dispatch, "unpartitioned_reason", lambda: None)
+    assert choose("auto", q, k, False, True, None) == cudnn
+    # padding: the mgpu kernels have no mask (cuDNN's FP8 neither: the reference)
+    assert choose("auto", q, k, True, True, None) == "reference"
+
+
+def test_gemm_report_counts_the_flash_attention_kernels_as_fp8():
+    """A Mosaic GPU call under the attention kernels' named scope is an FP8 GEMM in
+    `fp8jax.fp8_gemm_report` (its float32 side inputs dropped); one outside it is none."""
+    from fp8jax._ops.attention_mgpu import FLASH_SCOPE
+    from fp8jax.inspect import parse_gemms
+
+    params = "\n".join(
+        f"  %p{i} = {t}[256,128]{{1,0}} parameter({i})"
+        for i, t in enumerate(["f8e4m3fn", "f8e4m3fn", "f8e4m3fn", "f32"])
+    )
+    call = (
+        '  %{} = bf16[256,128]{{1,0}} custom-call(%p0, %p1, %p2, %p3), '
+        'custom_call_target="mosaic_gpu", metadata={{op_name="jit(f)/{}/pallas_call"}}'
+    )
+    hlo = "\n".join([params, call.format("ours", FLASH_SCOPE), call.format("x", "y")])
+    (gemm,) = parse_gemms(hlo)
+    assert gemm.is_fp8 and gemm.operand_types == ("f8e4m3fn", "f8e4m3fn")

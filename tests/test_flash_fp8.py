@@ -104,6 +104,24 @@ def test_reference_block_size_only_changes_rounding(key):
     np.testing.assert_allclose(np.asarray(lse_a), np.asarray(lse_b), atol=1e-5, rtol=1e-5)
 
 
+def test_default_config_takes_256_key_tiles_where_they_fit():
+    """256-key tiles through 2 slots where ``Sk`` allows, 128 through 4 otherwise; the
+    kernel and the reference take the same tiles when none are given (the same rounding)."""
+    assert (fk.default_config(8192).block_kv, fk.default_config(8192).max_concurrent_steps) == (
+        256, 2
+    )
+    assert (fk.default_config(384).block_kv, fk.default_config(384).max_concurrent_steps) == (
+        128, 4
+    )
+    assert fk._shape_reason((1, 384, 4, 64), (1, 384, 2, 64), E4M3, True, None) is None
+    assert "Sk=384" in fk._shape_reason((1, 384, 4, 64), (1, 384, 2, 64), E4M3, True, fk.Config())
+    args = _fp8(*_inputs(jax.random.PRNGKey(4), 1, 512, 2, 2, 64))
+    same = fk.flash_fp8_reference(*args, causal=True)
+    want = fk.flash_fp8_reference(*args, causal=True, config=fk.Config(block_kv=256))
+    for a, b in zip(same, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_reason_names_what_does_not_fit():
     ok = ((1, 256, 4, 64), (1, 256, 2, 64))
     assert fk._shape_reason(*ok, E4M3, True, fk.Config()) is None
@@ -134,6 +152,8 @@ def _needs_mosaic_gpu():
         (True, 64, 64, 2, 1, 4),
         (True, 64, 64, 2, 1, 2),  # the ring wraps, and the causal flush releases slots
         (True, 128, 128, 1, 1, 4),
+        (True, 128, 256, 2, 1, 2),  # the default tiles: 256 keys through 2 slots
+        (False, 64, 256, 1, 1, 2),
     ],
 )
 def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq, hkv, steps):
@@ -148,7 +168,7 @@ def test_kernel_in_interpret_mode_matches_reference(key, causal, d, block_kv, hq
         fp8jax._jax_compat.interpret_gpu_params()
     except ImportError:
         pytest.skip("no Pallas GPU interpret mode in this jax")
-    s = 512 if d == 128 else 256
+    s = 512 if d == 128 or block_kv == 256 else 256
     args = _fp8(*_inputs(key, 1, s, hq, hkv, d))
     config = fk.Config(block_q=64, block_kv=block_kv, max_concurrent_steps=steps)
     out, lse = fk.flash_fp8(*args, causal=causal, config=config, interpret=True)

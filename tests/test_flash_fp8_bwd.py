@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import ON_GPU, gpu, sqnr_db
 from test_flash_fp8 import _dequantized, _f32_attention, _fp8, _inputs
@@ -248,6 +249,32 @@ def test_kernels_match_reference_on_hopper(key, causal, hq, hkv, d):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
         assert sqnr_db(g, r) >= 35.0, (name, sqnr_db(g, r))
         assert sqnr_db(g, w) >= 35.0, (name, sqnr_db(g, w))
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_fp8_kernels_give_zero_gradients_for_a_dout_that_underflows(key, given):
+    """A first step's delayed dO scale (1.0) rounds a loss gradient of ~1e-6 to all-zero
+    e4m3; dS's scale from its bound is then 0 and was floored at ``tiny / 448``, subnormal,
+    which the GPU flushes to 0: ``1 / ds_scale`` was inf and dQ, dK NaN (seen in the 1b
+    trainer, 2026-11-28). Now zeros come back, on the GPU's kernels and in interpret mode;
+    an all-zero bf16 dO (its own amax scale) too."""
+    if ON_GPU:
+        _hopper_or_skip((1, 256, 2, 64), (1, 256, 1, 64), True)
+    else:
+        _needs_interpret()
+    args, out, lse, dout, _ = _case(key, 1, 256, 2, 1, 64, True)
+    run = functools.partial(
+        fb.flash_fp8_bwd, causal=True, config=fb.Config(fp8=True), interpret=not ON_GPU
+    )
+    tiny = (dout.astype(jnp.float32) * 1e-6).astype(jnp.bfloat16)
+    if given:
+        d8 = tiny.astype(E4M3)  # scale 1: every value underflows
+        assert not bool(jnp.any(d8.astype(jnp.float32) != 0))
+        got = run(*args, out, lse, d8, dout_scale=jnp.float32(1.0))
+    else:
+        got = run(*args, out, lse, jnp.zeros_like(tiny))
+    for name, g in zip("qkv", got):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), 0.0, err_msg=name)
 
 
 @gpu

@@ -107,23 +107,44 @@ def _attn_inputs(key, b, t, n, nk, h=128):
             normal(kv, (b, t, nk, h), jnp.bfloat16), normal(kg, (b, t, n, h), jnp.float32, scale=1e-3))
 
 
-def test_fp8_attention_runs_cudnn_fp8_kernels(key):
-    q, k, v, g = _attn_inputs(key, 2, 512, 8, 8)
-    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True)
-
+def _attention_report(attn, q, k, v, g):
     def step(attn, q, k, v):
         return jax.grad(attention_loss, argnums=(1, 2, 3))(attn, q, k, v, g)
 
-    report = fp8jax.fp8_gemm_report(step, attn, q, k, v)
+    return fp8jax.fp8_gemm_report(step, attn, q, k, v)
+
+
+@pytest.mark.parametrize("backend,causal", [("cudnn", True), ("auto", False)])
+def test_fp8_attention_runs_cudnn_fp8_kernels(key, backend, causal):
+    """cuDNN's FP8 kernels as asked, and under "auto" for a call that is not causal."""
+    q, k, v, g = _attn_inputs(key, 2, 512, 8, 8)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=causal, backend=backend)
+    report = _attention_report(attn, q, k, v, g)
     fmha = [gm for gm in report.gemms if "fmha" in gm.target]
     assert {gm.target for gm in fmha} == {"__cudnn$fmhaSoftmaxF8", "__cudnn$fmhaSoftmaxBackwardF8"}, report
     assert all(gm.is_fp8 for gm in fmha), report
+    assert not any("mosaic" in gm.target for gm in report.gemms), report
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_fp8_attention_auto_runs_fp8jax_kernels_when_causal(key, head_dim):
+    """"auto" on one GPU, causal: fp8jax's FP8 flash attention (forward, dQ and dK/dV
+    kernels), each counted as an FP8 GEMM by the report, and no cuDNN call; head_dim 64
+    too, which cuDNN's FP8 kernel cannot run (auto ran the plain-JAX reference there)."""
+    q, k, v, g = _attn_inputs(key, 2, 512, 8, 4, h=head_dim)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True)
+    report = _attention_report(attn, q, k, v, g)
+    ours = [gm for gm in report.gemms if "mosaic" in gm.target]
+    assert len(ours) == 3 and all(gm.is_fp8 for gm in ours), report
+    assert not any("fmha" in gm.target for gm in report.gemms), report
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "mgpu"])
 @pytest.mark.parametrize("seq,heads,kv_heads,causal", [(256, 8, 8, True), (1024, 8, 2, True), (512, 4, 4, False)])
-def test_cudnn_fp8_attention_matches_float32(key, seq, heads, kv_heads, causal):
+def test_cudnn_fp8_attention_matches_float32(key, seq, heads, kv_heads, causal, backend):
     q, k, v, g = _attn_inputs(key, 2, seq, heads, kv_heads)
-    attn = calibrated_attention(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=causal), q, k, v, g)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=causal, backend=backend)
+    attn = calibrated_attention(attn, q, k, v, g)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
 
     def exact(q, k, v):
@@ -142,13 +163,18 @@ def test_cudnn_fp8_attention_matches_float32(key, seq, heads, kv_heads, causal):
     assert measured["out_vs_reference"] >= 25.0, measured
 
 
-def test_cudnn_fp8_mha_train_step_is_all_fp8(key):
-    mha = fp8jax.nn.MultiHeadAttention(1024, 8, mode="fp8_mha", config=ALL, dtype=jnp.bfloat16, key=key)
+@pytest.mark.parametrize("backend,attention_calls", [("cudnn", 2), ("auto", 3)])
+def test_cudnn_fp8_mha_train_step_is_all_fp8(key, backend, attention_calls):
+    mha = fp8jax.nn.MultiHeadAttention(
+        1024, 8, mode="fp8_mha", config=ALL, dtype=jnp.bfloat16, backend=backend, key=key
+    )
     x = normal(key, (2, 512, 1024), jnp.bfloat16)
     c = normal(key, (2, 512, 1024), jnp.float32)
-    # 3 GEMMs per projection (cuBLASLt FP8 calls or XLA's FP8 GEMM fusions) + 2 cuDNN FP8 attention calls.
-    report = fp8jax.assert_fp8(_step, mha, x, c, expected=8)
-    assert sum("fmha" in gm.target for gm in report.gemms) == 2, report
+    # 3 GEMMs per projection (cuBLASLt FP8 calls or XLA's FP8 GEMM fusions) + the FP8
+    # attention's calls: cuDNN's forward and backward, or fp8jax's forward, dQ and dK/dV.
+    report = fp8jax.assert_fp8(_step, mha, x, c, expected=6 + attention_calls)
+    mark = "fmha" if backend == "cudnn" else "mosaic"
+    assert sum(mark in gm.target for gm in report.gemms) == attention_calls, report
 
 
 def test_cudnn_fp8_attention_limits(key):
@@ -167,9 +193,11 @@ def test_cudnn_fp8_attention_limits(key):
         assert auto(q[:, :200], k[:, :200], v[:, :200]).shape == (2, 200, 4, 128)
 
 
-def test_cudnn_fp8_attention_under_vmap(key):
+@pytest.mark.parametrize("backend", ["cudnn", "auto"])
+def test_cudnn_fp8_attention_under_vmap(key, backend):
     q, k, v, g = _attn_inputs(key, 2, 256, 4, 4)
-    attn = calibrated_attention(fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True), q, k, v, g)
+    attn = fp8jax.nn.DotProductAttention("fp8_dpa", is_causal=True, backend=backend)
+    attn = calibrated_attention(attn, q, k, v, g)
     assert sqnr_db(jax.vmap(attn)(q, k, v), attn(q, k, v)) >= 40.0
 
 

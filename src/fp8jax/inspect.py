@@ -11,6 +11,7 @@ from typing import Any, Callable
 import equinox as eqx
 
 from ._kernels.blockwise_gemm import BLOCKWISE_SCOPE
+from ._ops.attention_mgpu import FLASH_SCOPE
 from ._ops.grouped import GROUPED_SCOPE
 from ._residuals import Residual, ResidualsReport, _nbytes, residuals_report
 
@@ -128,8 +129,11 @@ def parse_gemms(hlo_text: str) -> list[GemmInfo]:
         if op == "custom-call":
             target_match = _CUSTOM_CALL.search(line)
             target = target_match.group(1) if target_match else ""
-            # fp8jax's Pallas GEMMs (grouped, block-scaled), told apart by their named scopes
-            ours = "mosaic_gpu" in target and (GROUPED_SCOPE in line or BLOCKWISE_SCOPE in line)
+            # fp8jax's Pallas kernels (grouped and block-scaled GEMMs, flash attention), told
+            # apart by their named scopes
+            ours = "mosaic_gpu" in target and any(
+                scope in line for scope in (GROUPED_SCOPE, BLOCKWISE_SCOPE, FLASH_SCOPE)
+            )
             if not (_GEMM_TARGET.search(target) or _OUR_KERNEL.search(target) or ours):
                 continue
             if ours:  # drop the small int32/f32 side inputs (group table, scales)

@@ -110,7 +110,7 @@ class Config:
     shared-memory slots."""
 
     block_q_dq: int = 64
-    block_kv_dq: int = 64
+    block_kv_dq: int = 128
     block_q_dkv: int = 64
     block_kv_dkv: int = 64
     max_concurrent_steps: int = 2
@@ -157,7 +157,8 @@ def _dq(q, k, v, do, lse2, delta, scales, kt, causal, config: Config, interpret:
         batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *extra = smem
         own_barriers, stream_barriers, consumed = barriers[:4], barriers[5:], barriers[4]
-        cta_base = lax.axis_index("q_seq") * (COMPUTE_WGS * bq)
+        tile = _fk._q_tile(sq // (COMPUTE_WGS * bq), causal)  # the heaviest first
+        cta_base = tile * (COMPUTE_WGS * bq)
         if causal:  # the CTA's last row decides how far the loader goes
             cta_kv_steps = pl.cdiv(cta_base + COMPUTE_WGS * bq, jnp.array(bk, jnp.int32))
         else:
@@ -388,14 +389,16 @@ def _quantize_dout(dout, v, v_scale, dout_scale=None):
     as e4m3 with its ``dout_scale``), and dS's scale from a bound:
     ``|dS| = P |dP - delta| <= 2 max_i |dO_i| max_j |V_j|`` (2-norms; O's rows are convex
     combinations of V's), over 448."""
+    # floors after the division: tiny / 448 is subnormal, which the GPU flushes to 0, and
+    # an all-zero dO (e4m3 underflow at a first step's scale) then gave 0 * inf = NaN
     tiny = jnp.finfo(F32).tiny
     if dout_scale is None:
-        do_s = jnp.maximum(jnp.max(jnp.abs(dout.astype(F32))), tiny) / _fk.P_SCALE
+        do_s = jnp.maximum(jnp.max(jnp.abs(dout.astype(F32))) / _fk.P_SCALE, tiny)
         do8 = (dout.astype(F32) / do_s).astype(_fk.E4M3)
     else:
         do8, do_s = dout, _scalar(dout_scale)
     norm = lambda x: jnp.sqrt(jnp.max(jnp.sum(jnp.square(x.astype(F32)), -1)))  # noqa: E731
-    ds_s = jnp.maximum(2 * norm(do8) * do_s * norm(v) * v_scale, tiny) / _fk.P_SCALE
+    ds_s = jnp.maximum(2 * norm(do8) * do_s * norm(v) * v_scale / _fk.P_SCALE, tiny)
     return do8, do_s, ds_s
 
 

@@ -18,15 +18,18 @@ warpgroup's softmax runs while the other's matmuls do. Per KV block:
   ``q_scale * k_scale * softmax_scale * log2(e)`` folded into the softmax's exponent
   (``exp2(s * c - m)``, one FFMA a logit; the softmax runs in base 2);
 * the online softmax in float32 (running row max ``m``, row sum ``l``);
-* ``acc += P V``: P (float32 in [0, 1]) is rounded to e4m3 ``P * 448`` (`P_SCALE`) and
+* ``acc += P V``: P (float32 in [0, 1]) comes out of the exponent as ``P * 448``
+  (`P_SCALE`: ``exp2(s c - m + log2 448)``, no multiply a logit), is rounded to e4m3 and
   stays in registers as the ``wgmma``'s A operand: `_p_operand` reads its registers as
   Mosaic GPU's 8-bit ``wgmma`` layout, which reorders each 16 keys, and V comes
   pre-transposed with its keys reordered to match (``vT [B, Hkv, D, Sk]``, `_vt`: one
   pass of `key_transpose` in `flash_fp8`) so its ``[D, block_kv]`` tile is the K-major B
   operand FP8 ``wgmma`` needs.
 
-The output is ``acc * v_scale / 448 / l``. Causal (``Sq == Sk``, top-left aligned): KV
-blocks past the diagonal are skipped, the blocks the diagonal crosses masked.
+The output is ``acc * v_scale / l`` (``l`` sums ``P * 448`` as ``acc`` does). Causal
+(``Sq == Sk``, top-left aligned): KV blocks past the diagonal are skipped, the blocks the
+diagonal crosses masked, and the grid runs its query tiles from the last (the most keys)
+to the first.
 
 `flash_fp8_reference` is the same algorithm in plain JAX (the same online softmax per
 ``block_kv`` and the same P quantization); `reason` says why the kernel cannot run.
@@ -55,6 +58,7 @@ pl, plgpu = _gg.pl, _gg.plgpu
 E4M3 = jnp.float8_e4m3fn
 P_SCALE = _quant.fp8_max(E4M3)  # P in [0, 1] is stored as e4m3 P * 448, e4m3's largest value
 LOG2E = math.log2(math.e)
+LOG2_P_SCALE = math.log2(P_SCALE)
 COMPUTE_WGS = 2  # compute warpgroups per CTA (the third one loads)
 
 
@@ -63,26 +67,34 @@ class Config:
     """Tiles of `flash_fp8`: each compute warpgroup owns ``block_q`` query rows (a CTA
     ``2 * block_q``); K/V stream in ``block_kv``-row tiles through a ring of
     ``max_concurrent_steps`` shared-memory slots. The defaults are the fastest measured
-    (`benchmarks/RESULTS.md`, "FP8 flash attention")."""
+    where ``Sk`` is a multiple of 256 (`default_config` picks per shape; `benchmarks/
+    RESULTS.md`, "FP8 flash attention")."""
 
     block_q: int = 64
-    block_kv: int = 128
-    max_concurrent_steps: int = 4
+    block_kv: int = 256
+    max_concurrent_steps: int = 2
 
 
-def reason(q_shape, k_shape, dtype, causal: bool = False, config=Config(), device=None):
+def default_config(sk: int) -> Config:
+    """The fastest measured `Config` that tiles ``Sk`` keys: 256-key tiles through 2 slots
+    (two 64 KiB K + vT tiles fill shared memory), else 128-key tiles through 4."""
+    return Config() if sk % 256 == 0 else Config(block_kv=128, max_concurrent_steps=4)
+
+
+def reason(q_shape, k_shape, dtype, causal: bool = False, config=None, device=None):
     """Why the kernel cannot run ``q [B, Sq, Hq, D]``, ``k/v [B, Sk, Hkv, D]`` of ``dtype``
-    (``None`` when it can)."""
+    with ``config`` (`default_config` when None; ``None`` when it can)."""
     ok, why = _gg.available(device)
     if not ok:
         return why
     return _shape_reason(q_shape, k_shape, dtype, causal, config)
 
 
-def _shape_reason(q_shape, k_shape, dtype, causal, config: Config):
+def _shape_reason(q_shape, k_shape, dtype, causal, config: Config | None):
     """`reason` without the device check (the interpreter runs any shape that fits)."""
     if len(q_shape) != 4 or len(k_shape) != 4:
         return f"q {tuple(q_shape)}, k {tuple(k_shape)} are not [B, S, H, D]"
+    config = default_config(k_shape[1]) if config is None else config
     (b, sq, hq, d), (bk_, sk, hkv, dk) = q_shape, k_shape
     if jnp.dtype(dtype) != jnp.dtype(E4M3):
         return f"dtype {jnp.dtype(dtype)} (the kernel takes float8_e4m3fn q, k, v)"
@@ -127,7 +139,7 @@ def _online_block(carry, s, v_block):
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "config", "interpret"))
 def flash_fp8_reference(
     q, k, v, q_scale, k_scale, v_scale, *, causal=False, softmax_scale=None,
-    config=Config(), interpret=False,
+    config=None, interpret=False,
 ):  # fmt: skip
     """`flash_fp8` in plain JAX: the same online softmax over ``config.block_kv`` KV
     blocks (its running max and sums in float32, ``exp2``) with the same e4m3 P, on
@@ -139,6 +151,7 @@ def flash_fp8_reference(
     """
     del interpret
     (b, sq, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
+    config = default_config(sk) if config is None else config
     qk_scale, out_scale = _scales(q_scale, k_scale, v_scale, d, softmax_scale)
     g = hq // hkv
     qf = q.astype(jnp.float32).reshape(b, sq, hkv, g, d)
@@ -169,7 +182,7 @@ def flash_fp8_reference(
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "config", "interpret"))
 def flash_fp8(
     q, k, v, q_scale, k_scale, v_scale, *, causal=False, softmax_scale=None,
-    config=Config(), interpret=False,
+    config=None, interpret=False,
 ):  # fmt: skip
     """FP8 flash-attention forward on Hopper (see the module docstring).
 
@@ -178,7 +191,7 @@ def flash_fp8(
         q_scale, k_scale, v_scale: per-tensor float32 scales (value = fp8 * scale).
         causal: mask keys after the query (``Sq == Sk``).
         softmax_scale: the logits' scale, ``1/sqrt(D)`` when None.
-        config: tile sizes (`Config`).
+        config: tile sizes (`Config`; `default_config` of ``Sk`` when None).
         interpret: run in Pallas' GPU interpret mode (CPU; tests).
 
     Returns:
@@ -192,6 +205,7 @@ def flash_fp8(
         why = f"k {k.dtype}{k.shape}, v {v.dtype}{v.shape} do not match q's dtype and k"
     if why is not None:
         raise ValueError(f"FP8 flash-attention kernel: {why}")
+    config = default_config(k.shape[1]) if config is None else config
     qk_scale, out_scale = _scales(q_scale, k_scale, v_scale, q.shape[-1], softmax_scale)
     vt = _vt(v, permute_keys=not interpret)
     scales = jnp.stack([qk_scale, out_scale])
@@ -277,6 +291,14 @@ def _wgmma_layout(x, layout, interpret: bool):
     return x if interpret else plgpu.layout_cast(x, layout)
 
 
+def _q_tile(count: int, causal: bool):
+    """The CTA's tile along the grid axis ``"q_seq"`` of ``count``: under a causal mask the
+    last tile (the most keys) first. CUDA launches a grid in order, so the heaviest CTAs
+    would otherwise come in the last wave, a few multiprocessors busy and the rest idle."""
+    i = lax.axis_index("q_seq")
+    return count - 1 - i if causal else i
+
+
 def _iota(shape, dim: int, interpret: bool):
     if interpret:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
@@ -306,8 +328,9 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 plgpu.barrier_wait(v_barriers.at[slot])
             plgpu.barrier_wait(schedule.at[wg])  # this warpgroup's turn
 
+        tile = _q_tile(num_q_tiles, causal)
         if causal:  # the CTA's last row decides how far the loader goes
-            cta_end = (lax.axis_index("q_seq") + 1) * (COMPUTE_WGS * bq)
+            cta_end = (tile + 1) * (COMPUTE_WGS * bq)
             cta_kv_steps = pl.cdiv(cta_end, jnp.array(bk, jnp.int32))
         else:
             cta_kv_steps = max_kv_steps
@@ -317,7 +340,7 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             plgpu.set_max_registers(232, action="increase")
             q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
-            q_base = lax.axis_index("q_seq") * (COMPUTE_WGS * bq) + wg * bq
+            q_base = tile * (COMPUTE_WGS * bq) + wg * bq
             if causal:
                 kv_steps = pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32))
             else:
@@ -353,9 +376,11 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
                 # qk_scale > 0: max(s * c) = max(s) * c
                 m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ij, s.shape, [0]))
+                # p is P * 448 straight from the exponent: no multiply a logit
+                bias = lax.broadcast_in_dim(m_ij - LOG2_P_SCALE, s.shape, [0])
+                p = jnp.exp2(s * qk_scale - bias)
                 alpha = jnp.exp2(m_i - m_ij)
-                return (p * P_SCALE).astype(E4M3), m_ij, alpha, l_i * alpha + p.sum(axis=1)
+                return p.astype(E4M3), m_ij, alpha, l_i * alpha + p.sum(axis=1)
 
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -409,9 +434,9 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             def _():
                 plgpu.barrier_arrive(schedule.at[1])
 
-            inv_l = out_scale / l_i
+            inv_l = out_scale * P_SCALE / l_i  # l_i sums P * 448
             o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(jnp.bfloat16)
-            lse_smem[...] = (m_i + jnp.log2(l_i)) * jnp.float32(1 / LOG2E)
+            lse_smem[...] = (m_i + jnp.log2(l_i) - LOG2_P_SCALE) * jnp.float32(1 / LOG2E)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(q_base, bq)])

@@ -20,7 +20,7 @@ from . import flash_fp8_mgpu as _fwd
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def flash_fp8_attention(
     q, k, v, q_scale, k_scale, v_scale, causal=False, softmax_scale=None,
-    config=_fwd.Config(), bwd_config=_bwd.Config(), interpret=False,
+    config=None, bwd_config=_bwd.Config(), interpret=False,
 ):  # fmt: skip
     """``softmax(sm * Q K^T) V`` of e4m3 ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` with
     per-tensor scales, differentiable with respect to ``q, k, v``.

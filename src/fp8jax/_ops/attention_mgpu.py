@@ -14,6 +14,7 @@ scale is fixed, dS's comes from a bound: `BWD_CONFIG`): ``s`` and ``dp`` record 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .. import _quant as qt
@@ -25,12 +26,15 @@ BACKENDS = ("mgpu", "mgpu-interpret")  # the second: Pallas' interpreter (CPU te
 # The backward's five products on e4m3 (dO and dS with their own scales): the FP8 modes'
 # backward, as cuDNN's FP8 path runs it (accuracy and speed against bf16: RESULTS.md).
 BWD_CONFIG = _bwd.Config(fp8=True)
+# The kernels' named scope: `fp8jax.inspect.fp8_gemm_report` counts the Mosaic GPU calls
+# under it as FP8 GEMMs (their Q K^T, P V and backward products run e4m3 wgmma).
+FLASH_SCOPE = "fp8jax_flash_attention"
 
 
 def reason(q_shape, k_shape, causal: bool, interpret: bool) -> str | None:
     """Why the kernels cannot run ``q [B, T, N, H]``, ``k/v [B, S, K, H]`` (None: they can);
     with ``interpret`` only the shape rules (the interpreter needs no GPU)."""
-    for module, config in ((_fwd, _fwd.Config()), (_bwd, BWD_CONFIG)):
+    for module, config in ((_fwd, None), (_bwd, BWD_CONFIG)):
         if interpret:
             why = module._shape_reason(q_shape, k_shape, E4M3, causal, config)
         else:
@@ -43,10 +47,11 @@ def reason(q_shape, k_shape, causal: bool, interpret: bool) -> str | None:
 def forward(spec, q8, k8, v8, s_q, s_k, s_v, s_o):
     """``(o, amax_s, amax_o, lse)`` as cuDNN's forward returns them, but ``o`` the kernel's
     bf16 output (``amax_s``: 0)."""
-    out, lse = _fwd.flash_fp8(
-        q8, k8, v8, s_q, s_k, s_v, causal=spec.causal, softmax_scale=spec.softmax_scale,
-        interpret=spec.backend == "mgpu-interpret",
-    )  # fmt: skip
+    with jax.named_scope(FLASH_SCOPE):
+        out, lse = _fwd.flash_fp8(
+            q8, k8, v8, s_q, s_k, s_v, causal=spec.causal, softmax_scale=spec.softmax_scale,
+            interpret=spec.backend == "mgpu-interpret",
+        )  # fmt: skip
     del s_o  # o is not rounded to e4m3 here (the caller casts its residual)
     return out, jnp.zeros((), jnp.float32), qt.amax(out), lse
 
@@ -55,10 +60,11 @@ def backward(spec, q8, k8, v8, o8, do8, lse, scales: dict):
     """``(dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp)`` as cuDNN's backward returns
     them, but the gradients bf16, as the kernels write them (``amax_dp``: 0); ``scales`` maps
     the tensors' names to their scales."""
-    grads = _bwd.flash_fp8_bwd(  # o8, do8 with their scales: dO is not cast a second time
-        q8, k8, v8, scales["q"], scales["k"], scales["v"], o8, lse, do8, causal=spec.causal,
-        softmax_scale=spec.softmax_scale, config=BWD_CONFIG,
-        interpret=spec.backend == "mgpu-interpret", out_scale=scales["o"],
-        dout_scale=scales["do"],
-    )  # fmt: skip
+    with jax.named_scope(FLASH_SCOPE):
+        grads = _bwd.flash_fp8_bwd(  # o8, do8 with their scales: dO is not cast again
+            q8, k8, v8, scales["q"], scales["k"], scales["v"], o8, lse, do8,
+            causal=spec.causal, softmax_scale=spec.softmax_scale, config=BWD_CONFIG,
+            interpret=spec.backend == "mgpu-interpret", out_scale=scales["o"],
+            dout_scale=scales["do"],
+        )  # fmt: skip
     return (*grads, *(qt.amax(g) for g in grads), jnp.zeros((), jnp.float32))

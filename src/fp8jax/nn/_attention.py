@@ -47,6 +47,11 @@ BACKENDS = ("auto", "cudnn", "reference", "mgpu")
 # Also accepted: "mgpu-interpret", the "mgpu" kernels in Pallas' interpreter (CPU tests).
 _ACCEPTED = BACKENDS + ("mgpu-interpret",)
 TENSORS = _attention.TENSORS
+# "auto" runs the mgpu kernels where they can (causal, one device's arrays): their forward
+# plus backward measured faster than cuDNN's FP8 path at every sequence length timed
+# (benchmarks/RESULTS.md, twenty-ninth session). Under a `split` (several GPUs) auto keeps
+# cuDNN: not yet measured there.
+AUTO_MGPU = True
 
 
 class Fp8AttentionState(OverwriteWithGradient):
@@ -208,10 +213,16 @@ def _mgpu_reason(backend: str, query, key, has_lengths: bool, causal: bool, spli
 def _choose_backend(
     backend: str, query, key, has_lengths: bool, causal: bool = False, split=None
 ) -> str:
-    """``"cudnn"`` or ``"reference"`` by `fp8jax._kernels.dispatch.choose`: for ``"auto"``
-    cuDNN where it can run this call, else the reference (with one warning per reason on a
-    GPU, where cuDNN was expected). ``"mgpu"`` (``"mgpu-interpret"``) as asked, else a
-    ValueError saying why it cannot run: it is never a fallback's choice, nor falls back."""
+    """The backend of one call. ``"auto"``: fp8jax's ``"mgpu"`` kernels for a causal call
+    they can run on one device's arrays (``split`` None: one device, or inside a shard_map),
+    where their forward plus backward measured faster than cuDNN's FP8 (`AUTO_MGPU`);
+    else ``"cudnn"`` by `fp8jax._kernels.dispatch.choose` where it can run the call, else
+    the reference (with one warning per reason on a GPU, where cuDNN was expected).
+    ``"mgpu"`` (``"mgpu-interpret"``) as asked, else a ValueError saying why it cannot run:
+    it never falls back."""
+    if backend == "auto" and causal and split is None and AUTO_MGPU:
+        if _mgpu_reason("mgpu", query, key, has_lengths, causal, split) is None:
+            return "mgpu"
     if backend in _attention_mgpu.BACKENDS:
         why = _mgpu_reason(backend, query, key, has_lengths, causal, split)
         if why is not None:
@@ -260,13 +271,13 @@ def dot_product_attention(
     ``backend``: ``"cudnn"`` (Hopper; head_dim 128 with sequence lengths that are
     multiples of 128), ``"reference"`` (plain JAX with the same quantization:
     any size, on any device, materializes the [T, S] scores) or ``"auto"`` (cuDNN
-    where it can run this call, else the reference, with a warning on a GPU); ``"kernel"``
-    is `fp8jax._kernels.dispatch`'s name for ``"cudnn"``. Sequence lengths (padding) work
-    in ``"bf16"`` mode and on the reference backend; cuDNN's FP8 kernel has no padding mask.
-    ``"mgpu"`` (FP8 modes, opt-in, never chosen by ``"auto"``): fp8jax's own Hopper FP8
-    flash attention (Pallas Mosaic GPU; head_dim 64 or 128, sequence lengths multiples of
-    128, no padding mask), not yet faster than cuDNN and its backward not yet run on a GPU;
-    a call it cannot run raises a ValueError saying why.
+    where it can run this call, else the reference, with a warning on a GPU; a causal call
+    on one device's arrays runs ``"mgpu"`` where it can); ``"kernel"`` is
+    `fp8jax._kernels.dispatch`'s name for ``"cudnn"``. Sequence lengths (padding) work in
+    ``"bf16"`` mode and on the reference backend; cuDNN's FP8 kernel has no padding mask.
+    ``"mgpu"`` (FP8 modes): fp8jax's own Hopper FP8 flash attention (Pallas Mosaic GPU;
+    head_dim 64 or 128, sequence lengths multiples of 128, no padding mask), its forward
+    and backward on e4m3 ``wgmma``; a call it cannot run raises a ValueError saying why.
 
     Arguments:
         query: ``[B, T, N, H]``.
