@@ -73,3 +73,17 @@ def assert_grads_match(grads, ref_grads):
     )
     for g, rg in pairs:
         np.testing.assert_allclose(g, rg, atol=GRAD_OF_MAX * float(jnp.max(jnp.abs(rg))))
+
+
+def mosaic_calls_hlo(scope: str, operand_types) -> str:
+    """Compiled-HLO text with two Mosaic GPU custom calls on parameters of
+    ``operand_types``: one under the named ``scope``, one under another scope."""
+    params = "\n".join(
+        f"  %p{i} = {t}[256,128]{{1,0}} parameter({i})" for i, t in enumerate(operand_types)
+    )
+    args = ", ".join(f"%p{i}" for i in range(len(operand_types)))
+    call = (
+        f"  %{{}} = bf16[256,256]{{{{1,0}}}} custom-call({args}), "
+        'custom_call_target="mosaic_gpu", metadata={{op_name="jit(f)/{}/pallas_call"}}'
+    )
+    return "\n".join([params, call.format("ours", scope), call.format("x", "y")])

@@ -205,14 +205,8 @@ def test_gemm_report_counts_the_flash_attention_kernels_as_fp8():
     from fp8jax._ops.attention_mgpu import FLASH_SCOPE
     from fp8jax.inspect import parse_gemms
 
-    params = "\n".join(
-        f"  %p{i} = {t}[256,128]{{1,0}} parameter({i})"
-        for i, t in enumerate(["f8e4m3fn", "f8e4m3fn", "f8e4m3fn", "f32"])
-    )
-    call = (
-        '  %{} = bf16[256,128]{{1,0}} custom-call(%p0, %p1, %p2, %p3), '
-        'custom_call_target="mosaic_gpu", metadata={{op_name="jit(f)/{}/pallas_call"}}'
-    )
-    hlo = "\n".join([params, call.format("ours", FLASH_SCOPE), call.format("x", "y")])
+    from helpers import mosaic_calls_hlo
+
+    hlo = mosaic_calls_hlo(FLASH_SCOPE, ["f8e4m3fn", "f8e4m3fn", "f8e4m3fn", "f32"])
     (gemm,) = parse_gemms(hlo)
     assert gemm.is_fp8 and gemm.operand_types == ("f8e4m3fn", "f8e4m3fn")

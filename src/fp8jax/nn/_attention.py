@@ -5,8 +5,9 @@ Modes (Transformer Engine's names):
 
 * ``"bf16"``: no FP8; cuDNN flash attention on GPU (``jax.nn.dot_product_attention``),
   XLA elsewhere.
-* ``"fp8_dpa"``: the attention core runs in FP8: Q.K^T and P.V (and the four backward
-  GEMMs) are FP8 GEMMs inside cuDNN's FP8 flash attention. Inputs and output are in
+* ``"fp8_dpa"``: the attention core runs in FP8: Q.K^T and P.V (and the backward's GEMMs)
+  are FP8 GEMMs inside a flash attention, fp8jax's own (``"mgpu"``, what ``"auto"`` runs
+  for a causal call on one GPU) or cuDNN's FP8 one. Inputs and output are in
   the model's precision; the cast of Q, K, V to e4m3 and the dequantization of O
   are elementwise passes that XLA fuses into their neighbours.
 * ``"fp8_mha"`` (`MultiHeadAttention` only; the same core as ``fp8_dpa`` for the bare
