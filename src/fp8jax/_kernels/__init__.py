@@ -15,6 +15,7 @@ Implementation: the public part is `gemm`'s ``tuning`` (see ``docs/architecture.
 - `flash_fp8_mgpu`: a Hopper FP8 flash-attention forward (Pallas Mosaic GPU, wgmma).
 - `flash_fp8_bwd_mgpu`: its backward (dK/dV and dQ kernels, bf16 or e4m3 wgmma).
 - `flash_fp8_bwd_parts`: the pieces its two kernels share (wgmma, TMA ring, call).
+- `flash_fp8_layout`: register layouts and the causal grid order both directions share.
 - `flash_fp8_vjp`: the two joined by a ``custom_vjp`` (`flash_fp8_attention`).
 - `key_transpose`: their K-major operands (``[B, S, H, D] -> [B, H, D, S]``) in one pass.
 """

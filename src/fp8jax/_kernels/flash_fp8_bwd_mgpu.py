@@ -27,7 +27,7 @@ only K-major operands: ``S = Q K^T``, ``dP = dO V^T`` and their transposes read 
 tiles as they are (``D`` minor), but ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ += dS K``
 contract over the rows of dO, Q and K, transposed before the kernels by `key_transpose`
 (dO^T, Q^T ``[B, Hq, D, Sq]``, K^T ``[B, Hkv, D, Sk]``, each 16 rows reordered as
-`_p_operand` reads the P^T, dS^T and dS registers: `flash_fp8_mgpu._vt`). Causal
+`flash_fp8_layout.p_operand` reads the P^T, dS^T and dS registers: `flash_fp8_mgpu._vt`). Causal
 (``Sq == Sk``, top-left): blocks past the diagonal are skipped, the ones it crosses masked.
 
 `flash_fp8_bwd_reference` is the math in plain float32 JAX. ``interpret=True`` runs the
@@ -45,9 +45,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import flash_fp8_bwd_parts as _p
+from . import flash_fp8_layout as _lay
 from . import flash_fp8_mgpu as _fk
 from . import grouped_gemm as _gg
-from .flash_fp8_mgpu import _iota, _wgmma_layout
 
 pl, plgpu = _gg.pl, _gg.plgpu
 F32 = jnp.float32
@@ -157,7 +157,7 @@ def _dq(q, k, v, do, lse2, delta, scales, kt, causal, config: Config, interpret:
         batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *extra = smem
         own_barriers, stream_barriers, consumed = barriers[:4], barriers[5:], barriers[4]
-        tile = _fk._q_tile(sq // (COMPUTE_WGS * bq), causal)  # the heaviest first
+        tile = _lay.q_tile(sq // (COMPUTE_WGS * bq), causal)  # the heaviest first
         cta_base = tile * (COMPUTE_WGS * bq)
         if causal:  # the CTA's last row decides how far the loader goes
             cta_kv_steps = pl.cdiv(cta_base + COMPUTE_WGS * bq, jnp.array(bk, jnp.int32))
@@ -179,7 +179,7 @@ def _dq(q, k, v, do, lse2, delta, scales, kt, causal, config: Config, interpret:
             qk_scale, v_scale, dq_scale = s_ref[0], s_ref[1], s_ref[2]
             lse = _p.load_row(lse_smem2.at[wg], 1, interpret)
             delta = _p.load_row(delta_smem2.at[wg], 1, interpret)
-            dq = _wgmma_layout(jnp.full((bq, d), 0, F32), plgpu.Layout.WGMMA, interpret)
+            dq = _lay.wgmma_layout(jnp.full((bq, d), 0, F32), plgpu.Layout.WGMMA, interpret)
             out_smem = extra[1].at[wg] if fp8 else q_smem
             kv_steps = pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)) if causal else max_kv_steps
 
@@ -193,13 +193,13 @@ def _dq(q, k, v, do, lse2, delta, scales, kt, causal, config: Config, interpret:
                     interpret=interpret,
                 )
                 if masked:
-                    q_ids = _iota((bq, bk), 0, interpret) + q_base
-                    kv_ids = _iota((bq, bk), 1, interpret) + step * bk
+                    q_ids = _lay.iota((bq, bk), 0, interpret) + q_base
+                    kv_ids = _lay.iota((bq, bk), 1, interpret) + step * bk
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
                 p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
                 ds = p * (dp * v_scale - lax.broadcast_in_dim(delta, s.shape, [0]))
                 if fp8:  # dS as e4m3 dS / ds_scale (the A operand's registers), K^T
-                    ds8 = _fk._p_operand((ds * s_ref[5]).astype(cdt), interpret)
+                    ds8 = _lay.p_operand((ds * s_ref[5]).astype(cdt), interpret)
                     dq = _p.mma(dq, ds8, extra[0].at[slot], True, interpret)
                 else:
                     dq = _p.mma(dq, ds.astype(bf16), k_tile, False, interpret)
@@ -290,7 +290,7 @@ def _dkv(q, k, v, do, lse2, delta, scales, qt_dot, causal, config: Config, inter
             qk_scale, v_scale, dk_scale, dv_scale = s_ref[0], s_ref[1], s_ref[3], s_ref[4]
             out_smems = (extra[2].at[wg], extra[3].at[wg]) if fp8 else (k_smem, v_smem)
             zeros = jnp.full((bk, d), 0, F32)
-            acc = tuple(_wgmma_layout(zeros, plgpu.Layout.WGMMA, interpret) for _ in range(2))
+            acc = tuple(_lay.wgmma_layout(zeros, plgpu.Layout.WGMMA, interpret) for _ in range(2))
 
             def q_step(i, carry, masked: bool = False):
                 dk, dv = carry
@@ -301,12 +301,12 @@ def _dkv(q, k, v, do, lse2, delta, scales, qt_dot, causal, config: Config, inter
                 delta = _p.load_row(delta_smem.at[slot], 0, interpret)
                 st = _p.mma((bk, bq), k_smem, q_tile, True, interpret)
                 if masked:
-                    kv_ids = _iota((bk, bq), 0, interpret) + kv_base
-                    q_ids = _iota((bk, bq), 1, interpret) + i * bq
+                    kv_ids = _lay.iota((bk, bq), 0, interpret) + kv_base
+                    q_ids = _lay.iota((bk, bq), 1, interpret) + i * bq
                     st = jnp.where(q_ids >= kv_ids, st, -jnp.inf)
                 pt = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(lse, st.shape, [1]))
                 if fp8:  # P^T as e4m3 P^T * 448 (the A operand's registers), dO^T
-                    pt_op = _fk._p_operand((pt * _fk.P_SCALE).astype(cdt), interpret)
+                    pt_op = _lay.p_operand((pt * _fk.P_SCALE).astype(cdt), interpret)
                     dv_spec = (dv, pt_op, extra[1].at[slot], True)
                 else:
                     dv_spec = (dv, pt.astype(bf16), do_tile, False)
@@ -317,7 +317,7 @@ def _dkv(q, k, v, do, lse2, delta, scales, qt_dot, causal, config: Config, inter
                 )
                 dst = pt * (dpt * v_scale - lax.broadcast_in_dim(delta, st.shape, [1]))
                 if fp8:  # dS^T as e4m3 dS^T / ds_scale, Q^T
-                    dst8 = _fk._p_operand((dst * s_ref[5]).astype(cdt), interpret)
+                    dst8 = _lay.p_operand((dst * s_ref[5]).astype(cdt), interpret)
                     dk = _p.mma(dk, dst8, extra[0].at[slot], True, interpret)
                 else:
                     dk = _p.mma(dk, dst.astype(bf16), q_tile, False, interpret)
@@ -451,7 +451,7 @@ def flash_fp8_bwd(
     if config.fp8:
         do8, do_s, ds_s = _quantize_dout(dout, v, vs, dout_scale)
         delta8 = delta_of(do8.astype(F32) * do_s)  # from the dO the e4m3 kernels see
-        perm = not interpret  # keys (queries) of each 16 as `_p_operand` reads them
+        perm = not interpret  # keys (queries) of each 16 as `flash_fp8_layout.p_operand` reads them
         ops8, scales8 = (q, k, v, do8), scales(do_s, ds_s, do_s / _fk.P_SCALE)
     if config.fp8 and config.fp8_dq:
         dq = _dq(*ops8, lse2, delta8, scales8, _fk._vt(k, perm), causal, config, interpret)

@@ -20,8 +20,8 @@ warpgroup's softmax runs while the other's matmuls do. Per KV block:
 * the online softmax in float32 (running row max ``m``, row sum ``l``);
 * ``acc += P V``: P (float32 in [0, 1]) comes out of the exponent as ``P * 448``
   (`P_SCALE`: ``exp2(s c - m + log2 448)``, no multiply a logit), is rounded to e4m3 and
-  stays in registers as the ``wgmma``'s A operand: `_p_operand` reads its registers as
-  Mosaic GPU's 8-bit ``wgmma`` layout, which reorders each 16 keys, and V comes
+  stays in registers as the ``wgmma``'s A operand: `flash_fp8_layout.p_operand` reads its
+  registers as Mosaic GPU's 8-bit ``wgmma`` layout, which reorders each 16 keys, and V comes
   pre-transposed with its keys reordered to match (``vT [B, Hkv, D, Sk]``, `_vt`: one
   pass of `key_transpose` in `flash_fp8`) so its ``[D, block_kv]`` tile is the K-major B
   operand FP8 ``wgmma`` needs.
@@ -47,15 +47,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .. import _jax_compat, _quant
+from . import flash_fp8_layout as _lay
 from . import grouped_gemm as _gg
 from . import key_transpose as _kt
 
 pl, plgpu = _gg.pl, _gg.plgpu
-E4M3 = jnp.float8_e4m3fn
+E4M3 = _lay.E4M3
 P_SCALE = _quant.fp8_max(E4M3)  # P in [0, 1] is stored as e4m3 P * 448, e4m3's largest value
 LOG2E = math.log2(math.e)
 LOG2_P_SCALE = math.log2(P_SCALE)
@@ -214,39 +214,12 @@ def flash_fp8(
 
 def _vt(v, permute_keys: bool):
     """``v [B, Sk, Hkv, D]`` as ``vT [B, Hkv, D, Sk]`` (the PV operand K-major); with
-    ``permute_keys`` (the GPU) each 16 keys reordered as `_p_operand` presents P's: the
-    register position ``4t + 2a + b`` holds key ``8a + 2t + b`` (`key_transpose.key_order`)."""
+    ``permute_keys`` (the GPU) each 16 keys reordered as `flash_fp8_layout.p_operand`
+    presents P's: the register position ``4t + 2a + b`` holds key ``8a + 2t + b``
+    (`key_transpose.key_order`)."""
     if permute_keys and _kt.reason(v.shape, v.dtype) is None:  # one pass, not XLA's byte loop
         return _kt.transpose_keys(v, permute_keys=True)
     return _kt.reference(v, permute_keys)
-
-
-def _p_operand(p8, interpret: bool):
-    """The e4m3 P tile ``[64, bk]`` (``WGMMA`` layout: a thread's pairs of keys ``2t, 2t + 1``
-    of each 8) as the 8-bit wgmma A operand: each 16 keys' two pairs, ``2t, 2t + 1`` and
-    ``8 + 2t, 9 + 2t``, read as one register of keys ``4t .. 4t + 3`` (`_vt` reorders V's
-    keys to match), no data moved."""
-    if interpret:
-        return p8
-    from jax.experimental.mosaic.gpu import fragmented_array as mfa
-    from jax.experimental.mosaic.gpu import utils as mutils
-
-    out_type = plgpu.ShapeDtypeStruct(p8.shape, E4M3, plgpu.Layout.WGMMA_8BIT)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out_type)
-    def regroup(_, p):
-        regs = p.registers
-        shape = mfa.WGMMA_LAYOUT_8BIT.registers_shape(p.shape)
-        assert regs.shape == (shape[0], 2 * shape[1], *shape[2:]), (regs.shape, shape)
-        new = np.empty(shape, dtype=object)
-        for idx in np.ndindex(shape):
-            pair = [regs[(idx[0], 2 * idx[1] + i, *idx[2:])] for i in range(2)]
-            new[idx] = mutils.vector_concat(pair)
-        return mfa.FragmentedArray(
-            _registers=new, _layout=mfa.WGMMA_LAYOUT_8BIT, _is_signed=p.is_signed
-        )
-
-    return regroup(p8)
 
 
 def _mma_qk(q_smem, k_smem, shape, interpret: bool, between=None):
@@ -269,8 +242,9 @@ def _mma_qk(q_smem, k_smem, shape, interpret: bool, between=None):
 
 
 def _mma_pv(acc, p, vt_smem, interpret: bool, between=None):
-    """``acc + P V`` of an e4m3 P tile ``[bq, bk]`` (registers, from `_p_operand`) and a
-    vT tile ``[D, bk]`` (K-major), ``between`` called while the ``wgmma`` runs."""
+    """``acc + P V`` of an e4m3 P tile ``[bq, bk]`` (registers, from
+    `flash_fp8_layout.p_operand`) and a vT tile ``[D, bk]`` (K-major), ``between`` called
+    while the ``wgmma`` runs."""
     if interpret:
         dims = (((1,), (1,)), ((), ()))
         pv = lax.dot_general(p, vt_smem[...], dims, preferred_element_type=jnp.float32)
@@ -284,25 +258,6 @@ def _mma_pv(acc, p, vt_smem, interpret: bool, between=None):
             between()
 
     return pl.run_state(compute)(plgpu.ACC.init(acc))
-
-
-def _wgmma_layout(x, layout, interpret: bool):
-    """``x`` in a ``wgmma`` register layout (the interpreter has no layouts)."""
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def _q_tile(count: int, causal: bool):
-    """The CTA's tile along the grid axis ``"q_seq"`` of ``count``: under a causal mask the
-    last tile (the most keys) first. CUDA launches a grid in order, so the heaviest CTAs
-    would otherwise come in the last wave, a few multiprocessors busy and the rest idle."""
-    i = lax.axis_index("q_seq")
-    return count - 1 - i if causal else i
-
-
-def _iota(shape, dim: int, interpret: bool):
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
@@ -328,7 +283,7 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 plgpu.barrier_wait(v_barriers.at[slot])
             plgpu.barrier_wait(schedule.at[wg])  # this warpgroup's turn
 
-        tile = _q_tile(num_q_tiles, causal)
+        tile = _lay.q_tile(num_q_tiles, causal)
         if causal:  # the CTA's last row decides how far the loader goes
             cta_end = (tile + 1) * (COMPUTE_WGS * bq)
             cta_kv_steps = pl.cdiv(cta_end, jnp.array(bk, jnp.int32))
@@ -351,9 +306,11 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
             plgpu.barrier_wait(q_barriers.at[wg])
 
             row = plgpu.Layout.WGMMA.reduce(1)
-            m_i = _wgmma_layout(jnp.full((bq,), -jnp.inf, jnp.float32), row, interpret)
-            l_i = _wgmma_layout(jnp.full((bq,), 0, jnp.float32), row, interpret)
-            acc = _wgmma_layout(jnp.full((bq, d), 0, jnp.float32), plgpu.Layout.WGMMA, interpret)
+            m_i = _lay.wgmma_layout(jnp.full((bq,), -jnp.inf, jnp.float32), row, interpret)
+            l_i = _lay.wgmma_layout(jnp.full((bq,), 0, jnp.float32), row, interpret)
+            acc = _lay.wgmma_layout(
+                jnp.full((bq, d), 0, jnp.float32), plgpu.Layout.WGMMA, interpret
+            )
 
             @pl.when(kv_steps > 0)
             def _():
@@ -371,8 +328,8 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 ``P * 448`` (the PV wgmma's A operand), the new row max, the accumulator's
                 rescale factor and the new row sum."""
                 if masked:
-                    q_ids = _iota((bq, bk), 0, interpret) + q_base
-                    kv_ids = _iota((bq, bk), 1, interpret) + step * bk
+                    q_ids = _lay.iota((bq, bk), 0, interpret) + q_base
+                    kv_ids = _lay.iota((bq, bk), 1, interpret) + step * bk
                     s = jnp.where(q_ids >= kv_ids, s, -jnp.inf)
                 # qk_scale > 0: max(s * c) = max(s) * c
                 m_ij = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
@@ -397,7 +354,7 @@ def _forward(q, k, vt, scales, causal: bool, config: Config, interpret: bool):
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 p8, m_ij, alpha, l_i = softmax(s, m_i, l_i, step, masked)
                 acc = rescale(acc, alpha)
-                p_op = _p_operand(p8, interpret)
+                p_op = _lay.p_operand(p8, interpret)
                 acc, l_i, m_ij, p_op = lax.optimization_barrier((acc, l_i, m_ij, p_op))
                 before_pv(slot)
 

@@ -2,7 +2,7 @@
 
 Hopper's 8-bit ``wgmma`` contracts only over its operands' minor dim, so the flash kernels
 take ``v`` (forward) and ``q, k, dO`` (backward) transposed, ``[B, S, H, D] -> [B, H, D, S]``,
-with each 16 keys reordered as `flash_fp8_mgpu._p_operand` presents P's registers. XLA
+with each 16 keys reordered as `flash_fp8_layout.p_operand` presents P's registers. XLA
 writes that as a loop fusion of a 7-d transpose, byte by byte, several times slower than
 the memory pass it is (benchmarks/RESULTS.md, twenty-seventh session). Here each program
 moves one ``[block, D]`` tile of one head: rows read whole, the 16-key reorder applied to
