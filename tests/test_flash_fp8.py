@@ -152,7 +152,7 @@ def _needs_mosaic_gpu():
         (True, 64, 64, 2, 1, 4),
         (True, 64, 64, 2, 1, 2),  # the ring wraps, and the causal flush releases slots
         (True, 128, 128, 1, 1, 4),
-        (True, 128, 256, 2, 1, 2),  # the default tiles: 256 keys through 2 slots
+        (True, 128, 256, 1, 1, 2),  # the default tiles: 256 keys through 2 slots
         (False, 64, 256, 1, 1, 2),
     ],
 )

@@ -251,13 +251,25 @@ def test_kernels_match_reference_on_hopper(key, causal, hq, hkv, d):
         assert sqnr_db(g, w) >= 35.0, (name, sqnr_db(g, w))
 
 
-@pytest.mark.parametrize("given", [True, False])
-def test_fp8_kernels_give_zero_gradients_for_a_dout_that_underflows(key, given):
+def test_dout_and_ds_scales_stay_normal_for_an_all_zero_dout():
+    """dO's and dS's scales are floored at float32's smallest normal, after the division by
+    448: ``tiny / 448`` is subnormal, which the GPU flushes to 0, and ``1 / ds_scale`` was
+    then inf (0 * inf: NaN gradients). An all-zero dO, given as e4m3 with a scale or as
+    bf16 (its own amax scale), keeps both scales normal and their inverses finite."""
+    tiny = float(jnp.finfo(jnp.float32).tiny)
+    v = jax.random.normal(jax.random.PRNGKey(1), (1, 128, 1, 64), jnp.float32)
+    zeros = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    for dout, scale in ((zeros.astype(E4M3), jnp.float32(1.0)), (zeros, None)):
+        _, do_s, ds_s = jax.jit(fb._quantize_dout)(dout, v, jnp.float32(0.01), scale)
+        for x in (do_s, ds_s):
+            assert float(x) >= tiny and np.isfinite(1.0 / float(x)), (dout.dtype, float(x))
+
+
+def test_fp8_kernels_give_zero_gradients_for_a_dout_that_underflows(key):
     """A first step's delayed dO scale (1.0) rounds a loss gradient of ~1e-6 to all-zero
-    e4m3; dS's scale from its bound is then 0 and was floored at ``tiny / 448``, subnormal,
-    which the GPU flushes to 0: ``1 / ds_scale`` was inf and dQ, dK NaN (seen in the 1b
-    trainer, 2026-11-28). Now zeros come back, on the GPU's kernels and in interpret mode;
-    an all-zero bf16 dO (its own amax scale) too."""
+    e4m3: the kernels give zero gradients, not NaN (the 1b trainer stopped on a NaN loss at
+    its second step before the scales' floor moved, 2026-11-28); on the GPU's kernels and
+    in interpret mode."""
     if ON_GPU:
         _hopper_or_skip((1, 256, 2, 64), (1, 256, 1, 64), True)
     else:
@@ -266,13 +278,9 @@ def test_fp8_kernels_give_zero_gradients_for_a_dout_that_underflows(key, given):
     run = functools.partial(
         fb.flash_fp8_bwd, causal=True, config=fb.Config(fp8=True), interpret=not ON_GPU
     )
-    tiny = (dout.astype(jnp.float32) * 1e-6).astype(jnp.bfloat16)
-    if given:
-        d8 = tiny.astype(E4M3)  # scale 1: every value underflows
-        assert not bool(jnp.any(d8.astype(jnp.float32) != 0))
-        got = run(*args, out, lse, d8, dout_scale=jnp.float32(1.0))
-    else:
-        got = run(*args, out, lse, jnp.zeros_like(tiny))
+    d8 = (dout.astype(jnp.float32) * 1e-6).astype(E4M3)  # scale 1: every value underflows
+    assert not bool(jnp.any(d8.astype(jnp.float32) != 0))
+    got = run(*args, out, lse, d8, dout_scale=jnp.float32(1.0))
     for name, g in zip("qkv", got):
         np.testing.assert_array_equal(np.asarray(g, np.float32), 0.0, err_msg=name)
 
