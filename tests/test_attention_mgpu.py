@@ -202,10 +202,10 @@ def test_auto_picks_mgpu_for_causal_calls_it_can_run(monkeypatch):
 def test_gemm_report_counts_the_flash_attention_kernels_as_fp8():
     """A Mosaic GPU call under the attention kernels' named scope is an FP8 GEMM in
     `fp8jax.fp8_gemm_report` (its float32 side inputs dropped); one outside it is none."""
+    from helpers import mosaic_calls_hlo
+
     from fp8jax._ops.attention_mgpu import FLASH_SCOPE
     from fp8jax.inspect import parse_gemms
-
-    from helpers import mosaic_calls_hlo
 
     hlo = mosaic_calls_hlo(FLASH_SCOPE, ["f8e4m3fn", "f8e4m3fn", "f8e4m3fn", "f32"])
     (gemm,) = parse_gemms(hlo)
