@@ -368,7 +368,7 @@ def main(argv=None):
     )
     p.add_argument(
         "--tp-chunks",
-        type=int,
+        type=cli._at_least(1),
         help="with --tp-overlap chunks: chunks per device (fp8jax.tuning.gemm(tp_chunks=K); "
         "default: its default)",
     )
@@ -452,8 +452,6 @@ def main(argv=None):
         p.error("--no-sequence-cast needs --sequence-parallel")
     if args.tp_chunks is not None and args.tp_overlap != "chunks":
         p.error("--tp-chunks needs --tp-overlap chunks")
-    if args.tp_chunks is not None and args.tp_chunks < 1:
-        p.error(f"--tp-chunks {args.tp_chunks}: a positive number of chunks")
     if args.sequence_parallel:
         check_sequence_parallel(run, make_mesh(sizes, devices))
     steps = args.steps or (2 if args.quick else 10)
